@@ -1,0 +1,59 @@
+"""Frozen, validated configuration. Every component takes one of these; a bad value fails at
+construction with a message naming the field, never later in the middle of a request."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from splitserve.types import ConfigError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # a local Hugging Face directory
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 2.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # per-step token budget (decode tokens + prefill chunks)
+    max_model_len: int | None = None  # None: the model's context length
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            positive(name)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if not self.kv_cache_memory_gib > 0:
+            raise ConfigError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if not Path(self.model).is_dir():
+            raise ConfigError(f"model directory {self.model!r} does not exist")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown engine config keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "EngineConfig":
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        return cls.from_dict(data.get("engine", data))

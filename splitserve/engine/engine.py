@@ -1,0 +1,193 @@
+"""Engine: the only entry point workers use. add_request / abort / step / stats.
+
+One `step()` = schedule (scheduler) → one forward pass over decodes and prefill chunks (model
+runner) → sample the sequences whose next token is due (sampler) → apply token-level stop rules
+(EOS, stop token ids, max_tokens, context length) → hand finished blocks back to the pool (full
+blocks stay in the prefix cache). Text and stop strings are the caller's (`detokenizer`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import torch
+
+from splitserve.config import EngineConfig
+from splitserve.engine.attention import get_backend
+from splitserve.engine.kv_cache import BlockPool, KVCacheTensors, KVEvent
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.loader import load_model, resolve_dtype
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.sampler import Sampler, SamplingState, make_generator
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.sequence import Sequence, SeqStatus
+from splitserve.types import (
+    ConfigError,
+    FinishReason,
+    Request,
+    TokenChunk,
+    WorkerStats,
+    as_token_ids,
+)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        mc = self.model_config
+        self.device = _device(config.device)
+        self.dtype = resolve_dtype(config.dtype, mc)
+        self.max_model_len = _max_model_len(config, mc)
+        torch.manual_seed(config.seed)
+        model = load_model(Path(config.model), mc, self.dtype, self.max_model_len, self.device)
+        num_blocks = config.num_kv_blocks or _blocks_for_memory(config, mc, self.dtype)
+        self.kv = KVCacheTensors.allocate(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
+                                          mc.head_dim, self.dtype, self.device)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv, get_backend(config.attention_backend), config.block_size,
+                                  self.device)
+        self.sampler = Sampler()
+        self._seqs: dict[str, Sequence] = {}
+        self._order = itertools.count()
+        self._pending: list[TokenChunk] = []  # abort notices, returned by the next step
+        self._steps = 0
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, req: Request, kv: object | None = None) -> None:
+        if kv is not None:
+            raise NotImplementedError("pulling KV from a remote source arrives with the KV-transfer layer")
+        if req.request_id in self._seqs:
+            raise ConfigError(f"request id {req.request_id!r} is already running")
+        as_token_ids(req.prompt_token_ids, self.model_config.vocab_size)
+        prompt_len = len(req.prompt_token_ids)
+        if prompt_len >= self.max_model_len:
+            raise ConfigError(f"prompt has {prompt_len} tokens; the context length is {self.max_model_len} "
+                              "and at least one token must be generated")
+        room = self.max_model_len - prompt_len
+        max_tokens = room if req.params.max_tokens is None else min(req.params.max_tokens, room)
+        self._check_fits(prompt_len + max_tokens)
+        sampling = SamplingState(params=req.params, prompt_token_ids=req.prompt_token_ids, output_token_ids=[],
+                                 eos_token_ids=self.model_config.eos_token_ids,
+                                 generator=make_generator(req.params))
+        seq = Sequence(request=req, order=next(self._order), sampling=sampling, max_tokens=max_tokens)
+        seq.update_hashes(self.config.block_size)
+        self._seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _check_fits(self, max_len: int) -> None:
+        blocks = -(-max_len // self.config.block_size)
+        if blocks > self.pool.num_blocks:
+            raise ConfigError(f"a request of up to {max_len} tokens needs {blocks} KV blocks; the pool has "
+                              f"{self.pool.num_blocks}: lower max_tokens or give the engine more KV memory")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; its blocks return at once. Unknown ids are ignored
+        (the request may have finished in the meantime)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        self._pending.append(TokenChunk(request_id, (), finish_reason=FinishReason.ABORT,
+                                        num_prompt_tokens=seq.num_prompt_tokens,
+                                        num_cached_tokens=max(seq.num_cached_tokens, 0)))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs) or bool(self._pending)
+
+    # -- one iteration -------------------------------------------------------------------------
+    def step(self) -> list[TokenChunk]:
+        chunks, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return chunks
+        result = self.runner.run(sched)
+        for item in sched.scheduled:
+            self._advance(item.seq, item.num_new_tokens)
+        if result.sample_seqs:
+            out = self.sampler(result.logits, [s.sampling for s in result.sample_seqs])
+            for seq, tok, lp in zip(result.sample_seqs, out.token_ids, out.logprobs):
+                chunks.append(self._append(seq, tok, lp))
+        self._steps += 1
+        return chunks
+
+    def _advance(self, seq: Sequence, n: int) -> None:
+        seq.num_computed_tokens += n
+        full = seq.num_computed_tokens // self.config.block_size
+        if full > seq.num_cached_blocks:
+            self.pool.cache_blocks(seq.block_ids[seq.num_cached_blocks:full], seq.block_hashes[seq.num_cached_blocks:full])
+            seq.num_cached_blocks = full
+
+    def _append(self, seq: Sequence, tok: int, lp) -> TokenChunk:
+        first = not seq.output_token_ids
+        seq.append_token(tok, self.config.block_size)
+        reason, stop_id = self._finish_reason(seq, tok)
+        chunk = TokenChunk(seq.request_id, (tok,), (lp,) if lp is not None else None, reason, stop_id,
+                           num_prompt_tokens=seq.num_prompt_tokens,
+                           num_cached_tokens=max(seq.num_cached_tokens, 0) if first or reason else 0)
+        if reason is not None:
+            self._seqs.pop(seq.request_id, None)
+            self.scheduler.remove(seq)
+        return chunk
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> tuple[FinishReason | None, int | None]:
+        p = seq.request.params
+        n_out = len(seq.output_token_ids)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok in self.model_config.eos_token_ids:
+                return FinishReason.STOP, tok
+            if tok in p.stop_token_ids:
+                return FinishReason.STOP, tok
+        if n_out >= seq.max_tokens:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    # -- introspection -------------------------------------------------------------------------
+    def stats(self) -> WorkerStats:
+        return WorkerStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_preempted_total=self.scheduler.num_preemptions,
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_free=self.pool.num_free,
+            kv_blocks_cached=self.pool.num_cached,
+            prefix_query_tokens_total=self.scheduler.prefix_query_tokens,
+            prefix_hit_tokens_total=self.scheduler.prefix_hit_tokens,
+            steps_total=self._steps,
+        )
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.pool.drain_events()
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        held = sum(len(s.block_ids) for s in self._seqs.values())
+        if not self._seqs and self.pool.num_in_use:
+            raise AssertionError(f"no requests, yet {self.pool.num_in_use} blocks are in use")
+        if held < self.pool.num_in_use:
+            raise AssertionError(f"{self.pool.num_in_use} blocks in use but requests hold only {held}")
+        for s in self._seqs.values():
+            if s.status is SeqStatus.WAITING and s.block_ids:
+                raise AssertionError(f"waiting request {s.request_id} holds blocks")
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+    if config.max_model_len is None:
+        return mc.max_context
+    if config.max_model_len > mc.max_context:
+        raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context length {mc.max_context}")
+    return config.max_model_len
+
+
+def _blocks_for_memory(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
+    per_block = KVCacheTensors.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+    return max(1, int(config.kv_cache_memory_gib * (1 << 30)) // per_block)

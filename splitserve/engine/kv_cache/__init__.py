@@ -1,0 +1,11 @@
+from splitserve.engine.kv_cache.block_pool import (
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    OutOfBlocks,
+    PrefixMatch,
+)
+from splitserve.engine.kv_cache.tensors import KVCacheTensors
+
+__all__ = ["BlockPool", "BlockRemoved", "BlockStored", "KVEvent", "OutOfBlocks", "PrefixMatch", "KVCacheTensors"]

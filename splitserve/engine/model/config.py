@@ -1,0 +1,162 @@
+"""What the engine needs to know about a Hugging Face checkpoint, read once from config.json.
+
+Llama 2/3 (incl. `rope_scaling` type `llama3`), Qwen2/2.5 (q/k/v bias, tied embeddings),
+Qwen3 (q/k RMSNorm, explicit `head_dim`) and Mistral share one decoder; this file turns their
+configs into one `ModelConfig` so the model code has no per-architecture branches beyond flags.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from splitserve.types import ConfigError
+
+# architecture name -> (q/k/v bias always on, q/k norm). Qwen2 hard-codes q/k/v bias; Llama and
+# Qwen3 follow `attention_bias` for q/k/v/o; Mistral has none.
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    scaling_type: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def max_context(self) -> int:
+        """Longest context served exactly: a sliding window is not implemented, so cap at it."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir} is not a Hugging Face model directory: no config.json")
+        cfg = json.loads(path.read_text())
+        gen_path = Path(model_dir) / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        return cls.from_hf(cfg, gen)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], gen: dict[str, Any] | None = None) -> "ModelConfig":
+        arch = _architecture(cfg)
+        bias_default, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        eos = _eos_ids(cfg, gen or {})
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rope=_rope(cfg),
+            qkv_bias=bias_default or bool(cfg.get("attention_bias", False)) and arch != "MistralForCausalLM",
+            o_bias=bool(cfg.get("attention_bias", False)) and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
+            qk_norm=qk_norm,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_window=_sliding_window(cfg),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+
+def _architecture(cfg: dict[str, Any]) -> str:
+    archs = cfg.get("architectures") or []
+    for a in archs:
+        if a in SUPPORTED_ARCHITECTURES:
+            return a
+    raise ConfigError(
+        f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
+    ids: list[int] = []
+    for src in (gen.get("eos_token_id"), cfg.get("eos_token_id")):
+        for t in src if isinstance(src, list) else [src]:
+            if isinstance(t, int) and t not in ids:
+                ids.append(t)
+    return tuple(ids)
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    # Qwen2 configs carry a sliding_window that is disabled unless use_sliding_window is set.
+    if cfg.get("use_sliding_window") is False:
+        return None
+    sw = cfg.get("sliding_window")
+    return sw if isinstance(sw, int) and sw > 0 else None
+
+
+def _rope(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 nests rope settings in `rope_parameters`; older configs use
+    # `rope_theta` + `rope_scaling`.
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ConfigError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+    return RopeConfig(
+        theta=float(theta),
+        scaling_type=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )

@@ -1,0 +1,74 @@
+"""Turns a scheduled step into one forward pass: flat token ids, positions, KV slots, the
+attention batch, and logits for exactly the sequences whose next token is due."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.attention import AttentionBackend, AttentionBatch, SeqSlice
+from splitserve.engine.kv_cache import KVCacheTensors
+from splitserve.engine.model.llama import LlamaModel
+from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepResult:
+    logits: torch.Tensor | None  # [len(sample_seqs), vocab] fp32
+    sample_seqs: tuple[Sequence, ...]  # sequences that get a new token from this step
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCacheTensors, backend: AttentionBackend, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.kv_layers = kv.layers
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, sched: SchedulerOutput) -> StepResult:
+        ids, pos, slots, slices, sample_rows, sample_seqs = self._flatten(sched)
+        batch = AttentionBatch(
+            num_tokens=len(ids),
+            slot_mapping=self._tensor(slots),
+            decodes=tuple(s for s in slices if s.q_len == 1),
+            prefills=tuple(s for s in slices if s.q_len != 1),
+            block_size=self.block_size,
+        )
+        meta = self.backend.prepare(batch)
+        hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_layers, self.backend, meta)
+        if not sample_rows:
+            return StepResult(None, ())
+        logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
+        return StepResult(logits, tuple(sample_seqs))
+
+    def _tensor(self, xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.int64, device=self.device)
+
+    def _flatten(self, sched: SchedulerOutput):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        slices: list[SeqSlice] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for item in sched.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            end = start + n
+            q_start = len(ids)
+            ids += seq.token_ids[start:end]
+            pos += range(start, end)
+            blocks = seq.block_ids
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            slices.append(SeqSlice(q_start, n, end, tuple(blocks[: -(-end // bs)])))
+            if end == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        return ids, pos, slots, slices, sample_rows, sample_seqs

@@ -1,0 +1,157 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step, in priority-then-arrival order:
+  1. every running sequence gets its next tokens (one for a decode, a chunk for an unfinished
+     prefill) while the budget lasts; when blocks run out, the lowest-priority, newest running
+     sequence is preempted (blocks dropped, to be recomputed later — its tokens are kept);
+  2. then waiting sequences are admitted, reusing prefix-cached blocks, with at most the budget
+     left as their first chunk. A waiting sequence that does not fit may preempt running ones of
+     strictly lower priority; otherwise admission stops (FCFS, no overtaking).
+Decodes and prefill chunks share one forward pass. The scheduler decides; the BlockPool only
+counts.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from splitserve.engine.kv_cache import BlockPool
+from splitserve.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[Scheduled, ...]  # decodes (one new token) first, then prefill chunks
+    preempted: tuple[Sequence, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []  # sorted by sort_key
+        self.num_preemptions = 0
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (first admission)
+        self.prefix_hit_tokens = 0  # of which found cached
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and drop its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out: list[Scheduled] = []
+        preempted: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or budget == 0:
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._grow_or_preempt(seq, n, out, preempted):
+                out.append(Scheduled(seq, n))
+                budget -= n
+        if not preempted:
+            self._admit(budget, out, preempted)
+        out.sort(key=lambda s: s.num_new_tokens != 1)  # stable: one-token rows form the decode batch
+        return SchedulerOutput(tuple(out), tuple(preempted))
+
+    def _grow_or_preempt(self, seq: Sequence, n: int, out: list[Scheduled], preempted: list[Sequence]) -> bool:
+        """Give `seq` blocks for n more tokens, preempting newer/lower-priority running
+        sequences not yet scheduled this step. False if `seq` itself had to go."""
+        need = self._blocks_needed(seq, seq.num_computed_tokens + n)
+        scheduled = {id(s.seq) for s in out}
+        while need > self.pool.num_available:
+            victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
+            if victim is None:
+                return False
+            self._preempt(victim, preempted)
+            if victim is seq:
+                return False
+        seq.block_ids += self.pool.allocate(need)
+        return True
+
+    def _admit(self, budget: int, out: list[Scheduled], preempted: list[Sequence]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            match = self._prefix_hit(seq)
+            computed = len(match) * self.block_size
+            n = min(seq.num_tokens - computed, budget)
+            need = self._blocks_needed_from(len(match), computed + n)
+            while need > self.pool.num_available - self.pool.count_available(match):
+                victim = self._lower_priority_victim(seq, out)
+                if victim is None:
+                    return
+                self._preempt(victim, preempted)
+            self.waiting.pop(0)
+            self.pool.touch(match)
+            seq.block_ids = list(match) + self.pool.allocate(need)
+            seq.num_computed_tokens = computed
+            seq.num_cached_blocks = len(match)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = computed
+                self.prefix_query_tokens += seq.num_tokens
+                self.prefix_hit_tokens += computed
+            seq.status = SeqStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            out.append(Scheduled(seq, n))
+            budget -= n
+
+    def _prefix_hit(self, seq: Sequence) -> tuple[int, ...]:
+        # Leave at least the last token to compute (its logits are needed), and never write
+        # into a shared block: only blocks entirely before the last token are reused.
+        seq.update_hashes(self.block_size)
+        usable = (seq.num_tokens - 1) // self.block_size
+        return self.pool.match_prefix(seq.block_hashes[:usable]).block_ids
+
+    def _lower_priority_victim(self, seq: Sequence, out: list[Scheduled]) -> Sequence | None:
+        scheduled = {id(s.seq) for s in out}
+        for victim in reversed(self.running):
+            if victim.request.priority > seq.request.priority and id(victim) not in scheduled:
+                return victim
+        return None
+
+    def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+        preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
+
+    def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return self._blocks_needed_from(len(seq.block_ids), num_tokens)
+
+    def _blocks_needed_from(self, have: int, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - have)

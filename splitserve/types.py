@@ -1,0 +1,177 @@
+"""Small typed values exchanged at every boundary: sampling parameters, requests, token chunks.
+
+A request's life (DESIGN.md §1): the front end (offline `LLM`, later the router) builds a
+`Request` from token ids and `SamplingParams`; `Engine.add_request` takes it; every
+`Engine.step` returns `TokenChunk`s — new token ids (with logprobs when asked), and a
+`FinishReason` on the last one. Text and stop strings are the front end's job (`detokenizer`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+class ConfigError(ValueError):
+    """A configuration or parameter value is invalid; the message says which and why."""
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # the caller aborted
+
+
+class Priority(enum.IntEnum):
+    """Lower value runs first; FCFS within a class."""
+
+    CRITICAL = 0
+    STANDARD = 1
+    SHEDDABLE = 2
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens; names and defaults follow vLLM / the OpenAI API."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # number of top alternatives; 0 = only the chosen token's
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        def finite(name: str) -> float:
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and not isinstance(v, bool), f"{name} must be a number, got {v!r}")
+            _check(math.isfinite(v), f"{name} must be finite, got {v!r}")
+            return float(v)
+
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(0.0 <= finite("temperature") <= 100.0, f"temperature must be in [0, 100], got {self.temperature}")
+        _check(0.0 < finite("top_p") <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
+        _check(0.0 <= finite("min_p") <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(-2.0 <= finite("presence_penalty") <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= finite("frequency_penalty") <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(0.0 < finite("repetition_penalty") <= 2.0, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers")
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sequence to generate. `n > 1` is expanded by the front end into n requests."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: Priority = Priority.STANDARD
+    cache_salt: str | None = None  # keeps one tenant's prefix-cache blocks apart from another's
+    arrival_time: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        _check(len(self.prompt_token_ids) > 0, f"request {self.request_id}: the prompt is empty")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's logprob and the top alternatives (token id -> logprob), best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """New tokens of one request from one engine step; `finish_reason` set on the last chunk."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None  # the EOS / stop token that ended it, not in token_ids
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A snapshot of an engine's load, for the router and the admission cost models."""
+
+    num_waiting: int
+    num_running: int
+    num_preempted_total: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    prefix_query_tokens_total: int
+    prefix_hit_tokens_total: int
+    steps_total: int
+
+    @property
+    def kv_usage(self) -> float:
+        used = self.kv_blocks_total - self.kv_blocks_free - self.kv_blocks_cached
+        return used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+def as_token_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+    """Validate a caller's token ids against the vocabulary (a bad id would index out of range)."""
+    out = tuple(ids)
+    for t in out:
+        _check(isinstance(t, int) and not isinstance(t, bool), f"token ids must be integers, got {t!r}")
+        _check(0 <= t < vocab_size, f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    return out
