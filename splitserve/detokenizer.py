@@ -53,6 +53,10 @@ class RequestText:
             if self._add_text(tok):
                 return True
         if chunk.finish_reason is not None:
+            before = len(self.text)
+            self.text += self._flush()
+            if self._check_stop(before):
+                return True
             self.finish_reason = chunk.finish_reason
             self.stop_reason = chunk.stop_token_id
         return False
@@ -76,13 +80,22 @@ class RequestText:
             self._prefix_offset, self._read_offset = 0, self._read_offset - drop
         return full[len(prefix):]
 
+    def _flush(self) -> str:
+        """At the end, text held back as an incomplete character is emitted as it decodes."""
+        skip = self.params.skip_special_tokens
+        prefix = self.tokenizer.decode(self._window[self._prefix_offset:self._read_offset], skip)
+        full = self.tokenizer.decode(self._window[self._prefix_offset:], skip)
+        self._prefix_offset = self._read_offset = len(self._window)
+        return full[len(prefix):] if len(full) > len(prefix) else ""
+
     def _check_stop(self, before: int) -> bool:
-        for stop in self.params.stop:
-            at = self.text.find(stop, max(0, before - len(stop) + 1))
-            if at >= 0:
-                end = at + len(stop) if self.params.include_stop_str_in_output else at
-                self.text = self.text[:end]
-                self.finish_reason = FinishReason.STOP
-                self.stop_reason = stop
-                return True
-        return False
+        hits = [(at, stop) for stop in self.params.stop
+                if (at := self.text.find(stop, max(0, before - len(stop) + 1))) >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits)  # the earliest stop string in the text wins
+        end = at + len(stop) if self.params.include_stop_str_in_output else at
+        self.text = self.text[:end]
+        self.finish_reason = FinishReason.STOP
+        self.stop_reason = stop
+        return True

@@ -90,7 +90,6 @@ class LLM:
             for rid, t in texts.items():
                 if not t.finished:
                     self.engine.abort(rid)
-            self.engine.step()  # flush abort notices
             raise
         return [self._output(gid, text, ids, [texts[r] for r in rids]) for gid, text, ids, rids in groups]
 

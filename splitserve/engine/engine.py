@@ -53,7 +53,6 @@ class Engine:
         self.sampler = Sampler()
         self._seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
-        self._pending: list[TokenChunk] = []  # abort notices, returned by the next step
         self._steps = 0
 
     # -- requests ------------------------------------------------------------------------------
@@ -85,22 +84,18 @@ class Engine:
                               f"{self.pool.num_blocks}: lower max_tokens or give the engine more KV memory")
 
     def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; its blocks return at once. Unknown ids are ignored
-        (the request may have finished in the meantime)."""
+        """Stop a request wherever it is; its blocks return at once and no chunk of it follows.
+        Unknown ids are ignored (the request may have finished in the meantime)."""
         seq = self._seqs.pop(request_id, None)
-        if seq is None:
-            return
-        self.scheduler.remove(seq)
-        self._pending.append(TokenChunk(request_id, (), finish_reason=FinishReason.ABORT,
-                                        num_prompt_tokens=seq.num_prompt_tokens,
-                                        num_cached_tokens=max(seq.num_cached_tokens, 0)))
+        if seq is not None:
+            self.scheduler.remove(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self._seqs) or bool(self._pending)
+        return bool(self._seqs)
 
     # -- one iteration -------------------------------------------------------------------------
     def step(self) -> list[TokenChunk]:
-        chunks, self._pending = self._pending, []
+        chunks: list[TokenChunk] = []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return chunks

@@ -69,15 +69,21 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[Scheduled] = []
         preempted: list[Sequence] = []
-        for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or budget == 0:
-                continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if self._grow_or_preempt(seq, n, out, preempted):
-                out.append(Scheduled(seq, n))
-                budget -= n
-        if not preempted:
-            self._admit(budget, out, preempted)
+        admitting = True
+        # Class by class: a class's running sequences (older) before its waiting ones, and a
+        # waiting critical request before a running sheddable one.
+        for prio in sorted({s.request.priority for s in self.running + self.waiting}):
+            for seq in [s for s in self.running if s.request.priority == prio]:
+                if seq.status is not SeqStatus.RUNNING or budget == 0:
+                    continue
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if self._grow_or_preempt(seq, n, out, preempted):
+                    out.append(Scheduled(seq, n))
+                    budget -= n
+                else:
+                    admitting = False  # memory is short: admitting more would only thrash
+            if admitting:
+                budget, admitting = self._admit(prio, budget, out, preempted)
         out.sort(key=lambda s: s.num_new_tokens != 1)  # stable: one-token rows form the decode batch
         return SchedulerOutput(tuple(out), tuple(preempted))
 
@@ -96,9 +102,12 @@ class Scheduler:
         seq.block_ids += self.pool.allocate(need)
         return True
 
-    def _admit(self, budget: int, out: list[Scheduled], preempted: list[Sequence]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+    def _admit(self, prio: int, budget: int, out: list[Scheduled], preempted: list[Sequence]) -> tuple[int, bool]:
+        """Admit waiting sequences of class `prio` in order; (budget left, whether admission may
+        go on to lower classes — not once a sequence had to be left waiting)."""
+        for seq in [s for s in self.waiting if s.request.priority == prio]:
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                return budget, False
             match = self._prefix_hit(seq)
             computed = len(match) * self.block_size
             n = min(seq.num_tokens - computed, budget)
@@ -106,21 +115,26 @@ class Scheduler:
             while need > self.pool.num_available - self.pool.count_available(match):
                 victim = self._lower_priority_victim(seq, out)
                 if victim is None:
-                    return
+                    return budget, False
                 self._preempt(victim, preempted)
-            self.waiting.pop(0)
-            self.pool.touch(match)
-            seq.block_ids = list(match) + self.pool.allocate(need)
-            seq.num_computed_tokens = computed
-            seq.num_cached_blocks = len(match)
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = computed
-                self.prefix_query_tokens += seq.num_tokens
-                self.prefix_hit_tokens += computed
-            seq.status = SeqStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            self._start(seq, match, need)
             out.append(Scheduled(seq, n))
             budget -= n
+        return budget, True
+
+    def _start(self, seq: Sequence, match: tuple[int, ...], need: int) -> None:
+        self.waiting.remove(seq)
+        self.pool.touch(match)
+        seq.block_ids = list(match) + self.pool.allocate(need)
+        computed = len(match) * self.block_size
+        seq.num_computed_tokens = computed
+        seq.num_cached_blocks = len(match)
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = computed
+            self.prefix_query_tokens += seq.num_tokens
+            self.prefix_hit_tokens += computed
+        seq.status = SeqStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.sort_key)
 
     def _prefix_hit(self, seq: Sequence) -> tuple[int, ...]:
         # Leave at least the last token to compute (its logits are needed), and never write

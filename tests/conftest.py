@@ -1,0 +1,21 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import build_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(shape) -> directory of a random-init HF checkpoint, built once per run."""
+    built: dict[str, Path] = {}
+
+    def get(shape: str) -> Path:
+        if shape not in built:
+            built[shape] = build_checkpoint(shape, tmp_path_factory.mktemp(shape))
+        return built[shape]
+
+    return get
