@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 

@@ -60,13 +60,14 @@ def _byte_level(add_prefix_space: bool = False) -> pre_tokenizers.PreTokenizer:
 
 
 def _digits_then_byte_level() -> pre_tokenizers.PreTokenizer:
-    # llama.cpp's "smollm": first isolate every \p{N} code point, then GPT-2's regex on the rest.
-    # Same as SmolLM's own tokenizer.json (Digits(individual_digits) + ByteLevel).
+    # llama.cpp's "smollm": first isolate every \p{N} code point, then GPT-2's regex on the rest,
+    # which is what SmolLM's own tokenizer.json declares: Sequence[Digits(individual), ByteLevel].
+    # Not cosmetic: "x  1" is ["x", "ĠĠ", "1"] this way, ["x", "Ġ", "Ġ", "1"] with ByteLevel alone.
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()])
 
 
-# `tokenizer.ggml.pre` -> the pre-tokenizer it stands for. Only names checked against the
-# model's reference tokenizer are listed; anything else is refused rather than guessed.
+# `tokenizer.ggml.pre` -> the pre-tokenizer llama.cpp means by it. Only names whose meaning we
+# reproduce exactly are listed; anything else is refused rather than guessed.
 PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     "gpt-2": _byte_level,
     "smollm": _digits_then_byte_level,
@@ -130,30 +131,31 @@ def _required(meta: dict[str, Any], key: str) -> Any:
 def _hf_config(meta: dict[str, Any]) -> dict[str, Any]:
     arch = meta["general.architecture"]
 
-    def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{key}", default) if default is not None else _required(meta, f"{arch}.{key}")
+    def need(key: str) -> Any:
+        return _required(meta, f"{arch}.{key}")
 
-    hidden, heads = get("embedding_length"), get("attention.head_count")
-    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
-    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
-    vocab = meta.get(f"{arch}.vocab_size") or len(_required(meta, "tokenizer.ggml.tokens"))
-    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
-        raise ValueError(f"GGUF uses rope scaling {meta[f'{arch}.rope.scaling.type']!r}, which this converter does not map")
+    def opt(key: str, default: Any) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden, heads = need("embedding_length"), need("attention.head_count")
+    scaling = opt("rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"GGUF uses rope scaling {scaling!r}, which this converter does not map")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": hidden,
-        "intermediate_size": get("feed_forward_length"),
-        "num_hidden_layers": get("block_count"),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
+        "num_key_value_heads": opt("attention.head_count_kv", heads),
+        "head_dim": opt("attention.key_length", hidden // heads),
         "hidden_act": "silu",
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
-        "rope_theta": get("rope.freq_base", 10000.0),
+        "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
+        "rope_theta": opt("rope.freq_base", 10000.0),
         "rope_scaling": None,
-        "max_position_embeddings": get("context_length", 4096),
-        "vocab_size": vocab,
+        "max_position_embeddings": opt("context_length", 4096),
+        "vocab_size": opt("vocab_size", None) or len(_required(meta, "tokenizer.ggml.tokens")),
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": True,  # settled once we know whether `output.weight` exists
