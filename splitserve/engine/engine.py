@@ -48,7 +48,7 @@ class Engine:
                                           mc.head_dim, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv, get_backend(config.attention_backend), config.block_size,
+        self.runner = ModelRunner(model, self.kv, get_backend(config.attention_backend, self.dtype, self.device), config.block_size,
                                   self.device)
         self.sampler = Sampler()
         self._seqs: dict[str, Sequence] = {}

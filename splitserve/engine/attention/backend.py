@@ -54,12 +54,19 @@ class AttentionBackend(Protocol):
         """Store k/v at the batch's slots, then attend."""
 
 
-def get_backend(name: str) -> AttentionBackend:
-    from splitserve.engine.attention.torch_backend import TorchBackend
+def get_backend(name: str, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> AttentionBackend:
+    """`torch`: pure PyTorch (the reference); `cpu`: PyTorch plus native CPU kernels; `auto`:
+    `cpu` on a CPU device where its kernels build, else `torch`."""
+    from splitserve.engine.attention.torch_backend import CpuBackend, TorchBackend
+    from splitserve.engine.kernels import paged_decode_cpu
 
-    backends = {"torch": TorchBackend}
+    backends = {"torch": TorchBackend, "cpu": CpuBackend}
     if name == "auto":
-        name = "torch"
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        name = "cpu" if on_cpu and paged_decode_cpu.available() else "torch"
+    if name == "cpu" and not paged_decode_cpu.available():
+        raise ValueError("attention backend 'cpu' needs its native kernel, which could not be built here "
+                         "(no C compiler?); use 'torch'")
     if name not in backends:
         raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(backends)}")
-    return backends[name]()
+    return backends[name](dtype)

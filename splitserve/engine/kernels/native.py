@@ -1,0 +1,76 @@
+"""Build and load the engine's small C kernels for CPU (`csrc/*.c`) with the system compiler.
+
+Plain C with OpenMP, no torch headers: a build takes about a second and needs only `cc`. The
+shared object is cached per source, compiler and CPU (it is built with -march=native), written
+atomically so that concurrent first uses cannot see half a file. Where no compiler works the
+loader returns None and callers use their PyTorch path instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+_CSRC = Path(__file__).parent / "csrc"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("SPLITSERVE_CACHE")
+    return (Path(env).expanduser() if env else Path.home() / ".cache" / "splitserve") / "kernels"
+
+
+def _cpu_id() -> str:
+    try:
+        return next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled `csrc/<name>.c`, or None when it cannot be built here."""
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _build_and_load(name)
+        return _loaded[name]
+
+
+def _build_and_load(name: str) -> ctypes.CDLL | None:
+    if os.environ.get("SPLITSERVE_NO_NATIVE"):
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: native CPU kernels disabled, using the PyTorch path")
+        return None
+    src = _CSRC / f"{name}.c"
+    key = hashlib.sha256(src.read_bytes() + cc.encode() + " ".join(_FLAGS).encode() + _cpu_id().encode())
+    out = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    if not out.exists():
+        try:
+            _compile(cc, src, out)
+        except (OSError, subprocess.CalledProcessError) as e:
+            log.warning("building native kernel %s failed, using the PyTorch path: %s", name, e)
+            return None
+    return ctypes.CDLL(str(out))
+
+
+def _compile(cc: str, src: Path, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *_FLAGS, str(src), "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
