@@ -20,7 +20,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# -fno-math-errno lets `omp simd` loops call glibc's vector expf (libmvec).
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 

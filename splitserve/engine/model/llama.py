@@ -31,13 +31,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: Any):
         c = self.cfg
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(n, c.num_heads, c.head_dim)
-        k = k.view(n, c.num_kv_heads, c.head_dim)
-        v = v.view(n, c.num_kv_heads, c.head_dim)
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : c.q_size + c.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
+        v = qkv[:, c.q_size + c.kv_size:].view(n, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass
+        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         o = backend.forward(q, k, v.contiguous(), kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.reshape(n, c.q_size))
 

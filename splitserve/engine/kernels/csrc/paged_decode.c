@@ -39,6 +39,7 @@ static void one_seq(const float *q, const float *k, const float *v, const int64_
         float *row = scores + h * len;
         float mx = -INFINITY, sum = 0.0f;
         for (int64_t t = 0; t < len; t++) mx = row[t] > mx ? row[t] : mx;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; t++) {
             row[t] = expf(row[t] - mx);
             sum += row[t];
