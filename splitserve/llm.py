@@ -7,6 +7,7 @@ turned into text by `RequestText`, which also applies stop strings.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -51,7 +52,7 @@ class LLM:
             from splitserve.demo import ensure_demo_model
 
             model = str(ensure_demo_model())
-        self.engine = Engine(EngineConfig(model=str(model), **engine_kwargs))
+        self.engine = Engine(EngineConfig.from_dict({"model": str(model), **engine_kwargs}))
         self.tokenizer = Tokenizer(model)
         self._ids = itertools.count()
 
@@ -81,6 +82,7 @@ class LLM:
                 gid = str(next(self._ids))
                 rids = [f"{gid}-{i}" for i in range(sp.n)]
                 for i, rid in enumerate(rids):
+                    # n seeded samples must differ from each other yet stay reproducible.
                     p = sp if sp.seed is None or i == 0 else _reseed(sp, sp.seed + i)
                     self.engine.add_request(Request(rid, ids, p))
                     texts[rid] = RequestText(self.tokenizer, p, ids)
@@ -115,8 +117,6 @@ class LLM:
 
 
 def _reseed(sp: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(sp, seed=seed)
 
 

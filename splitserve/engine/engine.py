@@ -56,9 +56,8 @@ class Engine:
         self._steps = 0
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, req: Request, kv: object | None = None) -> None:
-        if kv is not None:
-            raise NotImplementedError("pulling KV from a remote source arrives with the KV-transfer layer")
+    def add_request(self, req: Request) -> None:
+        """Queue a request; bad input raises ConfigError here, before anything is allocated."""
         if req.request_id in self._seqs:
             raise ConfigError(f"request id {req.request_id!r} is already running")
         as_token_ids(req.prompt_token_ids, self.model_config.vocab_size)
