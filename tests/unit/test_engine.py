@@ -185,3 +185,37 @@ def test_offline_api_shapes(llm):
     chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=3))
     assert chat[0].prompt.endswith("<|assistant|>")
     assert len(chat[0].outputs[0].token_ids) == 3
+
+
+def test_cache_salt_keeps_tenants_apart(llm):
+    eng = llm.engine
+    p = prompt(40, 11)
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    for rid, salt in (("a1", "tenant-a"), ("a2", "tenant-a"), ("b1", "tenant-b")):
+        eng.add_request(Request(rid, p, sp, cache_salt=salt))
+        cached = [c.num_cached_tokens for c in run_all(eng) if c.request_id == rid][0]
+        assert cached == (32 if rid == "a2" else 0), (rid, cached)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_and_agrees_where_decisive(tiny_checkpoint, dtype):
+    """Half precision changes low bits, so only compare where fp32's choice is decisive."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(tiny_checkpoint("qwen3"))
+    prompts = [prompt(n, n) for n in (5, 20, 33, 60, 7, 12, 45, 70)]
+    half = LLM(path, dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=32)
+    assert half.engine.kv.storage.dtype == getattr(torch, dtype)
+    outs = half.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    decisive = 0
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([p])).logits[0, -1]
+        top = logits.topk(2)
+        if float(top.values[0] - top.values[1]) > 0.2:  # logits ~N(0, 2.4): half-precision error ~0.05
+            decisive += 1
+            assert o.outputs[0].token_ids[0] == int(top.indices[0])
+    assert decisive >= 2, "the test needs decisive cases to mean anything"
+    half.engine.check_invariants()
+    assert half.engine.pool.num_in_use == 0
