@@ -142,6 +142,7 @@ class TokenChunk:
     stop_token_id: int | None = None  # the EOS / stop token that ended it, not in token_ids
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_blocks: tuple[int, ...] | None = None  # prefill-only: the blocks now pinned for handoff
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ blocks stay in the prefix cache). Text and stop strings are the caller's (`detok
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from pathlib import Path
@@ -52,13 +53,23 @@ class Engine:
                                   self.device)
         self.sampler = Sampler()
         self._seqs: dict[str, Sequence] = {}
+        self._pulling: dict[str, Sequence] = {}  # blocks allocated, KV arriving from a peer
+        self._detached: dict[str, list[int]] = {}  # blocks pinned for a KV handoff
         self._order = itertools.count()
         self._steps = 0
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
-        """Queue a request; bad input raises ConfigError here, before anything is allocated."""
-        if req.request_id in self._seqs:
+    def add_request(self, req: Request, *, prefill_only: bool = False) -> None:
+        """Queue a request; bad input raises ConfigError here, before anything is allocated.
+        `prefill_only`: stop after the first token and hand the prompt's KV blocks over (the
+        chunk carries `kv_blocks`; `release_detached` frees them later)."""
+        seq = self._new_seq(req)
+        seq.prefill_only = prefill_only
+        self._seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _new_seq(self, req: Request, outputs: tuple[int, ...] = ()) -> Sequence:
+        if req.request_id in self._seqs or req.request_id in self._pulling or req.request_id in self._detached:
             raise ConfigError(f"request id {req.request_id!r} is already running")
         as_token_ids(req.prompt_token_ids, self.model_config.vocab_size)
         prompt_len = len(req.prompt_token_ids)
@@ -68,12 +79,48 @@ class Engine:
         room = self.max_model_len - prompt_len
         max_tokens = room if req.params.max_tokens is None else min(req.params.max_tokens, room)
         self._check_fits(prompt_len + max_tokens)
-        sampling = SamplingState(params=req.params, prompt_token_ids=req.prompt_token_ids, output_token_ids=[],
-                                 eos_token_ids=self.model_config.eos_token_ids,
-                                 generator=make_generator(req.params))
-        seq = Sequence(request=req, order=next(self._order), sampling=sampling, max_tokens=max_tokens)
+        sampling = SamplingState(params=req.params, prompt_token_ids=req.prompt_token_ids,
+                                 output_token_ids=list(outputs), eos_token_ids=self.model_config.eos_token_ids,
+                                 generator=make_generator(req.params, num_output_tokens=len(outputs)))
+        seq = Sequence(request=req, order=next(self._order), sampling=sampling, max_tokens=max_tokens,
+                       token_ids=list(req.prompt_token_ids) + list(outputs))
         seq.update_hashes(self.config.block_size)
-        self._seqs[req.request_id] = seq
+        return seq
+
+    # -- disaggregation: the prefill side hands blocks over, the decode side takes KV in -------
+    def release_detached(self, request_id: str) -> bool:
+        """Free the blocks pinned for a handoff (acknowledged or lease expired)."""
+        blocks = self._detached.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(blocks)
+        return True
+
+    def add_pulled(self, req: Request, first_token: int) -> list[int]:
+        """Allocate blocks for a prompt whose KV a peer computed; the caller fills them and then
+        calls kv_ready (or kv_failed to recompute locally). Raises OutOfBlocks if none free."""
+        as_token_ids((first_token,), self.model_config.vocab_size)
+        seq = self._new_seq(req, outputs=(first_token,))
+        seq.block_ids = self.pool.allocate(-(-seq.num_prompt_tokens // self.config.block_size))
+        self._pulling[req.request_id] = seq
+        return list(seq.block_ids)
+
+    def kv_ready(self, request_id: str) -> None:
+        """The pulled KV is in place and verified: the request joins the decode batch."""
+        seq = self._pulling.pop(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_cached_tokens = 0
+        self._advance(seq, 0)  # full prompt blocks become reusable prefix-cache entries
+        self._seqs[request_id] = seq
+        self.scheduler.add_running(seq)
+
+    def kv_failed(self, request_id: str) -> None:
+        """The pull failed: drop the blocks and compute the prompt here instead (the first token
+        is kept, so the output continues exactly where the peer left it)."""
+        seq = self._pulling.pop(request_id)
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
     def _check_fits(self, max_len: int) -> None:
@@ -88,6 +135,10 @@ class Engine:
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.remove(seq)
+        pulling = self._pulling.pop(request_id, None)
+        if pulling is not None:  # the caller has stopped its transfer into these blocks
+            self.pool.free(pulling.block_ids)
+        self.release_detached(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
@@ -125,6 +176,11 @@ class Engine:
         if reason is not None:
             self._seqs.pop(seq.request_id, None)
             self.scheduler.remove(seq)
+        elif seq.prefill_only:
+            self._seqs.pop(seq.request_id, None)
+            self.scheduler.detach(seq)
+            self._detached[seq.request_id] = list(seq.block_ids)
+            chunk = dataclasses.replace(chunk, kv_blocks=tuple(seq.block_ids))
         return chunk
 
     def _finish_reason(self, seq: Sequence, tok: int) -> tuple[FinishReason | None, int | None]:
@@ -158,8 +214,9 @@ class Engine:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
-        held = sum(len(s.block_ids) for s in self._seqs.values())
-        if not self._seqs and self.pool.num_in_use:
+        held = sum(len(s.block_ids) for s in (*self._seqs.values(), *self._pulling.values()))
+        held += sum(len(b) for b in self._detached.values())
+        if not (self._seqs or self._pulling or self._detached) and self.pool.num_in_use:
             raise AssertionError(f"no requests, yet {self.pool.num_in_use} blocks are in use")
         if held < self.pool.num_in_use:
             raise AssertionError(f"{self.pool.num_in_use} blocks in use but requests hold only {held}")

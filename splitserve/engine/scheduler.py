@@ -61,6 +61,17 @@ class Scheduler:
         self._release(seq)
         seq.status = SeqStatus.FINISHED
 
+    def detach(self, seq: Sequence) -> None:
+        """Take a running sequence out but leave its blocks allocated: their ownership passes
+        to the caller (a prefill worker pinning them for a KV handoff)."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose blocks are allocated and filled already (KV pulled from a peer)."""
+        seq.status = SeqStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

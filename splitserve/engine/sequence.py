@@ -33,6 +33,7 @@ class Sequence:
     num_cached_blocks: int = 0  # leading blocks already handed to the prefix cache
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
     num_preemptions: int = 0
+    prefill_only: bool = False  # stop after the first token and hand the KV blocks over
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
 

@@ -1,23 +1,75 @@
 """The paged KV memory: per layer, K and V each [num_blocks, block_size, num_kv_heads, head_dim]
 (flash-attn's paged layout), all views of one contiguous allocation so that a transport can
-register the whole cache as a single region."""
+register the whole cache as a single region.
+
+With `shm_path`, that allocation lives in a shared-memory file (/dev/shm) instead of anonymous
+memory, so that a worker on the same host can map it and pull a request's blocks with one memcpy
+per segment (DESIGN.md §1 step 6, `kv_transfer.shm`). The process that created the file unlinks
+it on `close()`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
+
+# data_ptr -> shm file, so that a transport handed only the storage tensor can find its file.
+_SHM_FILES: dict[int, str] = {}
+
+
+def shm_path_of(storage: torch.Tensor) -> str | None:
+    """The shared-memory file that backs `storage` (the whole allocation), or None."""
+    return _SHM_FILES.get(storage.data_ptr()) if storage.device.type == "cpu" else None
+
+
+def _create_shm_file(path: str, nbytes: int) -> None:
+    # O_EXCL: never silently share (or truncate) a file that another live worker still maps.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)  # a sparse tmpfs file: zero-filled, pages allocated on first touch
+    finally:
+        os.close(fd)
 
 
 @dataclass
 class KVCacheTensors:
     storage: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    shm_path: str | None = None  # the file backing `storage`, when it is shared memory
+    _owns_file: bool = field(default=False, repr=False)
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu") -> "KVCacheTensors":
+                 dtype: torch.dtype, device: str | torch.device = "cpu",
+                 shm_path: str | None = None) -> "KVCacheTensors":
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device))
+        if shm_path is None:
+            return cls(torch.zeros(shape, dtype=dtype, device=device))
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"shm_path needs a CPU KV cache, not device {device!r}")
+        numel = num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim
+        _create_shm_file(shm_path, numel * torch.empty((), dtype=dtype).element_size())
+        try:
+            flat = torch.from_file(shm_path, shared=True, size=numel, dtype=dtype)
+        except BaseException:
+            os.unlink(shm_path)
+            raise
+        storage = flat.view(shape)
+        _SHM_FILES[storage.data_ptr()] = shm_path
+        return cls(storage, shm_path=shm_path, _owns_file=True)
+
+    def close(self) -> None:
+        """Unlink the shared-memory file if this process created it. Mappings already made (here
+        or by peers) stay valid until dropped; the memory is freed when the last one goes."""
+        if self.shm_path is None:
+            return
+        _SHM_FILES.pop(self.storage.data_ptr(), None)
+        if self._owns_file:
+            self._owns_file = False
+            try:
+                os.unlink(self.shm_path)
+            except FileNotFoundError:
+                pass
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

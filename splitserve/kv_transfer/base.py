@@ -1,0 +1,141 @@
+"""The KV-transfer contract: how a decode worker pulls a request's KV blocks from the prefill
+worker that computed them (DESIGN.md §1 steps 5–6).
+
+Life of a handoff:
+  1. Each worker registers its paged KV memory with its transport once (`register`) and
+     publishes the returned `TransportEndpoint` (address + metadata + the `KVLayout`).
+  2. The prefill worker finishes a prompt, pins its blocks under a lease, and returns a
+     `KVHandoff`: first token, source block ids, endpoint, lease, a `TransferHeader` and the
+     checksum of the source blocks.
+  3. The decode worker allocates local blocks and calls `read(handoff, dst_blocks)`; it polls the
+     handle without blocking until DONE or FAILED (FAILED carries the reason).
+  4. It verifies (`verify.check_handoff` + checksum of what landed) before using anything, then
+     acknowledges the lease; the prefill side frees its blocks. Any mismatch is a TransferError
+     and the data is never used.
+
+Transports are data movers only: which transport a pair uses, leases and verification are
+decided elsewhere. Byte offsets are relative to the start of the KV storage tensor
+[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from splitserve.types import TokenLogprob
+
+
+class TransferError(RuntimeError):
+    """A transfer failed or delivered data that must not be used. `kind` says why, for metrics
+    and tests: corrupt | truncated | header | lease_expired | unreachable | aborted | internal."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What both sides must agree on before a single byte moves."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    element_size: int
+    model_fingerprint: str  # hash of the model config + weights' identity
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer's K (or V)."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def storage_bytes(self) -> int:
+        return self.num_layers * 2 * self.num_blocks * self.block_bytes
+
+    def offset(self, layer: int, kv: int, block: int) -> int:
+        return ((layer * 2 + kv) * self.num_blocks + block) * self.block_bytes
+
+
+@dataclass(frozen=True)
+class TransportEndpoint:
+    transport: str  # "shm" | "tcp" | "nixl"
+    host: str  # node identity, for locality (same host -> shm)
+    address: str  # tcp: "ip:port"; shm: file path; nixl: agent name
+    layout: KVLayout
+    metadata: bytes = b""  # transport-specific (e.g. NIXL agent metadata)
+
+
+@dataclass(frozen=True)
+class TransferHeader:
+    request_id: str
+    model_fingerprint: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_blocks: int  # blocks in this handoff
+    lease_epoch: int
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """What the prefill worker returns: enough to continue the request anywhere."""
+
+    request_id: str
+    first_token: int
+    first_logprob: TokenLogprob | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prefix-cache hit on the prefill side
+    block_ids: tuple[int, ...]  # source blocks covering the prompt, in order
+    endpoint: TransportEndpoint
+    lease_id: str
+    lease_expires_at: float  # time.time() seconds
+    header: TransferHeader
+    checksum: int  # kv_checksum over block_ids, all layers
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    state: TransferState
+    reason: TransferError | None = None
+
+
+@dataclass
+class TransferHandle:
+    """Opaque per-transfer state; transports may subclass it."""
+
+    request_id: str
+    src: KVHandoff
+    dst_blocks: tuple[int, ...]
+    layers: range
+    nbytes: int = 0
+
+
+class KVTransport(Protocol):
+    name: str
+
+    def register(self, storage, layout: KVLayout, host: str) -> TransportEndpoint:
+        """Make this worker's KV storage (a torch tensor) readable by peers; once per worker."""
+
+    def read(self, src: KVHandoff, dst_blocks: Sequence[int], layers: range | None = None) -> TransferHandle:
+        """Start pulling src.block_ids (layers `layers`, default all) into local dst_blocks."""
+
+    def poll(self, handle: TransferHandle) -> TransferStatus:
+        """Never blocks. FAILED carries a TransferError."""
+
+    def release(self, handle: TransferHandle) -> None:
+        """Drop per-transfer resources (after DONE / FAILED, or to abort a pending one)."""
+
+    def close(self) -> None:
+        """Unregister memory, stop servers, close connections."""

@@ -1,0 +1,117 @@
+"""Which bytes move: source and destination blocks turned into few large, aligned segments, and
+the checksum both sides compute over them.
+
+A block of one layer's K (or V) is `layout.block_bytes` contiguous bytes; consecutive block ids
+are adjacent in memory, so a run of blocks that is consecutive on both sides moves as one
+segment per (layer, K/V). The checksum streams the source blocks in canonical order (layer,
+K/V, handoff order), so it does not depend on how the bytes were split into segments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from splitserve.kv_transfer.base import KVLayout, TransferError
+
+try:  # xxh3: ~10x faster than crc32 here; crc32 keeps things working without it
+    import xxhash
+
+    def _hasher():
+        return xxhash.xxh3_64()
+except ImportError:  # pragma: no cover - exercised only where xxhash is missing
+    import zlib
+
+    class _Crc:
+        def __init__(self) -> None:
+            self.v = 0
+
+        def update(self, b) -> None:
+            self.v = zlib.crc32(b, self.v)
+
+        def intdigest(self) -> int:
+            return self.v
+
+    def _hasher():
+        return _Crc()
+
+
+@dataclass(frozen=True)
+class Segment:
+    src_offset: int  # bytes from the start of the source storage
+    dst_offset: int
+    nbytes: int
+
+
+def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, count) runs where both sides are consecutive."""
+    if len(src) != len(dst):
+        raise TransferError("header", f"{len(src)} source blocks but {len(dst)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def plan_segments(layout: KVLayout, src: Sequence[int], dst: Sequence[int], layers: range | None = None,
+                  dst_layout: KVLayout | None = None) -> list[Segment]:
+    """Segments in canonical order (layer, K/V, handoff order). `dst_layout` (default: `layout`)
+    matters when the two workers' caches hold different numbers of blocks: the same (layer, kv,
+    block) then sits at different byte offsets on each side."""
+    layers = layers if layers is not None else range(layout.num_layers)
+    dst_layout = dst_layout if dst_layout is not None else layout
+    runs = block_runs(src, dst)
+    out = []
+    for layer in layers:
+        for kv in (0, 1):
+            for s, d, n in runs:
+                out.append(Segment(layout.offset(layer, kv, s), dst_layout.offset(layer, kv, d), n * layout.block_bytes))
+    return out
+
+
+# Fields that fix where a block's bytes sit; both sides must agree on them or a copy would
+# scribble over the wrong memory. num_blocks may differ (each worker sizes its own cache).
+_GEOMETRY = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "element_size")
+
+
+def plan_transfer(src_layout: KVLayout, dst_layout: KVLayout, src: Sequence[int], dst: Sequence[int],
+                  layers: range | None = None) -> list[Segment]:
+    """`plan_segments` for two workers' caches, after the checks that keep every segment inside
+    both storages. Raises TransferError("header") naming what does not fit."""
+    for name in _GEOMETRY:
+        if getattr(src_layout, name) != getattr(dst_layout, name):
+            raise TransferError("header", f"{name} differs: source {getattr(src_layout, name)!r}, "
+                                          f"local {getattr(dst_layout, name)!r}")
+    layers = layers if layers is not None else range(src_layout.num_layers)
+    if len(layers) == 0 or layers.step != 1 or layers.start < 0 or layers.stop > src_layout.num_layers:
+        raise TransferError("header", f"layers {layers} not a non-empty slice of 0..{src_layout.num_layers}")
+    _check_ids("source", src, src_layout.num_blocks)
+    _check_ids("destination", dst, dst_layout.num_blocks)
+    return plan_segments(src_layout, src, dst, layers, dst_layout=dst_layout)
+
+
+def _check_ids(side: str, blocks: Sequence[int], num_blocks: int) -> None:
+    bad = [b for b in blocks if not 0 <= b < num_blocks]
+    if bad:
+        raise TransferError("header", f"{side} block ids {bad[:4]} outside 0..{num_blocks - 1}")
+
+
+def byte_view(storage: torch.Tensor) -> memoryview:
+    """The storage's bytes, without a copy (the tensor must be contiguous, on CPU)."""
+    if not storage.is_contiguous() or storage.device.type != "cpu":
+        raise ValueError("KV storage must be a contiguous CPU tensor")
+    return memoryview(storage.view(torch.uint8).reshape(-1).numpy())
+
+
+def kv_checksum(storage: torch.Tensor, layout: KVLayout, blocks: Sequence[int], layers: range | None = None) -> int:
+    """64-bit checksum of `blocks` over `layers`, in canonical order."""
+    mem = byte_view(storage)
+    h = _hasher()
+    for seg in plan_segments(layout, blocks, blocks, layers):
+        h.update(mem[seg.src_offset: seg.src_offset + seg.nbytes])
+    return h.intdigest()

@@ -1,0 +1,104 @@
+"""The engine's half of disaggregation, without Ray or a transport: a prefill engine hands its
+blocks over, a decode engine takes the KV in (copied here directly) and continues. The output
+must equal the single-engine path, also when the pull fails and the decode side recomputes."""
+
+import pytest
+import torch
+
+from splitserve.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.kv_cache import OutOfBlocks
+from splitserve.types import Request, SamplingParams
+
+
+def engine(path, **kw):
+    return Engine(EngineConfig(model=str(path), num_kv_blocks=kw.pop("num_kv_blocks", 128), **kw))
+
+
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 384, (n,), generator=g).tolist() for n in (1, 15, 16, 17, 40, 90)]
+
+
+def run(eng):
+    out = {}
+    while eng.has_unfinished():
+        for c in eng.step():
+            out.setdefault(c.request_id, []).extend(c.token_ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def expected(path):
+    eng = engine(path)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i, p in enumerate(prompts()):
+        eng.add_request(Request(str(i), p, sp))
+    return run(eng)
+
+
+def prefill_all(pre, sp):
+    firsts = {}
+    for i, p in enumerate(prompts()):
+        pre.add_request(Request(str(i), p, sp), prefill_only=True)
+    while pre.has_unfinished():
+        for c in pre.step():
+            assert c.kv_blocks is not None and c.finish_reason is None
+            firsts[c.request_id] = (c.token_ids[0], c.kv_blocks)
+    return firsts
+
+
+@pytest.mark.parametrize("pull_ok", [True, False])
+def test_handoff_continues_exactly(path, expected, pull_ok):
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    pre, dec = engine(path), engine(path, num_kv_blocks=64)
+    firsts = prefill_all(pre, sp)
+    assert pre.pool.num_in_use > 0  # pinned for the handoff
+    pre.check_invariants()
+    for i, p in enumerate(prompts()):
+        rid = str(i)
+        first, src = firsts[rid]
+        dst = dec.add_pulled(Request(rid, p, sp), first)
+        assert len(dst) == len(src)
+        if pull_ok:
+            dec.kv.storage[:, :, dst] = pre.kv.storage[:, :, list(src)]
+            dec.kv_ready(rid)
+        else:
+            dec.kv_failed(rid)
+        assert pre.release_detached(rid)
+    got = run(dec)
+    for rid, toks in expected.items():
+        assert [firsts[rid][0]] + got[rid] == toks
+    for e in (pre, dec):
+        e.check_invariants()
+        assert e.pool.num_in_use == 0
+
+
+def test_abort_while_pulling_and_while_pinned(path):
+    sp = SamplingParams(temperature=0, max_tokens=5)
+    pre, dec = engine(path), engine(path)
+    firsts = prefill_all(pre, sp)
+    dec.add_pulled(Request("0", prompts()[0], sp), firsts["0"][0])
+    dec.abort("0")
+    for rid in firsts:
+        pre.abort(rid)  # an abort also drops a pinned handoff
+    for e in (pre, dec):
+        e.check_invariants()
+        assert e.pool.num_in_use == 0
+
+
+def test_pull_without_room_raises_and_leaks_nothing(path):
+    dec = engine(path, num_kv_blocks=8)
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    dec.add_pulled(Request("a", [5] * 100, sp), 7)  # 7 blocks
+    with pytest.raises(OutOfBlocks):
+        dec.add_pulled(Request("b", [5] * 40, sp), 7)
+    dec.kv_failed("a")
+    run(dec)
+    dec.check_invariants()
+    assert dec.pool.num_in_use == 0
