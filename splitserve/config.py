@@ -27,6 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     seed: int = 0
+    kv_shared_memory: bool = False  # KV storage in a /dev/shm file, readable by same-host peers
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import uuid
 import time
 from pathlib import Path
 
@@ -45,8 +46,9 @@ class Engine:
         torch.manual_seed(config.seed)
         model = load_model(Path(config.model), mc, self.dtype, self.max_model_len, self.device)
         num_blocks = config.num_kv_blocks or _blocks_for_memory(config, mc, self.dtype)
+        shm = f"/dev/shm/splitserve-kv-{uuid.uuid4().hex}" if config.kv_shared_memory else None
         self.kv = KVCacheTensors.allocate(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
-                                          mc.head_dim, self.dtype, self.device)
+                                          mc.head_dim, self.dtype, self.device, shm_path=shm)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv, get_backend(config.attention_backend, self.dtype, self.device), config.block_size,
@@ -59,11 +61,14 @@ class Engine:
         self._steps = 0
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, req: Request, *, prefill_only: bool = False) -> None:
+    def add_request(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = ()) -> None:
         """Queue a request; bad input raises ConfigError here, before anything is allocated.
         `prefill_only`: stop after the first token and hand the prompt's KV blocks over (the
-        chunk carries `kv_blocks`; `release_detached` frees them later)."""
-        seq = self._new_seq(req)
+        chunk carries `kv_blocks`; `release_detached` frees them later). `outputs`: tokens
+        already generated elsewhere (a handoff that fell back to local compute, a migration):
+        they are recomputed as context and generation continues after them."""
+        as_token_ids(outputs, self.model_config.vocab_size)
+        seq = self._new_seq(req, outputs=tuple(outputs))
         seq.prefill_only = prefill_only
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
@@ -104,6 +109,9 @@ class Engine:
         seq.block_ids = self.pool.allocate(-(-seq.num_prompt_tokens // self.config.block_size))
         self._pulling[req.request_id] = seq
         return list(seq.block_ids)
+
+    def is_pulling(self, request_id: str) -> bool:
+        return request_id in self._pulling
 
     def kv_ready(self, request_id: str) -> None:
         """The pulled KV is in place and verified: the request joins the decode batch."""
@@ -194,6 +202,10 @@ class Engine:
         if n_out >= seq.max_tokens:
             return FinishReason.LENGTH, None
         return None, None
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise (a shared-memory KV file)."""
+        self.kv.close()
 
     # -- introspection -------------------------------------------------------------------------
     def stats(self) -> WorkerStats:

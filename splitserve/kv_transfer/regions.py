@@ -101,6 +101,11 @@ def _check_ids(side: str, blocks: Sequence[int], num_blocks: int) -> None:
         raise TransferError("header", f"{side} block ids {bad[:4]} outside 0..{num_blocks - 1}")
 
 
+def storage_tensor(kv) -> torch.Tensor:
+    """The storage tensor of a KVCacheTensors, or the tensor itself (callers may pass either)."""
+    return kv if isinstance(kv, torch.Tensor) else kv.storage
+
+
 def byte_view(storage: torch.Tensor) -> memoryview:
     """The storage's bytes, without a copy (the tensor must be contiguous, on CPU)."""
     if not storage.is_contiguous() or storage.device.type != "cpu":

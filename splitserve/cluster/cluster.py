@@ -1,0 +1,207 @@
+"""Cluster: start (or join) a local Ray cluster with a prefill pool and a decode pool, and run
+requests through them — the disaggregated path end to end, before the router exists.
+
+Per request: if the prompt has at least `disagg_min_tokens` tokens, a prefill worker computes
+it and returns the first token at once (delivered to the caller before any KV moves) plus a
+`KVHandoff`; a decode worker pulls the KV and streams the rest. Shorter prompts are prefilled on
+the decode worker (aggregated path). A prefill worker that fails before its handoff is retried
+on the next one, and with none left the decode worker prefills locally. Workers are picked
+round robin here; placement policy is the router's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from splitserve.detokenizer import RequestText
+from splitserve.llm import CompletionOutput, RequestOutput, _as_params_list, _as_prompt_list, _reseed
+from splitserve.tokenizer import Tokenizer
+from splitserve.types import ConfigError, Request, SamplingParams
+
+TRANSPORTS = ("auto", "shm", "tcp", "nixl")
+
+
+class PrefillFailed(RuntimeError):
+    """A prefill worker died or failed before handing the KV over; retry elsewhere."""
+
+
+@dataclass
+class Timing:
+    request_id: str
+    prefill_done_to_first_token_s: float | None = None  # prefill worker sampled → caller has it
+    first_to_second_token_s: float | None = None
+
+
+@dataclass
+class ClusterConfig:
+    model: str
+    prefill: int = 1
+    decode: int = 1
+    transport: str = "auto"
+    disagg_min_tokens: int = 32
+    on_transfer_failure: str = "recompute"
+    lease_s: float = 30.0
+    engine: dict = field(default_factory=dict)
+    decode_fault: str | None = None  # test hooks, see DecodeWorker / the transports
+    prefill_transport_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
+        if self.prefill < 0 or self.decode < 1:
+            raise ConfigError("a cluster needs at least one decode worker (and zero or more prefill workers)")
+        if self.disagg_min_tokens < 0:
+            raise ConfigError("disagg_min_tokens must be >= 0")
+
+
+def resolve_transport(name: str) -> str:
+    """`auto` on one host: shared memory (every worker of a local cluster shares this host)."""
+    return "shm" if name == "auto" else name
+
+
+class Cluster:
+    def __init__(self, cfg: ClusterConfig, prefills: list, decodes: list, started_ray: bool) -> None:
+        self.cfg = cfg
+        self.prefills = prefills
+        self.decodes = decodes
+        self.tokenizer = Tokenizer(cfg.model)
+        self._started_ray = started_ray
+        self._rr_p = itertools.count()
+        self._rr_d = itertools.count()
+        self._ids = itertools.count()
+        self.timings: list[Timing] = []
+        self.prefill_failures = 0
+
+    @classmethod
+    def start(cls, model: str | None = None, prefill: int = 1, decode: int = 1, transport: str = "auto",
+              disagg_min_tokens: int = 32, dtype: str = "auto", address: str | None = None,
+              on_transfer_failure: str = "recompute", lease_s: float = 30.0, **kwargs: Any) -> "Cluster":
+        import ray
+
+        from splitserve.cluster.actors import make_decode, make_prefill
+
+        if model is None:
+            from splitserve.demo import ensure_demo_model
+
+            model = str(ensure_demo_model())
+        fault = kwargs.pop("decode_fault", None)
+        popts = kwargs.pop("prefill_transport_options", {})
+        cfg = ClusterConfig(str(model), prefill, decode, transport, disagg_min_tokens, on_transfer_failure, lease_s,
+                            {"dtype": dtype, **kwargs}, fault, popts)
+        started = not ray.is_initialized()
+        if started:
+            # Logical CPUs: one per worker at least, so a small box still places every actor.
+            ncpu = None if address else max(os.cpu_count() or 1, cfg.prefill + cfg.decode)
+            ray.init(address=address, num_cpus=ncpu, include_dashboard=False, log_to_driver=False)
+        kind = resolve_transport(cfg.transport)
+        prefills = [make_prefill(cfg, kind, i) for i in range(cfg.prefill)]
+        decodes = [make_decode(cfg, kind, i) for i in range(cfg.decode)]
+        ray.get([p.stats.remote() for p in prefills] + [d.stats.remote() for d in decodes])  # wait until loaded
+        return cls(cfg, prefills, decodes, started)
+
+    # -- requests -------------------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        plist = _as_params_list(params, len(prompts))
+        return asyncio.run(self._generate_all(prompts, plist))
+
+    async def _generate_all(self, prompts, plist) -> list[RequestOutput]:
+        groups = []
+        for p, sp in zip(prompts, plist):
+            ids = tuple(self.tokenizer.encode(p)) if isinstance(p, str) else tuple(p)
+            gid = str(next(self._ids))
+            reqs = [Request(f"{gid}-{i}", ids, sp if sp.seed is None or i == 0 else _reseed(sp, sp.seed + i))
+                    for i in range(sp.n)]
+            groups.append((gid, p if isinstance(p, str) else None, ids, reqs))
+        tasks = [[asyncio.ensure_future(self.run_request(r)) for r in reqs] for *_, reqs in groups]
+        out = []
+        for (gid, text, ids, _), ts in zip(groups, tasks):
+            texts = [await t for t in ts]
+            outs = tuple(CompletionOutput(i, t.text, tuple(t.token_ids), t.finish_reason.value if t.finish_reason else None,
+                                          t.stop_reason, tuple(t.logprobs) if t.params.logprobs is not None else None)
+                         for i, t in enumerate(texts))
+            out.append(RequestOutput(gid, text, ids, outs, texts[0].num_cached_tokens))
+        return out
+
+    async def run_request(self, req: Request) -> RequestText:
+        text = RequestText(self.tokenizer, req.params, req.prompt_token_ids)
+        timing = Timing(req.request_id)
+        self.timings.append(timing)
+        decode = self.decodes[next(self._rr_d) % len(self.decodes)]
+        handoff, prefill, delivered = None, None, None
+        if self.prefills and len(req.prompt_token_ids) >= self.cfg.disagg_min_tokens:
+            result, prefill = await self._prefill(req)
+            if result is not None:
+                timing.prefill_done_to_first_token_s = time.time() - result.done_at
+                delivered = time.monotonic()
+                if text.add(result.chunk) or result.handoff is None:
+                    if result.handoff is not None:
+                        await prefill.ack.remote(result.handoff.lease_id)
+                    return text
+                handoff = result.handoff
+        await self._stream(decode, req, handoff, prefill, text, timing, delivered)
+        return text
+
+    async def _prefill(self, req: Request):
+        """Try prefill workers in turn; (None, None) when all fail (local prefill instead)."""
+        start = next(self._rr_p)
+        for k in range(len(self.prefills)):
+            worker = self.prefills[(start + k) % len(self.prefills)]
+            try:
+                return await worker.prefill.remote(req), worker
+            except Exception:  # the actor died or its engine failed: the next one, else locally
+                self.prefill_failures += 1
+        return None, None
+
+    async def _stream(self, decode, req, handoff, prefill, text: RequestText, timing: Timing, first_at) -> None:
+        gen = decode.generate.options(num_returns="streaming").remote(req, handoff, prefill)
+        async for ref in gen:
+            chunk = await ref
+            if first_at is not None and chunk.token_ids and timing.first_to_second_token_s is None:
+                timing.first_to_second_token_s = time.monotonic() - first_at
+            if text.add(chunk):  # a stop string: the engine does not know about text
+                await decode.abort.remote(req.request_id)
+            if text.finished:
+                return
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def check_invariants(self) -> list[dict]:
+        """Every live worker's block counts (raises if a worker's invariant is broken)."""
+        import ray
+
+        out = []
+        for w in self.prefills + self.decodes:
+            try:
+                out.append(ray.get(w.check_invariants.remote()))
+            except ray.exceptions.RayActorError:
+                continue  # a worker a test killed
+        return out
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.prefills + self.decodes:
+            try:
+                ray.get(w.close.remote(), timeout=10)
+            except Exception:
+                pass
+            ray.kill(w)
+        self.prefills, self.decodes = [], []
+        if self._started_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def local_host() -> str:
+    return socket.gethostname()

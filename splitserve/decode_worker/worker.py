@@ -1,0 +1,157 @@
+"""The decode worker: an Engine in decode role (DESIGN.md §1 steps 6–8).
+
+`generate(req, handoff, prefill)` pulls the prompt's KV from the prefill worker through the
+transport, verifies it (header, checksum, lease still live at acknowledgement) and joins the
+request to its continuous batch; it then yields TokenChunks as they come. Without a handoff it
+prefills locally (aggregated path). When the pull fails and the policy is `recompute`, the
+prompt is computed here and the output continues exactly (the first token is kept); with
+`fail` a TransferError reaches the caller. Whatever happens, both sides' blocks are freed: the
+lease is always settled, and a caller that goes away aborts the request here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from splitserve.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.kv_cache import OutOfBlocks
+from splitserve.engine_loop import EngineLoop
+from splitserve.kv_transfer import make_transport
+from splitserve.kv_transfer.base import KVHandoff, TransferError, TransferState
+from splitserve.kv_transfer.layout import layout_of
+from splitserve.kv_transfer.verify import check_header, verify_landed
+from splitserve.types import Request, TokenChunk, WorkerStats
+
+log = logging.getLogger(__name__)
+POLICIES = ("recompute", "fail")
+
+
+class DecodeWorker:
+    def __init__(self, config: EngineConfig, transport: str, on_transfer_failure: str = "recompute",
+                 transport_options: dict | None = None, fault: str | None = None) -> None:
+        if on_transfer_failure not in POLICIES:
+            raise ValueError(f"on_transfer_failure must be one of {POLICIES}, got {on_transfer_failure!r}")
+        self.engine = Engine(config)
+        self.loop = EngineLoop(self.engine)
+        self.layout = layout_of(self.engine)
+        self.transport = make_transport(transport, **(transport_options or {}))
+        self.transport.register(self.engine.kv.storage, self.layout, "")
+        self.policy = on_transfer_failure
+        self.fault = fault  # test hook: "flip" corrupts landed data, "slow" delays the read
+        self.transfer_failures: dict[str, int] = {}
+        self._aborted: set[str] = set()  # aborts that arrive while a pull is in flight
+
+    async def generate(self, req: Request, handoff: KVHandoff | None = None, prefill: Any = None
+                       ) -> AsyncIterator[TokenChunk]:
+        rid = req.request_id
+        finished = False
+        try:
+            q = await (self._admit_pulled(req, handoff, prefill) if handoff else self.loop.submit(req))
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await self.loop.abort(rid)
+
+    async def _admit_pulled(self, req: Request, h: KVHandoff, prefill: Any) -> asyncio.Queue:
+        try:
+            dst = await self.loop.call(self.engine.add_pulled, req, h.first_token)
+        except OutOfBlocks:  # no room to land it now: the scheduler will compute it when it can
+            await self._settle(h, prefill)
+            return await self.loop.submit(req, outputs=(h.first_token,))
+        q = self.loop.watch(req.request_id)
+        try:
+            await self._pull(h, dst, prefill)
+        except TransferError as e:
+            if e.kind == "aborted":
+                self._aborted.discard(req.request_id)
+                await self.loop.abort(req.request_id)  # the transfer has stopped: blocks can go
+                return q
+            self.transfer_failures[e.kind] = self.transfer_failures.get(e.kind, 0) + 1
+            if self.policy == "fail":
+                await self.loop.abort(req.request_id)
+                raise
+            log.warning("KV pull for %s failed (%s): recomputing locally", req.request_id, e)
+            await self.loop.call(self.engine.kv_failed, req.request_id)
+            self.loop.wake()
+            return q
+        await self.loop.call(self.engine.kv_ready, req.request_id)
+        self.loop.wake()
+        return q
+
+    async def _pull(self, h: KVHandoff, dst: list[int], prefill: Any) -> None:
+        """Read, then settle the lease, then verify. Raises TransferError; never leaves a
+        transfer writing into blocks the engine may hand to someone else."""
+        try:
+            check_header(h, self.layout)
+            if self.fault == "slow":
+                await asyncio.sleep(max(0.0, h.lease_expires_at - time.time()) + 0.2)
+            await self._read(h, dst, prefill)
+        finally:
+            live = await self._settle(h, prefill)
+        if not live:
+            raise TransferError("lease_expired", f"lease {h.lease_id} lapsed before the read was acknowledged")
+        if self.fault == "flip":
+            self.engine.kv.storage.view(-1)[self.layout.offset(0, 0, dst[0]) // self.layout.element_size] += 1.0
+        await self.loop.call(verify_landed, self.engine.kv.storage, self.layout, h, dst)
+
+    async def _read(self, h: KVHandoff, dst: list[int], prefill: Any) -> None:
+        handle = self.transport.read(h, dst)
+        renew_every = max(0.05, (h.lease_expires_at - time.time()) / 3)
+        next_renew = time.monotonic() + renew_every
+        try:
+            while (st := self.transport.poll(handle)).state is TransferState.PENDING:
+                if h.request_id in self._aborted:
+                    break  # release() below stops the transfer before the blocks are freed
+                if prefill is not None and time.monotonic() > next_renew:
+                    prefill.renew.remote(h.lease_id)  # fire and forget: keep the blocks pinned
+                    next_renew = time.monotonic() + renew_every
+                await asyncio.sleep(0.0005)
+        finally:
+            self.transport.release(handle)
+        if h.request_id in self._aborted:
+            raise TransferError("aborted", "the request was aborted during the transfer")
+        if st.state is TransferState.FAILED:
+            raise st.reason or TransferError("internal", "transfer failed without a reason")
+
+    async def _settle(self, h: KVHandoff, prefill: Any) -> bool:
+        """Acknowledge the lease (frees the source blocks). A dead prefill worker counts as a
+        lapsed lease: its memory may be gone or reused."""
+        if prefill is None:
+            return True
+        try:
+            return bool(await prefill.ack.remote(h.lease_id))
+        except Exception as e:  # the prefill actor died: nothing to free there any more
+            log.warning("acknowledging lease %s failed: %s", h.lease_id, e)
+            return False
+
+    async def abort(self, request_id: str) -> None:
+        """Abort wherever the request is; during a pull, once the transfer has stopped."""
+        if self.engine.is_pulling(request_id):
+            self._aborted.add(request_id)
+        else:
+            await self.loop.abort(request_id)
+
+    async def stats(self) -> WorkerStats:
+        return await self.loop.call(self.engine.stats)
+
+    async def check_invariants(self) -> dict:
+        await self.loop.call(self.engine.check_invariants)
+        p = self.engine.pool
+        return {"in_use": p.num_in_use, "free": p.num_free, "cached": p.num_cached, "total": p.num_blocks,
+                "transfer_failures": dict(self.transfer_failures)}
+
+    def close(self) -> None:
+        self.loop.close()
+        self.transport.close()
+        self.engine.close()

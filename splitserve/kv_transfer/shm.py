@@ -1,0 +1,156 @@
+"""Same-host KV transfer through shared memory: the CPU analogue of CUDA IPC (DESIGN.md §4).
+
+Where it sits in a request's life (§1 steps 5–6): both workers allocate their KV cache in a
+/dev/shm file (`KVCacheTensors.allocate(..., shm_path=...)`) and `register` it; the endpoint's
+address is that file's path. When a decode worker pulls a handoff, it maps the prefill worker's
+file read-only (once per path, cached) and copies each planned Segment straight from the source
+bytes into its own cache: one memcpy per segment, no intermediate buffer, no server on the
+source side. The copy runs in a background thread; `poll` only looks at its future.
+
+A missing file is FAILED("unreachable"), a file shorter than the layout says is
+FAILED("truncated"). Verification (checksum, header) is the caller's job (`verify.py`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransferHandle, TransferStatus, TransportEndpoint
+from splitserve.kv_transfer.jobs import AsyncHandle, TransferPool
+from splitserve.kv_transfer.regions import Segment, byte_view, plan_transfer, storage_tensor
+
+_HOW_TO = ("ShmTransport needs KV storage backed by a shared-memory file: allocate it with "
+           "KVCacheTensors.allocate(..., shm_path='/dev/shm/<unique name>') and register that "
+           "KVCacheTensors (or its .storage); use the 'tcp' transport otherwise")
+
+
+@dataclass
+class _Mapping:
+    """A read-only mapping of a peer's KV file, keyed by the file's identity so that a peer that
+    restarted (new file, same path) is mapped afresh."""
+
+    ident: tuple[int, int, int]  # (st_dev, st_ino, st_size)
+    mm: mmap.mmap
+    data: np.ndarray  # uint8 view of mm
+
+
+class ShmTransport:
+    name = "shm"
+
+    def __init__(self, max_workers: int = 2) -> None:
+        self._pool = TransferPool(self.name, max_workers)
+        self._maps: dict[str, _Mapping] = {}
+        self._maps_lock = threading.Lock()
+        self._dst: np.ndarray | None = None
+        self._layout: KVLayout | None = None
+        self._handles: set[AsyncHandle] = set()
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register(self, storage, layout: KVLayout, host: str) -> TransportEndpoint:
+        """`storage`: a KVCacheTensors or its storage tensor, allocated with `shm_path`."""
+        tensor, path = _resolve_shm(storage)
+        if tensor.numel() * tensor.element_size() != layout.storage_bytes:
+            raise ValueError(f"storage has {tensor.numel() * tensor.element_size()} bytes, "
+                             f"layout says {layout.storage_bytes}")
+        if self._dst is not None:
+            raise RuntimeError("ShmTransport.register called twice; one KV cache per transport")
+        self._dst = np.frombuffer(byte_view(tensor), dtype=np.uint8)
+        self._layout = layout
+        return TransportEndpoint(transport=self.name, host=host, address=path, layout=layout)
+
+    # -- transfers ----------------------------------------------------------------------------
+
+    def read(self, src: KVHandoff, dst_blocks: Sequence[int], layers: range | None = None) -> TransferHandle:
+        if self._dst is None or self._layout is None:
+            raise RuntimeError("register the local KV cache before reading")
+        layers = layers if layers is not None else range(src.endpoint.layout.num_layers)
+        handle = AsyncHandle(src.request_id, src, tuple(dst_blocks), layers)
+        try:
+            if src.endpoint.transport != self.name:
+                raise TransferError("header", f"endpoint is for {src.endpoint.transport!r}, not 'shm'")
+            segments = plan_transfer(src.endpoint.layout, self._layout, src.block_ids, handle.dst_blocks, layers)
+        except TransferError as e:
+            return TransferPool.failed(handle, e)
+        handle.nbytes = sum(s.nbytes for s in segments)
+        self._handles.add(handle)
+        path, need = src.endpoint.address, src.endpoint.layout.storage_bytes
+        return self._pool.submit(handle, lambda: self._copy(handle, path, need, segments))
+
+    def _copy(self, handle: AsyncHandle, path: str, need: int, segments: list[Segment]) -> None:
+        source = self._map(path, need)
+        dst = self._dst
+        for seg in segments:
+            handle.check_aborted()
+            # numpy slice assignment of contiguous uint8 is a memmove, with the GIL released.
+            dst[seg.dst_offset: seg.dst_offset + seg.nbytes] = source[seg.src_offset: seg.src_offset + seg.nbytes]
+
+    def _map(self, path: str, need: int) -> np.ndarray:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise TransferError("unreachable", f"shm file {path} does not exist (source worker gone?)") from None
+        # Checked on every read: touching a mapping past the end of its file is SIGBUS, not an error.
+        if st.st_size < need:
+            raise TransferError("truncated", f"shm file {path} has {st.st_size} bytes, layout needs {need}")
+        ident = (st.st_dev, st.st_ino, st.st_size)
+        with self._maps_lock:
+            cached = self._maps.get(path)
+            if cached is None or cached.ident != ident:
+                # A replaced mapping may still be in use by another copy: drop our reference only.
+                cached = self._maps[path] = _open_mapping(path, ident)
+            return cached.data
+
+    def poll(self, handle: TransferHandle) -> TransferStatus:
+        return TransferPool.poll(handle)  # type: ignore[arg-type]
+
+    def release(self, handle: TransferHandle) -> None:
+        if isinstance(handle, AsyncHandle):
+            handle.aborted.set()
+            self._handles.discard(handle)
+
+    def close(self) -> None:
+        for h in list(self._handles):
+            h.aborted.set()
+        self._handles.clear()
+        self._pool.close()
+        with self._maps_lock:
+            maps, self._maps = list(self._maps.values()), {}
+        for m in maps:
+            del m.data
+            try:
+                m.mm.close()
+            except BufferError:  # a caller still holds a view; the mapping goes with it
+                pass
+        self._dst = None
+
+
+def _open_mapping(path: str, ident: tuple[int, int, int]) -> _Mapping:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise TransferError("unreachable", f"shm file {path} vanished") from None
+    try:
+        mm = mmap.mmap(fd, ident[2], prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)  # the mapping keeps the file alive, even after the owner unlinks it
+    return _Mapping(ident, mm, np.frombuffer(mm, dtype=np.uint8))
+
+
+def _resolve_shm(storage):
+    """(tensor, shm file path) of a KVCacheTensors or a storage tensor; ValueError if not shm."""
+    from splitserve.engine.kv_cache.tensors import shm_path_of  # kv_transfer stays importable alone
+
+    tensor = storage_tensor(storage)
+    path = getattr(storage, "shm_path", None) or shm_path_of(tensor)
+    if path is None:
+        raise ValueError(_HOW_TO)
+    if not tensor.is_contiguous():
+        raise ValueError("KV storage must be contiguous")
+    return tensor, path

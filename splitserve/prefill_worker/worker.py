@@ -1,0 +1,115 @@
+"""The prefill worker: an Engine in prefill role (DESIGN.md §1 step 5).
+
+`prefill(req)` runs chunked prefill (reusing this worker's prefix cache), samples the first
+token and returns a `PrefillResult`: either the request already finished (EOS or max_tokens 1)
+or a `KVHandoff` — first token, source blocks pinned under a lease, this worker's transport
+endpoint, header and checksum. The blocks stay pinned until the reader acknowledges (`ack`) or
+the lease lapses; a background task frees lapsed leases. Plain Python; `cluster` wraps it in a
+Ray actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from dataclasses import dataclass
+
+from splitserve.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine_loop import EngineLoop
+from splitserve.kv_transfer import make_transport
+from splitserve.kv_transfer.base import KVHandoff, TransferHeader
+from splitserve.kv_transfer.layout import layout_of
+from splitserve.kv_transfer.regions import kv_checksum
+from splitserve.prefill_worker.leases import LeaseTable
+from splitserve.types import Request, TokenChunk, WorkerStats
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    chunk: TokenChunk  # the first token (finished already if finish_reason is set)
+    handoff: KVHandoff | None  # None when the request finished during prefill
+    done_at: float  # time.time() when the first token was sampled, to measure its delivery
+
+
+class PrefillWorker:
+    def __init__(self, config: EngineConfig, transport: str, lease_s: float = 30.0, host: str | None = None,
+                 transport_options: dict | None = None) -> None:
+        self.engine = Engine(config)
+        self.loop = EngineLoop(self.engine)
+        self.layout = layout_of(self.engine)
+        self.transport = make_transport(transport, **(transport_options or {}))
+        self.endpoint = self.transport.register(self.engine.kv.storage, self.layout, host or socket.gethostname())
+        self.leases = LeaseTable(lease_s)
+        self._reaper: asyncio.Task | None = None
+
+    async def prefill(self, req: Request) -> PrefillResult:
+        self._ensure_reaper()
+        q = await self.loop.submit(req, prefill_only=True)
+        try:
+            item = await q.get()
+        except BaseException:  # cancelled: the caller is gone
+            await self.loop.abort(req.request_id)
+            raise
+        if isinstance(item, Exception):
+            await self.loop.abort(req.request_id)
+            raise item
+        done_at = time.time()
+        if item.kv_blocks is None:
+            return PrefillResult(item, None, done_at)
+        return PrefillResult(item, await self._handoff(req, item), done_at)
+
+    async def _handoff(self, req: Request, chunk: TokenChunk) -> KVHandoff:
+        blocks = chunk.kv_blocks
+        checksum = await self.loop.call(kv_checksum, self.engine.kv.storage, self.layout, blocks)
+        lease = self.leases.grant(req.request_id)
+        header = TransferHeader(req.request_id, self.layout.model_fingerprint, self.layout.dtype,
+                                self.layout.block_size, self.layout.num_layers, len(blocks), lease.epoch)
+        return KVHandoff(req.request_id, chunk.token_ids[0], chunk.logprobs[0] if chunk.logprobs else None,
+                         chunk.num_prompt_tokens, chunk.num_cached_tokens, tuple(blocks), self.endpoint,
+                         lease.lease_id, lease.expires_at, header, checksum)
+
+    async def ack(self, lease_id: str) -> bool:
+        """The reader is done. True if the lease was live (its copy is good); the blocks are freed
+        either way (now, or by the reaper for a lapsed lease)."""
+        lease = self.leases.settle(lease_id)
+        if lease is None:
+            await self._reap()
+            return False
+        await self.loop.call(self.engine.release_detached, lease.request_id)
+        return True
+
+    async def renew(self, lease_id: str) -> bool:
+        return self.leases.renew(lease_id)
+
+    def _ensure_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.leases.ttl_s / 4))
+            await self._reap()
+
+    async def _reap(self) -> None:
+        for lease in self.leases.expire():
+            await self.loop.call(self.engine.release_detached, lease.request_id)
+
+    async def stats(self) -> WorkerStats:
+        return await self.loop.call(self.engine.stats)
+
+    async def check_invariants(self) -> dict:
+        """Raises if the block invariant is broken; returns the counts for the caller's checks."""
+        await self.loop.call(self.engine.check_invariants)
+        p = self.engine.pool
+        return {"in_use": p.num_in_use, "free": p.num_free, "cached": p.num_cached, "total": p.num_blocks,
+                "leases": len(self.leases)}
+
+    async def endpoint_info(self):
+        return self.endpoint
+
+    def close(self) -> None:
+        self.loop.close()
+        self.transport.close()
+        self.engine.close()
