@@ -41,7 +41,9 @@ class DecodeWorker:
         self.transport = make_transport(transport, **(transport_options or {}))
         self.transport.register(self.engine.kv.storage, self.layout, "")
         self.policy = on_transfer_failure
-        self.fault = fault  # test hook: "flip" corrupts landed data, "slow" delays the read
+        # Test hooks: "flip" corrupts landed data, "slow" starts the read after the lease lapsed,
+        # "kill_prefill" kills the prefill actor before reading, "hold" keeps a pull in flight.
+        self.fault = fault
         self.transfer_failures: dict[str, int] = {}
         self._aborted: set[str] = set()  # aborts that arrive while a pull is in flight
 
@@ -96,6 +98,11 @@ class DecodeWorker:
             check_header(h, self.layout)
             if self.fault == "slow":
                 await asyncio.sleep(max(0.0, h.lease_expires_at - time.time()) + 0.2)
+            if self.fault == "kill_prefill" and prefill is not None:
+                import ray
+
+                ray.kill(prefill)
+                await asyncio.sleep(0.2)
             await self._read(h, dst, prefill)
         finally:
             live = await self._settle(h, prefill)
@@ -110,7 +117,8 @@ class DecodeWorker:
         renew_every = max(0.05, (h.lease_expires_at - time.time()) / 3)
         next_renew = time.monotonic() + renew_every
         try:
-            while (st := self.transport.poll(handle)).state is TransferState.PENDING:
+            deadline = time.monotonic() + (10.0 if self.fault == "hold" else 0.0)
+            while (st := self.transport.poll(handle)).state is TransferState.PENDING or time.monotonic() < deadline:
                 if h.request_id in self._aborted:
                     break  # release() below stops the transfer before the blocks are freed
                 if prefill is not None and time.monotonic() > next_renew:
@@ -119,6 +127,11 @@ class DecodeWorker:
                 await asyncio.sleep(0.0005)
         finally:
             self.transport.release(handle)
+            # A released transfer may still be moving its last segment: the blocks are only
+            # safe to free once the mover has stopped.
+            deadline = time.monotonic() + 5.0
+            while self.transport.poll(handle).state is TransferState.PENDING and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
         if h.request_id in self._aborted:
             raise TransferError("aborted", "the request was aborted during the transfer")
         if st.state is TransferState.FAILED:

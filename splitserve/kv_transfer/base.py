@@ -34,6 +34,10 @@ class TransferError(RuntimeError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
+        self.detail = message
+
+    def __reduce__(self):  # crosses process boundaries (Ray) with its kind intact
+        return (type(self), (self.kind, self.detail))
 
 
 @dataclass(frozen=True)

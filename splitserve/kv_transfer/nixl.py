@@ -8,10 +8,12 @@ Where this sits in a request's life (see base.py for the whole handoff):
     (agent name + agent metadata) is published with the worker.
   * The prefill worker does nothing per request: NIXL reads are one-sided, so the prefill side's
     CPU never touches the bytes; its job is only to keep the blocks pinned under the lease.
-  * The decode worker calls `read(handoff, dst_blocks)`: it loads the prefill agent's metadata
-    (once per agent), turns the block lists into a few large descriptors (`plan_segments`: one
-    per run of consecutive blocks per layer and K/V) and posts a READ. It then `poll`s, never
-    blocking, until DONE or FAILED, verifies the checksum elsewhere, and `release`s the handle.
+  * The decode worker calls `read(handoff, dst_blocks)`: it checks and plans the block lists
+    into a few large descriptors (`plan_transfer`: one per run of consecutive blocks per layer
+    and K/V) and returns at once; a poster thread loads the prefill agent's metadata (once per
+    agent: this connects) and posts the READ, since both can block (a TCP connect; over CMA UCX
+    copies everything inside the post). The worker `poll`s, never blocking, until DONE or
+    FAILED, verifies the checksum elsewhere, and `release`s the handle.
 
 The endpoint's `metadata` is this module's own envelope: a small header (format version, base
 address and device of the registered storage, needed to address remote bytes) followed by the
@@ -27,6 +29,7 @@ import struct
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -41,7 +44,7 @@ from splitserve.kv_transfer.base import (
     TransferStatus,
     TransportEndpoint,
 )
-from splitserve.kv_transfer.regions import plan_segments
+from splitserve.kv_transfer.regions import Segment, plan_transfer, storage_tensor
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +57,17 @@ _VERSION = 1
 _DRAM, _VRAM = 0, 1
 _MEM_NAMES = {_DRAM: "DRAM", _VRAM: "VRAM"}
 
+# Microseconds the NIXL progress thread sleeps between rounds; 0 = NIXL's own busy-spinning.
+PROGRESS_DELAY_US = 100
+
 
 def _default_ucx_tls() -> None:
     """Choose UCX transports unless the user already has (UCX reads UCX_TLS when the agent's
     backend starts, so this must run before the agent is created).
 
-    On a machine with neither RDMA devices nor CUDA, tcp+cma is the fastest host-to-host path
-    (measured ~2-3 GB/s on loopback) and avoids UCX probing transports that cannot work. Where
+    On a machine with neither RDMA devices nor CUDA, tcp+cma is the fastest path between two
+    processes (CMA copies host memory directly; several GB/s here, plain TCP ~0.6) and spares
+    UCX probing transports that cannot work. Where
     RDMA or CUDA exists we leave UCX to pick rc/dc/cuda_ipc: forcing tcp,cma there would turn
     the RDMA path DESIGN.md chose NIXL for into plain TCP.
     """
@@ -90,10 +97,44 @@ def _cuda_available() -> bool:
 def _import_nixl():
     try:
         import nixl  # noqa: F401  (the meta package picks the nixl_cu12/cu13 backend wheel)
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        from nixl import _api
     except ImportError as e:
         raise RuntimeError(f"the nixl KV transport needs the NIXL Python package ({e}); install it with: {INSTALL_HINT}") from e
-    return nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    return _api
+
+
+class _PacedBindings:
+    """The NIXL bindings module, except that agents get a progress-thread delay.
+
+    nixl_agent hard-codes pthrDelay=0, so its progress thread spins a whole core even when idle
+    (measured ~0.9 core). Any delay > 0 lets it sleep (~0.02 core idle here). The thread itself
+    is needed: a passive peer must progress UCX for connection wire-up and for TCP reads.
+    """
+
+    def __init__(self, real, delay_us: int) -> None:
+        self._real, self._delay_us = real, delay_us
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def nixlAgent(self, name, config):  # noqa: N802 - mirrors the binding's name
+        config.pthrDelay = self._delay_us
+        return self._real.nixlAgent(name, config)
+
+
+_AGENT_LOCK = threading.Lock()  # the bindings swap below is process-wide while an agent starts
+
+
+def _make_agent(api, name: str, config, progress_delay_us: int):
+    if not config.enable_pthread or progress_delay_us <= 0:
+        return api.nixl_agent(name, config)
+    with _AGENT_LOCK:
+        real = api.nixlBind
+        api.nixlBind = _PacedBindings(real, progress_delay_us)
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            api.nixlBind = real
 
 
 def _is_disconnect(exc: BaseException) -> bool:
@@ -103,20 +144,24 @@ def _is_disconnect(exc: BaseException) -> bool:
     return "Disconnect" in name or "NOT_FOUND" in str(exc) or "DISCONNECT" in str(exc)
 
 
-def _failure(exc: BaseException, what: str) -> TransferError:
+def _as_transfer_error(exc: BaseException, what: str) -> TransferError:
     if isinstance(exc, TransferError):
         return exc
     kind = "unreachable" if _is_disconnect(exc) else "internal"
     return TransferError(kind, f"NIXL {what} failed: {type(exc).__name__}: {exc}")
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: live handles are kept in a set
 class NixlTransferHandle(TransferHandle):
-    xfer: Any = None  # nixl_xfer_handle; None for an empty read or once released
+    started: Future | None = None  # the connect-and-post job; its exception is the failure
+    xfer: Any = None  # nixl_xfer_handle once posted; None before, for an empty read, once released
     remote_agent: str = ""
-    posted_at: float = 0.0
+    posted_at: float = 0.0  # time.monotonic() when NIXL accepted the READ
     status: TransferStatus = field(default_factory=lambda: TransferStatus(TransferState.PENDING))
-    released: bool = False
+    aborted: bool = False
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
 
 @dataclass(frozen=True)
@@ -128,25 +173,38 @@ class _Remote:
 
 
 class NixlTransport:
-    """KV transport over NIXL. One instance per worker process; thread-safe."""
+    """KV transport over NIXL. One instance per worker process; thread-safe.
+
+    `progress_delay_us`: how long NIXL's progress thread sleeps between rounds (0 = NIXL's
+    default busy spin, one core per worker).
+    """
 
     name = "nixl"
 
-    def __init__(self, agent_name: str | None = None, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(
+        self,
+        agent_name: str | None = None,
+        backends: Sequence[str] = ("UCX",),
+        *,
+        progress_delay_us: int = PROGRESS_DELAY_US,
+    ) -> None:
         _default_ucx_tls()
-        nixl_agent, nixl_agent_config, sync_t = _import_nixl()
+        api = _import_nixl()
         self.agent_name = agent_name or f"splitserve-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        # STRICT sync: the engine may poll from one thread while another starts reads.
-        config = nixl_agent_config(backends=list(backends), sync_mode=sync_t.NIXL_THREAD_SYNC_STRICT)
-        self._agent = nixl_agent(self.agent_name, config)
+        # STRICT sync: the poster thread below and the engine's poll() use the agent concurrently.
+        config = api.nixl_agent_config(
+            enable_prog_thread=True, backends=list(backends), sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        )
+        self._agent = _make_agent(api, self.agent_name, config, progress_delay_us)
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
-            raise RuntimeError(
-                f"NIXL backend(s) {missing} unavailable; plugins found: {self._agent.get_plugin_list()}"
-            )
+            raise RuntimeError(f"NIXL backend(s) {missing} unavailable; plugins found: {self._agent.get_plugin_list()}")
+        # Connecting to a peer and posting can block (TCP connect; CMA copies inside the post),
+        # and read() must return at once: one thread does both, in read() order.
+        self._poster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-nixl")
         self._lock = threading.Lock()
         self._remotes: dict[str, _Remote] = {}
-        self._handles: dict[int, NixlTransferHandle] = {}  # posted, not yet released: freed on close
+        self._handles: set[NixlTransferHandle] = set()  # not yet released: freed on close
         self._storage = None  # keeps the registered tensor alive while NIXL points at it
         self._layout: KVLayout | None = None
         self._reg = None
@@ -157,16 +215,19 @@ class NixlTransport:
     # -- registration ----------------------------------------------------------------------
 
     def register(self, storage, layout: KVLayout, host: str) -> TransportEndpoint:
-        """Register the whole KV storage tensor once; peers address it by byte offset."""
+        """Register the whole KV storage (a KVCacheTensors or its tensor) once; peers address it
+        by byte offset from its start."""
         if self._reg is not None:
             raise RuntimeError("NixlTransport.register called twice; one storage per transport (close() first)")
-        self._check_storage(storage, layout)
-        self._mem = "DRAM" if storage.device.type == "cpu" else "VRAM"
-        self._dev_id = 0 if self._mem == "DRAM" else storage.get_device()
-        self._reg = self._agent.register_memory(storage)
-        self._storage, self._layout = storage, layout
+        tensor = storage_tensor(storage)
+        self._check_storage(tensor, layout)
+        self._mem = "DRAM" if tensor.device.type == "cpu" else "VRAM"
+        self._dev_id = 0 if self._mem == "DRAM" else tensor.get_device()
+        self._reg = self._agent.register_memory(tensor)
+        self._storage, self._layout = tensor, layout
         # The agent metadata must be taken after registering: it carries the registered regions.
-        header = _HEADER.pack(_MAGIC, _VERSION, storage.data_ptr(), self._dev_id, _VRAM if self._mem == "VRAM" else _DRAM)
+        kind = _VRAM if self._mem == "VRAM" else _DRAM
+        header = _HEADER.pack(_MAGIC, _VERSION, tensor.data_ptr(), self._dev_id, kind)
         self.endpoint = TransportEndpoint(
             transport=self.name,
             host=host,
@@ -177,105 +238,106 @@ class NixlTransport:
         return self.endpoint
 
     @staticmethod
-    def _check_storage(storage, layout: KVLayout) -> None:
-        if not storage.is_contiguous():
+    def _check_storage(tensor, layout: KVLayout) -> None:
+        if not tensor.is_contiguous():
             raise ValueError("KV storage must be contiguous to register it as one region")
-        nbytes = storage.numel() * storage.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
         if nbytes != layout.storage_bytes:
             raise ValueError(f"KV storage has {nbytes} bytes but its layout says {layout.storage_bytes}")
-        if storage.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"NIXL can register cpu or cuda tensors, not {storage.device.type}")
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"NIXL can register cpu or cuda tensors, not {tensor.device.type}")
 
     # -- reading ---------------------------------------------------------------------------
 
     def read(self, src: KVHandoff, dst_blocks: Sequence[int], layers: range | None = None) -> NixlTransferHandle:
-        """Post a READ of src.block_ids (layers `layers`) into local dst_blocks.
+        """Start a READ of src.block_ids (layers `layers`, default all) into local dst_blocks.
 
-        Raises TransferError for anything that fails before the transfer is posted (bad
-        geometry: "header"; peer gone: "unreachable"); later failures come back from `poll`.
+        Returns at once. Every failure, a rejected plan included, comes back from `poll` as
+        FAILED: "header" (geometry, block ids, endpoint), "unreachable" (peer gone), "internal".
         """
         if self._reg is None or self._layout is None:
             raise RuntimeError("NixlTransport.read before register(): the destination memory is not registered")
         ep = src.endpoint
-        if ep.transport != self.name:
-            raise TransferError("header", f"handoff endpoint is for transport {ep.transport!r}, not 'nixl'")
         layers = layers if layers is not None else range(ep.layout.num_layers)
-        self._check_geometry(ep.layout, src.block_ids, dst_blocks, layers)
-        handle = NixlTransferHandle(
-            request_id=src.request_id, src=src, dst_blocks=tuple(dst_blocks), layers=layers, remote_agent=ep.address
-        )
-        local, remote = self._descriptors(ep.layout, src.block_ids, dst_blocks, layers)
-        handle.nbytes = int(local[:, 1].sum()) if len(local) else 0
-        if not len(local):  # nothing to move; NIXL rejects empty descriptor lists
-            handle.status = TransferStatus(TransferState.DONE)
-            return handle
-        remote_info = self._remote(ep)
-        local[:, 0] += self._storage.data_ptr()
-        local[:, 2] = self._dev_id
-        remote[:, 0] += remote_info.base_addr
-        remote[:, 2] = remote_info.dev_id
-        self._post(handle, local, remote, remote_info)
+        handle = NixlTransferHandle(src.request_id, src, tuple(dst_blocks), layers, remote_agent=ep.address)
+        try:
+            if ep.transport != self.name:
+                raise TransferError("header", f"endpoint is for {ep.transport!r}, not 'nixl'")
+            segments = plan_transfer(ep.layout, self._layout, src.block_ids, handle.dst_blocks, layers)
+            info = self._parse_metadata(ep)
+        except TransferError as e:
+            return self._finish(handle, TransferStatus(TransferState.FAILED, e))
+        handle.nbytes = sum(s.nbytes for s in segments)
+        if not segments:  # nothing to move; NIXL rejects empty descriptor lists
+            return self._finish(handle, TransferStatus(TransferState.DONE))
+        with self._lock:
+            self._handles.add(handle)
+        handle.started = self._poster.submit(self._start, handle, ep, info, segments)
         return handle
 
-    def _check_geometry(self, src_layout: KVLayout, src_blocks, dst_blocks, layers: range) -> None:
-        """Only the byte geometry matters to a data mover; model identity is verify's job."""
-        dst_layout = self._layout
-        if src_layout.block_bytes != dst_layout.block_bytes or src_layout.num_layers != dst_layout.num_layers:
-            raise TransferError(
-                "header",
-                f"KV geometry differs: source block_bytes={src_layout.block_bytes} layers={src_layout.num_layers}, "
-                f"local block_bytes={dst_layout.block_bytes} layers={dst_layout.num_layers}",
+    @staticmethod
+    def _finish(handle: NixlTransferHandle, status: TransferStatus) -> NixlTransferHandle:
+        handle.status = status
+        return handle
+
+    def _start(self, handle: NixlTransferHandle, ep: TransportEndpoint, info: _Remote, segments: list[Segment]) -> None:
+        """Poster thread: connect to the peer if needed, then create and post the READ."""
+        if handle.aborted:
+            return
+        self._connect(ep, info)
+        local, remote = self._descriptors(segments, info)
+        agent = self._agent
+        try:
+            xfer = agent.initialize_xfer(
+                "READ", agent.get_xfer_descs(local, self._mem), agent.get_xfer_descs(remote, info.mem), ep.address
             )
-        if len(src_blocks) != len(dst_blocks):
-            raise TransferError("header", f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
-        if layers.step != 1 or (len(layers) and (layers.start < 0 or layers.stop > dst_layout.num_layers)):
-            raise TransferError("header", f"layers {layers} outside 0..{dst_layout.num_layers}")
-        # Bounds-check both sides: an out-of-range local block would let the NIC write past the storage.
-        for blocks, n, side in ((src_blocks, src_layout.num_blocks, "source"), (dst_blocks, dst_layout.num_blocks, "destination")):
-            bad = [b for b in blocks if not 0 <= b < n]
-            if bad:
-                raise TransferError("header", f"{side} block ids {bad[:8]} outside 0..{n - 1}")
+        except Exception as e:
+            raise self._failure(e, f"creating the READ from {ep.address!r}", ep.address) from e
+        with self._lock:
+            handle.xfer = xfer
+        try:
+            state = agent.transfer(xfer)
+        except Exception as e:
+            raise self._failure(e, f"posting the READ from {ep.address!r}", ep.address) from e
+        handle.posted_at = time.monotonic()
+        if state == "ERR":
+            raise TransferError("internal", f"NIXL refused to post the READ from {ep.address!r}")
+        with self._lock:
+            if handle.aborted:  # released while we were posting: abort it now
+                self._free_xfer(handle)
 
-    def _descriptors(self, src_layout: KVLayout, src_blocks, dst_blocks, layers: range) -> tuple[np.ndarray, np.ndarray]:
-        """(offset, nbytes, dev) rows for the local and remote side, one per merged segment.
-
-        plan_segments computes both offsets with one layout, but the two workers may have
-        different num_blocks (so different strides between layers). Planning once with each
-        layout yields segments in the same order and sizes; take each side's offsets from its own.
-        """
-        src_plan = plan_segments(src_layout, src_blocks, dst_blocks, layers)
-        dst_plan = plan_segments(self._layout, src_blocks, dst_blocks, layers)
-        local = np.zeros((len(src_plan), 3), dtype=np.uint64)
-        remote = np.zeros((len(src_plan), 3), dtype=np.uint64)
-        for i, (s, d) in enumerate(zip(src_plan, dst_plan)):
-            remote[i, 0], remote[i, 1] = s.src_offset, s.nbytes
-            local[i, 0], local[i, 1] = d.dst_offset, d.nbytes
+    def _descriptors(self, segments: list[Segment], info: _Remote) -> tuple[np.ndarray, np.ndarray]:
+        """(address, nbytes, device) rows, one per merged segment, for each side."""
+        rows = np.array([(s.dst_offset, s.src_offset, s.nbytes) for s in segments], dtype=np.uint64)
+        local = np.empty((len(rows), 3), dtype=np.uint64)
+        remote = np.empty((len(rows), 3), dtype=np.uint64)
+        local[:, 0] = rows[:, 0] + np.uint64(self._storage.data_ptr())
+        remote[:, 0] = rows[:, 1] + np.uint64(info.base_addr)
+        local[:, 1] = remote[:, 1] = rows[:, 2]
+        local[:, 2], remote[:, 2] = self._dev_id, info.dev_id
         return local, remote
 
-    def _remote(self, ep: TransportEndpoint) -> _Remote:
-        """Load the peer's agent metadata once; reload if it changed (a restarted peer)."""
-        info = self._parse_metadata(ep)
+    def _connect(self, ep: TransportEndpoint, info: _Remote) -> None:
+        """Load the peer's agent metadata once; reload it if it changed (a restarted peer)."""
         with self._lock:
             cached = self._remotes.get(ep.address)
             if cached is not None and cached.metadata == info.metadata:
-                return cached
+                return
             if cached is not None:
                 self._forget(ep.address)
-            try:
-                loaded = self._agent.add_remote_agent(info.metadata)
-            except Exception as e:
-                # Loading metadata connects to the peer: a backend error here means it is not there.
-                err = _failure(e, f"connecting to agent {ep.address!r}")
-                if "Backend" in type(e).__name__:
-                    err = TransferError("unreachable", str(err).split(": ", 1)[1])
-                raise err from e
-            # NIXL returns the name as bytes; everything else in its API wants str.
-            loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
-            if loaded != ep.address:
-                self._agent.remove_remote_agent(loaded)
-                raise TransferError("header", f"endpoint names agent {ep.address!r} but its metadata is {loaded!r}")
+        try:
+            loaded = self._agent.add_remote_agent(info.metadata)
+        except Exception as e:
+            # Loading metadata connects to the peer (UCX wire-up): a backend error means it is gone.
+            kind = "unreachable" if "Backend" in type(e).__name__ or _is_disconnect(e) else "internal"
+            raise TransferError(kind, f"NIXL cannot connect to agent {ep.address!r}: {type(e).__name__}: {e}") from e
+        # NIXL returns the name as bytes; the rest of its API wants str.
+        loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+        if loaded != ep.address:
+            self._agent.remove_remote_agent(loaded)
+            raise TransferError("header", f"endpoint names agent {ep.address!r} but its metadata is {loaded!r}")
+        with self._lock:
             self._remotes[ep.address] = info
-            return info
 
     @staticmethod
     def _parse_metadata(ep: TransportEndpoint) -> _Remote:
@@ -287,82 +349,64 @@ class NixlTransport:
             raise TransferError("header", f"endpoint {ep.address!r}: unknown NIXL metadata format {magic!r} v{version}")
         return _Remote(metadata=bytes(md[_HEADER.size:]), base_addr=base, dev_id=dev, mem=_MEM_NAMES[mem])
 
-    def _post(self, handle: NixlTransferHandle, local: np.ndarray, remote: np.ndarray, info: _Remote) -> None:
-        agent = self._agent
-        try:
-            local_descs = agent.get_xfer_descs(local, self._mem)
-            remote_descs = agent.get_xfer_descs(remote, info.mem)
-            handle.xfer = agent.initialize_xfer("READ", local_descs, remote_descs, handle.remote_agent)
-            handle.posted_at = time.monotonic()
-            state = agent.transfer(handle.xfer)
-        except Exception as e:
-            self._drop_xfer(handle)
-            err = _failure(e, f"READ from {handle.remote_agent!r}")
-            if err.kind == "unreachable":
-                self._forget_quietly(handle.remote_agent)
-            raise err from e
-        if state == "ERR":
-            self._drop_xfer(handle)
-            raise TransferError("internal", f"NIXL refused to post the READ from {handle.remote_agent!r}")
-        if state == "DONE":
-            handle.status = TransferStatus(TransferState.DONE)
-        with self._lock:
-            self._handles[id(handle)] = handle
+    def _failure(self, exc: BaseException, what: str, agent_name: str) -> TransferError:
+        err = _as_transfer_error(exc, what)
+        if err.kind == "unreachable":
+            # The peer may come back under the same name with new metadata: load it afresh then.
+            self._forget_quietly(agent_name)
+        return err
 
     # -- completion --------------------------------------------------------------------------
 
     def poll(self, handle: NixlTransferHandle) -> TransferStatus:
-        """Never blocks: asks NIXL for the state once. Terminal states are sticky."""
+        """Never blocks: looks at the post job, then asks NIXL once. Terminal states are sticky."""
         if handle.status.state is not TransferState.PENDING:
             return handle.status
-        if handle.released or handle.xfer is None:
-            handle.status = TransferStatus(TransferState.FAILED, TransferError("aborted", "transfer was released while pending"))
+        if handle.aborted:
+            return self._finish(handle, _aborted()).status
+        started = handle.started
+        if started is None or not started.done():
             return handle.status
+        exc = started.exception()
+        if exc is not None:
+            if not isinstance(exc, TransferError):  # a bug must still surface as a status
+                exc = TransferError("internal", f"{type(exc).__name__}: {exc}")
+            return self._finish(handle, TransferStatus(TransferState.FAILED, exc)).status
         try:
             state = self._agent.check_xfer_state(handle.xfer)
         except Exception as e:
-            err = _failure(e, f"READ from {handle.remote_agent!r}")
-            if err.kind == "unreachable":
-                self._forget_quietly(handle.remote_agent)
-            handle.status = TransferStatus(TransferState.FAILED, err)
-            return handle.status
+            err = self._failure(e, f"READ from {handle.remote_agent!r}", handle.remote_agent)
+            return self._finish(handle, TransferStatus(TransferState.FAILED, err)).status
         if state == "DONE":
-            handle.status = TransferStatus(TransferState.DONE)
+            self._finish(handle, TransferStatus(TransferState.DONE))
         elif state == "ERR":
-            handle.status = TransferStatus(
-                TransferState.FAILED, TransferError("internal", f"NIXL READ from {handle.remote_agent!r} ended in error")
-            )
+            err = TransferError("internal", f"NIXL READ from {handle.remote_agent!r} ended in error")
+            self._finish(handle, TransferStatus(TransferState.FAILED, err))
         return handle.status
 
     def release(self, handle: NixlTransferHandle) -> None:
-        """Free the NIXL request. A pending one is aborted by NIXL if its backend can; if it
-        cannot, the request stays alive (and may still write into dst_blocks) and this raises
-        TransferError("aborted") so the caller does not hand those blocks to anyone else."""
-        if handle.released:
-            return
-        handle.released = True
+        """Free the NIXL request; a pending one is aborted (NIXL cancels it in UCX). A post
+        still running on the poster thread is aborted as soon as it returns."""
         with self._lock:
-            self._handles.pop(id(handle), None)
-        if handle.xfer is None:
-            return
+            if handle.aborted:
+                return
+            handle.aborted = True
+            self._handles.discard(handle)
+            if handle.started is not None:
+                handle.started.cancel()  # not started yet: it never will
+            self._free_xfer(handle)
+
+    def _free_xfer(self, handle: NixlTransferHandle) -> None:
+        """Caller holds the lock."""
         xfer, handle.xfer = handle.xfer, None
+        if xfer is None:
+            return
         try:
             xfer.release()
         except Exception as e:
-            # NIXL keeps un-releasable requests on the agent's leak list and retries at teardown.
-            self._agent._leaked_xfer_handles.append(xfer._handle)
-            xfer._released = True
-            if handle.status.state is TransferState.PENDING:
-                raise TransferError("aborted", f"could not abort the pending READ from {handle.remote_agent!r}: {e}") from e
-            log.warning("NIXL could not release a finished transfer handle: %s", e)
-
-    def _drop_xfer(self, handle: NixlTransferHandle) -> None:
-        if handle.xfer is not None:
-            try:
-                handle.xfer.release()
-            except Exception:
-                log.debug("releasing a failed NIXL request", exc_info=True)
-            handle.xfer = None
+            # Dropping `xfer` is enough: its finalizer retries and, failing that, parks it on the
+            # agent's leak list, which NIXL frees when the agent goes away.
+            log.warning("NIXL could not release the READ from %s: %s", handle.remote_agent, e)
 
     # -- teardown ----------------------------------------------------------------------------
 
@@ -372,7 +416,6 @@ class NixlTransport:
         self._agent.remove_remote_agent(name)
 
     def _forget_quietly(self, name: str) -> None:
-        # After a disconnect the peer may come back under the same name with new metadata.
         with self._lock:
             if name in self._remotes:
                 try:
@@ -381,16 +424,14 @@ class NixlTransport:
                     log.debug("forgetting NIXL agent %s", name, exc_info=True)
 
     def close(self) -> None:
-        """Release open requests, disconnect from peers, deregister memory. Idempotent."""
+        """Abort open requests, disconnect from peers, deregister memory. Idempotent."""
         if self._agent is None:
             return
         with self._lock:
-            handles = list(self._handles.values())
+            handles = list(self._handles)
         for h in handles:
-            try:
-                self.release(h)
-            except TransferError as e:
-                log.warning("closing NIXL transport: %s", e)
+            self.release(h)
+        self._poster.shutdown(wait=True, cancel_futures=True)  # a running post finishes, then aborts
         with self._lock:
             for name in list(self._remotes):
                 try:
@@ -410,3 +451,7 @@ class NixlTransport:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _aborted() -> TransferStatus:
+    return TransferStatus(TransferState.FAILED, TransferError("aborted", "the transfer was released"))

@@ -65,12 +65,15 @@ def plan_segments(layout: KVLayout, src: Sequence[int], dst: Sequence[int], laye
     block) then sits at different byte offsets on each side."""
     layers = layers if layers is not None else range(layout.num_layers)
     dst_layout = dst_layout if dst_layout is not None else layout
-    runs = block_runs(src, dst)
+    bb = layout.block_bytes
+    # Offsets inline (== layout.offset): a fragmented 64-block handoff is ~4k segments, and
+    # planning runs in the decode worker's step loop.
+    runs = [(s * bb, d * bb, n * bb) for s, d, n in block_runs(src, dst)]
     out = []
     for layer in layers:
         for kv in (0, 1):
-            for s, d, n in runs:
-                out.append(Segment(layout.offset(layer, kv, s), dst_layout.offset(layer, kv, d), n * layout.block_bytes))
+            src_base, dst_base = layout.offset(layer, kv, 0), dst_layout.offset(layer, kv, 0)
+            out.extend(Segment(src_base + s, dst_base + d, n) for s, d, n in runs)
     return out
 
 
@@ -83,6 +86,13 @@ def plan_transfer(src_layout: KVLayout, dst_layout: KVLayout, src: Sequence[int]
                   layers: range | None = None) -> list[Segment]:
     """`plan_segments` for two workers' caches, after the checks that keep every segment inside
     both storages. Raises TransferError("header") naming what does not fit."""
+    layers = check_transfer(src_layout, dst_layout, src, dst, layers)
+    return plan_segments(src_layout, src, dst, layers, dst_layout=dst_layout)
+
+
+def check_transfer(src_layout: KVLayout, dst_layout: KVLayout, src: Sequence[int], dst: Sequence[int],
+                   layers: range | None = None) -> range:
+    """The checks of `plan_transfer` alone; returns the layer range (default: all layers)."""
     for name in _GEOMETRY:
         if getattr(src_layout, name) != getattr(dst_layout, name):
             raise TransferError("header", f"{name} differs: source {getattr(src_layout, name)!r}, "
@@ -90,9 +100,11 @@ def plan_transfer(src_layout: KVLayout, dst_layout: KVLayout, src: Sequence[int]
     layers = layers if layers is not None else range(src_layout.num_layers)
     if len(layers) == 0 or layers.step != 1 or layers.start < 0 or layers.stop > src_layout.num_layers:
         raise TransferError("header", f"layers {layers} not a non-empty slice of 0..{src_layout.num_layers}")
+    if len(src) != len(dst):
+        raise TransferError("header", f"{len(src)} source blocks but {len(dst)} destination blocks")
     _check_ids("source", src, src_layout.num_blocks)
     _check_ids("destination", dst, dst_layout.num_blocks)
-    return plan_segments(src_layout, src, dst, layers, dst_layout=dst_layout)
+    return layers
 
 
 def _check_ids(side: str, blocks: Sequence[int], num_blocks: int) -> None:

@@ -1,0 +1,325 @@
+"""KV transfer between two processes, as in production: a spawned child plays the prefill worker
+(owns a source KV cache filled with known random data and serves it through shm and tcp), this
+process plays the decode worker (reads into its own cache, verifies). Faults: flipped bits,
+truncated payloads, unreachable sources, header mismatches. Every wait has a timeout."""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import socket
+import time
+import uuid
+
+import pytest
+import torch
+
+from splitserve.engine.kv_cache.tensors import KVCacheTensors
+from splitserve.kv_transfer import (
+    KVHandoff,
+    KVLayout,
+    ShmTransport,
+    TcpTransport,
+    TransferError,
+    TransferHeader,
+    TransferState,
+    TransportEndpoint,
+    block_runs,
+    check_header,
+    choose_transport,
+    kv_checksum,
+    make_transport,
+    plan_segments,
+    verify_landed,
+    wait_transfer,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+SHM_PREFIX = "/dev/shm/splitserve-test-kv-"
+GEOM = dict(num_layers=4, block_size=4, num_kv_heads=2, head_dim=8)
+SRC_BLOCKS, DST_BLOCKS = 32, 24
+SEED = 1234
+FP = "tiny-model-fp"
+
+
+def layout(num_blocks: int, **over) -> KVLayout:
+    fields = dict(GEOM, num_blocks=num_blocks, dtype="float32", element_size=4, model_fingerprint=FP)
+    fields.update(over)
+    return KVLayout(**fields)
+
+
+def allocate(num_blocks: int, shm_path: str | None) -> KVCacheTensors:
+    g = GEOM
+    return KVCacheTensors.allocate(g["num_layers"], num_blocks, g["block_size"], g["num_kv_heads"], g["head_dim"],
+                                   torch.float32, shm_path=shm_path)
+
+
+def fill(storage: torch.Tensor, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    storage.copy_(torch.randn(storage.shape, generator=gen))
+
+
+# -- the child: a prefill worker serving its cache --------------------------------------------
+
+def serve_source(conn, shm_path: str) -> None:
+    kv = allocate(SRC_BLOCKS, shm_path)
+    fill(kv.storage, SEED)
+    lay = layout(SRC_BLOCKS)
+    transports = {"shm": ShmTransport(), "tcp": TcpTransport(),
+                  "tcp_truncate": TcpTransport(fault="truncate"), "tcp_stall": TcpTransport(fault="stall")}
+    conn.send({name: t.register(kv, lay, "host-a") for name, t in transports.items()})
+    raw = kv.storage.view(torch.uint8).view(-1)
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "checksum":
+                conn.send(kv_checksum(kv.storage, lay, args[0]))
+            elif cmd == "flip":  # xor one bit of the source (xor again to restore)
+                raw[args[0]] ^= 0x10
+                conn.send(True)
+            elif cmd == "stop":
+                break
+    finally:
+        for t in transports.values():
+            t.close()
+        kv.close()
+
+
+@pytest.fixture(scope="module")
+def source():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    path = f"{SHM_PREFIX}{uuid.uuid4().hex}"
+    proc = ctx.Process(target=serve_source, args=(child, path), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(60), "source process did not start"
+        endpoints = parent.recv()
+        yield Source(parent, endpoints)
+        parent.send(("stop",))
+        proc.join(10)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        for f in glob.glob(path + "*"):
+            os.unlink(f)
+
+
+class Source:
+    def __init__(self, conn, endpoints: dict[str, TransportEndpoint]) -> None:
+        self.conn, self.endpoints = conn, endpoints
+
+    def ask(self, *cmd):
+        self.conn.send(cmd)
+        assert self.conn.poll(20), f"source did not answer {cmd}"
+        return self.conn.recv()
+
+    def handoff(self, endpoint: str | TransportEndpoint, blocks, **header) -> KVHandoff:
+        ep = self.endpoints[endpoint] if isinstance(endpoint, str) else endpoint
+        fields = dict(request_id="req-1", model_fingerprint=FP, dtype="float32", block_size=GEOM["block_size"],
+                      num_layers=GEOM["num_layers"], num_blocks=len(blocks), lease_epoch=1)
+        fields.update(header)
+        return KVHandoff(request_id="req-1", first_token=7, first_logprob=None, num_prompt_tokens=len(blocks) * 4,
+                         num_cached_tokens=0, block_ids=tuple(blocks), endpoint=ep, lease_id="lease-1",
+                         lease_expires_at=time.time() + 30, header=TransferHeader(**fields),
+                         checksum=self.ask("checksum", tuple(blocks)))
+
+
+# -- this process: a decode worker --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def local():
+    kv = allocate(DST_BLOCKS, f"{SHM_PREFIX}{uuid.uuid4().hex}")
+    # "tcp_impatient" gives up on a silent source fast; "tcp" tolerates a loaded test machine.
+    transports = {"shm": ShmTransport(), "tcp": TcpTransport(connect_timeout=2.0, io_timeout=5.0),
+                  "tcp_impatient": TcpTransport(connect_timeout=1.0, io_timeout=0.5)}
+    for t in transports.values():
+        t.register(kv, layout(DST_BLOCKS), "host-b")
+    expected = torch.empty((GEOM["num_layers"], 2, SRC_BLOCKS, 4, 2, 8))
+    fill(expected, SEED)
+    yield kv, transports, expected
+    for t in transports.values():
+        t.close()
+    kv.close()
+    assert not os.path.exists(kv.shm_path)
+
+
+def pull(transport, handoff: KVHandoff, dst, layers=None):
+    handle = transport.read(handoff, dst, layers)
+    status = wait_transfer(transport, handle, timeout=10)
+    transport.release(handle)
+    return handle, status
+
+
+CASES = {
+    "scattered": ((3, 4, 5, 9, 1, 30, 17), (0, 1, 2, 7, 8, 20, 11)),
+    "contiguous": (tuple(range(8, 20)), tuple(range(4, 16))),
+}
+
+
+@pytest.mark.parametrize("name", ["shm", "tcp"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pull_lands_exact_bytes(source, local, name, case):
+    kv, transports, expected = local
+    src, dst = CASES[case]
+    kv.storage.zero_()
+    handoff = source.handoff(name, src)
+    check_header(handoff, layout(DST_BLOCKS))
+    handle, status = pull(transports[name], handoff, dst)
+    assert status.state is TransferState.DONE, status.reason
+    assert handle.nbytes == len(src) * layout(1).block_bytes * 2 * GEOM["num_layers"]
+    assert torch.equal(kv.storage[:, :, list(dst)], expected[:, :, list(src)])
+    untouched = sorted(set(range(DST_BLOCKS)) - set(dst))
+    assert not kv.storage[:, :, untouched].any()
+    verify_landed(kv, layout(DST_BLOCKS), handoff, dst)
+
+
+@pytest.mark.parametrize("name", ["shm", "tcp"])
+def test_pull_layer_range(source, local, name):
+    kv, transports, expected = local
+    src, dst = CASES["scattered"]
+    kv.storage.zero_()
+    _, status = pull(transports[name], source.handoff(name, src), dst, layers=range(1, 3))
+    assert status.state is TransferState.DONE, status.reason
+    assert torch.equal(kv.storage[1:3][:, :, list(dst)], expected[1:3][:, :, list(src)])
+    assert not kv.storage[[0, 3]].any()
+    assert kv_checksum(kv.storage, layout(DST_BLOCKS), dst, range(1, 3)) == \
+        kv_checksum(expected, layout(SRC_BLOCKS), src, range(1, 3))
+
+
+@pytest.mark.parametrize("name", ["shm", "tcp"])
+def test_flipped_bit_in_destination_is_corrupt(source, local, name):
+    kv, transports, _ = local
+    src, dst = CASES["contiguous"]
+    handoff = source.handoff(name, src)
+    assert pull(transports[name], handoff, dst)[1].state is TransferState.DONE
+    kv.storage.view(torch.uint8)[2, 1, dst[3]].view(-1)[5] ^= 0x01
+    with pytest.raises(TransferError) as e:
+        verify_landed(kv, layout(DST_BLOCKS), handoff, dst)
+    assert e.value.kind == "corrupt"
+
+
+@pytest.mark.parametrize("name", ["shm", "tcp"])
+def test_flipped_bit_in_source_after_checksum_is_corrupt(source, local, name):
+    kv, transports, _ = local
+    src, dst = CASES["scattered"]
+    handoff = source.handoff(name, src)  # checksum taken before the flip
+    offset = layout(SRC_BLOCKS).offset(1, 0, src[2]) + 3
+    source.ask("flip", offset)
+    try:
+        assert pull(transports[name], handoff, dst)[1].state is TransferState.DONE
+    finally:
+        source.ask("flip", offset)
+    with pytest.raises(TransferError) as e:
+        verify_landed(kv, layout(DST_BLOCKS), handoff, dst)
+    assert e.value.kind == "corrupt"
+
+
+def test_truncated_tcp_payload_fails(source, local):
+    _, transports, _ = local
+    src, dst = CASES["contiguous"]
+    _, status = pull(transports["tcp"], source.handoff("tcp_truncate", src), dst)
+    assert status.state is TransferState.FAILED and status.reason.kind == "truncated", status
+
+
+def test_stalled_tcp_source_times_out(source, local):
+    _, transports, _ = local
+    t0 = time.monotonic()
+    _, status = pull(transports["tcp_impatient"], source.handoff("tcp_stall", CASES["contiguous"][0]),
+                     CASES["contiguous"][1])
+    assert status.state is TransferState.FAILED and status.reason.kind in ("truncated", "unreachable"), status
+    assert time.monotonic() - t0 < 5
+
+
+def test_release_aborts_a_stalled_tcp_read_at_once(source, local):
+    _, transports, _ = local
+    tcp = transports["tcp"]  # io_timeout 5 s: only release() can end this one quickly
+    handle = tcp.read(source.handoff("tcp_stall", (1, 2)), (1, 2))
+    time.sleep(0.2)
+    assert tcp.poll(handle).state is TransferState.PENDING
+    t0 = time.monotonic()
+    tcp.release(handle)
+    handle.future.exception(timeout=3)
+    status = tcp.poll(handle)
+    assert status.state is TransferState.FAILED and status.reason.kind == "aborted", status
+    assert time.monotonic() - t0 < 2
+
+
+def test_dead_tcp_port_is_unreachable(source, local):
+    _, transports, _ = local
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ep = TransportEndpoint("tcp", "host-a", f"127.0.0.1:{port}", layout(SRC_BLOCKS))
+    t0 = time.monotonic()
+    _, status = pull(transports["tcp"], source.handoff(ep, (1, 2)), (1, 2))
+    assert status.state is TransferState.FAILED and status.reason.kind == "unreachable", status
+    assert time.monotonic() - t0 < 3
+
+
+def test_missing_or_short_shm_file_fails(source, local, tmp_path):
+    _, transports, _ = local
+    missing = TransportEndpoint("shm", "host-a", f"{SHM_PREFIX}missing-{uuid.uuid4().hex}", layout(SRC_BLOCKS))
+    _, status = pull(transports["shm"], source.handoff(missing, (1, 2)), (1, 2))
+    assert status.state is TransferState.FAILED and status.reason.kind == "unreachable", status
+    short = tmp_path / "short-kv"
+    short.write_bytes(b"\0" * 100)
+    ep = TransportEndpoint("shm", "host-a", str(short), layout(SRC_BLOCKS))
+    _, status = pull(transports["shm"], source.handoff(ep, (1, 2)), (1, 2))
+    assert status.state is TransferState.FAILED and status.reason.kind == "truncated", status
+    assert short.stat().st_size == 100  # the reader never grows a peer's file
+
+
+@pytest.mark.parametrize("field,value", [("model_fingerprint", "other-model"), ("dtype", "bfloat16"),
+                                         ("block_size", 16), ("num_layers", 2), ("num_blocks", 3)])
+def test_header_mismatch_names_the_field(source, field, value):
+    handoff = source.handoff("tcp", (1, 2), **{field: value})
+    with pytest.raises(TransferError, match=field) as e:
+        check_header(handoff, layout(DST_BLOCKS))
+    assert e.value.kind == "header"
+
+
+@pytest.mark.parametrize("name", ["shm", "tcp"])
+def test_transport_refuses_mismatched_geometry_and_bad_ids(source, local, name):
+    _, transports, _ = local
+    ep = source.endpoints[name]
+    wrong = TransportEndpoint(ep.transport, ep.host, ep.address, layout(SRC_BLOCKS, head_dim=16))
+    for handoff, dst in [(source.handoff(wrong, (1, 2)), (1, 2)),
+                         (source.handoff(name, (1, 2)), (1, DST_BLOCKS))]:  # dst id out of range
+        _, status = pull(transports[name], handoff, dst)
+        assert status.state is TransferState.FAILED and status.reason.kind == "header", status
+
+
+def test_segment_planning_merges_consecutive_runs():
+    src, dst = (3, 4, 5, 9, 1, 2), (0, 1, 2, 7, 8, 9)
+    assert block_runs(src, dst) == [(3, 0, 3), (9, 7, 1), (1, 8, 2)]
+    lay = layout(SRC_BLOCKS)
+    assert len(plan_segments(lay, src, dst)) == 3 * 2 * GEOM["num_layers"]
+    assert len(plan_segments(lay, src, dst, range(1, 3))) == 3 * 2 * 2
+    assert len(plan_segments(lay, tuple(range(10)), tuple(range(5, 15)))) == 2 * GEOM["num_layers"]
+    # different cache sizes: destination offsets follow the destination's layout
+    seg = plan_segments(lay, (1,), (2,), range(1, 2), dst_layout=layout(DST_BLOCKS))[1]  # layer 1, V
+    assert (seg.src_offset, seg.dst_offset) == (lay.offset(1, 1, 1), layout(DST_BLOCKS).offset(1, 1, 2))
+
+
+def test_shm_register_needs_shm_storage():
+    kv = allocate(4, None)
+    with pytest.raises(ValueError, match="shm_path"):
+        ShmTransport().register(kv, layout(4), "h")
+
+
+def test_make_and_choose_transport():
+    for name in ("tcp", "shm"):
+        t = make_transport(name)
+        assert t.name == name
+        t.close()
+    with pytest.raises(ValueError, match="nixl, shm, tcp"):
+        make_transport("carrier-pigeon")
+    ep = TransportEndpoint("tcp", "host-a", "x", layout(1))
+    assert choose_transport("host-a", ep, ["tcp", "shm", "nixl"]) == "shm"
+    assert choose_transport("host-b", ep, ["tcp", "shm", "nixl"]) == "nixl"
+    assert choose_transport("host-a", ep, ["tcp", "nixl"]) == "nixl"
+    assert choose_transport("host-b", ep, ["tcp", "shm"]) == "tcp"
