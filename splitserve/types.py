@@ -162,6 +162,8 @@ class WorkerStats:
     prefix_query_tokens_total: int
     prefix_hit_tokens_total: int
     steps_total: int
+    # Fitted step time: seconds ≈ c0 + c1·prefill tokens + c2·decode seqs + c3·decode context tokens
+    step_time_coeffs: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
 
     @property
     def kv_usage(self) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 import uuid
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, SamplingState, make_generator
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence, SeqStatus
+from splitserve.engine.step_model import StepTimeModel
 from splitserve.types import (
     ConfigError,
     FinishReason,
@@ -59,6 +61,7 @@ class Engine:
         self._detached: dict[str, list[int]] = {}  # blocks pinned for a KV handoff
         self._order = itertools.count()
         self._steps = 0
+        self.step_model = StepTimeModel()
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = ()) -> None:
@@ -157,6 +160,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return chunks
+        t0 = time.perf_counter()
         result = self.runner.run(sched)
         for item in sched.scheduled:
             self._advance(item.seq, item.num_new_tokens)
@@ -165,7 +169,13 @@ class Engine:
             for seq, tok, lp in zip(result.sample_seqs, out.token_ids, out.logprobs):
                 chunks.append(self._append(seq, tok, lp))
         self._steps += 1
+        self._observe(sched, time.perf_counter() - t0)
         return chunks
+
+    def _observe(self, sched, seconds: float) -> None:
+        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        self.step_model.observe(sched.num_tokens - len(decodes), len(decodes),
+                                sum(s.seq.num_computed_tokens for s in decodes), seconds)
 
     def _advance(self, seq: Sequence, n: int) -> None:
         seq.num_computed_tokens += n
@@ -219,6 +229,7 @@ class Engine:
             prefix_query_tokens_total=self.scheduler.prefix_query_tokens,
             prefix_hit_tokens_total=self.scheduler.prefix_hit_tokens,
             steps_total=self._steps,
+            step_time_coeffs=self.step_model.coeffs,
         )
 
     def drain_kv_events(self) -> list[KVEvent]:
