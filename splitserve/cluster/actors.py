@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import ray
 
 from splitserve.config import EngineConfig
@@ -18,16 +16,16 @@ def _engine_config(cfg, **overrides) -> EngineConfig:
     return EngineConfig.from_dict({"model": cfg.model, **cfg.engine, **overrides})
 
 
-def make_prefill(cfg, transport: str, index: int):
-    ecfg = _engine_config(cfg, kv_shared_memory=transport == "shm")
-    return PrefillActor.options(name=None, num_cpus=1).remote(
-        ecfg, transport, lease_s=cfg.lease_s, transport_options=cfg.prefill_transport_options)
+def make_prefill(cfg, transports: list[str], index: int):
+    ecfg = _engine_config(cfg, kv_shared_memory="shm" in transports)
+    return PrefillActor.options(num_cpus=1).remote(
+        ecfg, transports, lease_s=cfg.lease_s, transport_options=cfg.prefill_transport_options)
 
 
-def make_decode(cfg, transport: str, index: int):
+def make_decode(cfg, transports: list[str], index: int):
     return DecodeActor.options(num_cpus=1).remote(
-        _engine_config(cfg, kv_shared_memory=transport == "shm"), transport,
+        _engine_config(cfg, kv_shared_memory="shm" in transports), transports,
         on_transfer_failure=cfg.on_transfer_failure, fault=cfg.decode_fault)
 
 
-__all__ = ["PrefillActor", "DecodeActor", "make_prefill", "make_decode", "dataclasses"]
+__all__ = ["PrefillActor", "DecodeActor", "make_prefill", "make_decode"]

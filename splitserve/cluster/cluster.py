@@ -60,16 +60,26 @@ class ClusterConfig:
             raise ConfigError("disagg_min_tokens must be >= 0")
 
 
-def resolve_transport(name: str) -> str:
-    """`auto` on one host: shared memory (every worker of a local cluster shares this host)."""
-    return "shm" if name == "auto" else name
+def resolve_transports(name: str) -> list[str]:
+    """The transports every worker offers. `auto`: all that work here; each handoff then takes
+    the one that suits its pair (same host → shm, else nixl, else tcp)."""
+    if name != "auto":
+        return [name]
+    try:
+        import nixl  # noqa: F401
+
+        return ["shm", "nixl", "tcp"]
+    except ImportError:
+        return ["shm", "tcp"]
 
 
 class Cluster:
-    def __init__(self, cfg: ClusterConfig, prefills: list, decodes: list, started_ray: bool) -> None:
+    def __init__(self, cfg: ClusterConfig, prefills: list, decodes: list, started_ray: bool,
+                 readers: list[tuple[str, list[str]]]) -> None:
         self.cfg = cfg
         self.prefills = prefills
         self.decodes = decodes
+        self.readers = readers  # per decode worker: (host, transports), for endpoint choice
         self.tokenizer = Tokenizer(cfg.model)
         self._started_ray = started_ray
         self._rr_p = itertools.count()
@@ -99,11 +109,12 @@ class Cluster:
             # Logical CPUs: one per worker at least, so a small box still places every actor.
             ncpu = None if address else max(os.cpu_count() or 1, cfg.prefill + cfg.decode)
             ray.init(address=address, num_cpus=ncpu, include_dashboard=False, log_to_driver=False)
-        kind = resolve_transport(cfg.transport)
-        prefills = [make_prefill(cfg, kind, i) for i in range(cfg.prefill)]
-        decodes = [make_decode(cfg, kind, i) for i in range(cfg.decode)]
-        ray.get([p.stats.remote() for p in prefills] + [d.stats.remote() for d in decodes])  # wait until loaded
-        return cls(cfg, prefills, decodes, started)
+        kinds = resolve_transports(cfg.transport)
+        prefills = [make_prefill(cfg, kinds, i) for i in range(cfg.prefill)]
+        decodes = [make_decode(cfg, kinds, i) for i in range(cfg.decode)]
+        ray.get([p.stats.remote() for p in prefills])  # wait until loaded
+        readers = ray.get([d.reader_info.remote() for d in decodes])
+        return cls(cfg, prefills, decodes, started, readers)
 
     # -- requests -------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -133,10 +144,11 @@ class Cluster:
         text = RequestText(self.tokenizer, req.params, req.prompt_token_ids)
         timing = Timing(req.request_id)
         self.timings.append(timing)
-        decode = self.decodes[next(self._rr_d) % len(self.decodes)]
+        d = next(self._rr_d) % len(self.decodes)
+        decode = self.decodes[d]
         handoff, prefill, delivered = None, None, None
         if self.prefills and len(req.prompt_token_ids) >= self.cfg.disagg_min_tokens:
-            result, prefill = await self._prefill(req)
+            result, prefill = await self._prefill(req, self.readers[d])
             if result is not None:
                 timing.prefill_done_to_first_token_s = time.time() - result.done_at
                 delivered = time.monotonic()
@@ -148,13 +160,13 @@ class Cluster:
         await self._stream(decode, req, handoff, prefill, text, timing, delivered)
         return text
 
-    async def _prefill(self, req: Request):
+    async def _prefill(self, req: Request, reader: tuple[str, list[str]]):
         """Try prefill workers in turn; (None, None) when all fail (local prefill instead)."""
         start = next(self._rr_p)
         for k in range(len(self.prefills)):
             worker = self.prefills[(start + k) % len(self.prefills)]
             try:
-                return await worker.prefill.remote(req), worker
+                return await worker.prefill.remote(req, *reader), worker
             except Exception:  # the actor died or its engine failed: the next one, else locally
                 self.prefill_failures += 1
         return None, None

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import Engine
@@ -31,15 +32,18 @@ POLICIES = ("recompute", "fail")
 
 
 class DecodeWorker:
-    def __init__(self, config: EngineConfig, transport: str, on_transfer_failure: str = "recompute",
-                 transport_options: dict | None = None, fault: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, transports: Sequence[str], on_transfer_failure: str = "recompute",
+                 transport_options: dict | None = None, fault: str | None = None, host: str | None = None) -> None:
         if on_transfer_failure not in POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {POLICIES}, got {on_transfer_failure!r}")
         self.engine = Engine(config)
         self.loop = EngineLoop(self.engine)
         self.layout = layout_of(self.engine)
-        self.transport = make_transport(transport, **(transport_options or {}))
-        self.transport.register(self.engine.kv.storage, self.layout, "")
+        self.host = host or socket.gethostname()
+        self.transports = {t: make_transport(t, **(transport_options or {}).get(t, {})) for t in transports}
+        for tr in self.transports.values():
+            tr.register(self.engine.kv.storage, self.layout, self.host)
+        self.transfers_by_transport: dict[str, int] = {}
         self.policy = on_transfer_failure
         # Test hooks: "flip" corrupts landed data, "slow" starts the read after the lease lapsed,
         # "kill_prefill" kills the prefill actor before reading, "hold" keeps a pull in flight.
@@ -113,12 +117,18 @@ class DecodeWorker:
         await self.loop.call(verify_landed, self.engine.kv.storage, self.layout, h, dst)
 
     async def _read(self, h: KVHandoff, dst: list[int], prefill: Any) -> None:
-        handle = self.transport.read(h, dst)
+        transport = self.transports.get(h.endpoint.transport)
+        if transport is None:
+            raise TransferError("unreachable", f"handoff over {h.endpoint.transport!r}; this worker reads "
+                                f"{list(self.transports)}")
+        kind = h.endpoint.transport
+        self.transfers_by_transport[kind] = self.transfers_by_transport.get(kind, 0) + 1
+        handle = transport.read(h, dst)
         renew_every = max(0.05, (h.lease_expires_at - time.time()) / 3)
         next_renew = time.monotonic() + renew_every
         try:
             deadline = time.monotonic() + (10.0 if self.fault == "hold" else 0.0)
-            while (st := self.transport.poll(handle)).state is TransferState.PENDING or time.monotonic() < deadline:
+            while (st := transport.poll(handle)).state is TransferState.PENDING or time.monotonic() < deadline:
                 if h.request_id in self._aborted:
                     break  # release() below stops the transfer before the blocks are freed
                 if prefill is not None and time.monotonic() > next_renew:
@@ -126,11 +136,11 @@ class DecodeWorker:
                     next_renew = time.monotonic() + renew_every
                 await asyncio.sleep(0.0005)
         finally:
-            self.transport.release(handle)
+            transport.release(handle)
             # A released transfer may still be moving its last segment: the blocks are only
             # safe to free once the mover has stopped.
             deadline = time.monotonic() + 5.0
-            while self.transport.poll(handle).state is TransferState.PENDING and time.monotonic() < deadline:
+            while transport.poll(handle).state is TransferState.PENDING and time.monotonic() < deadline:
                 await asyncio.sleep(0.001)
         if h.request_id in self._aborted:
             raise TransferError("aborted", "the request was aborted during the transfer")
@@ -162,9 +172,15 @@ class DecodeWorker:
         await self.loop.call(self.engine.check_invariants)
         p = self.engine.pool
         return {"in_use": p.num_in_use, "free": p.num_free, "cached": p.num_cached, "total": p.num_blocks,
-                "transfer_failures": dict(self.transfer_failures)}
+                "transfer_failures": dict(self.transfer_failures),
+                "transfers_by_transport": dict(self.transfers_by_transport)}
+
+    async def reader_info(self) -> tuple[str, list[str]]:
+        """(host, transports): what a prefill worker needs to pick an endpoint for this reader."""
+        return self.host, list(self.transports)
 
     def close(self) -> None:
         self.loop.close()
-        self.transport.close()
+        for tr in self.transports.values():
+            tr.close()
         self.engine.close()

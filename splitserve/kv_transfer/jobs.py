@@ -58,6 +58,8 @@ class TransferPool:
         fut = handle.future
         if fut is None or not fut.done():
             return TransferStatus(TransferState.PENDING)
+        if fut.cancelled():  # queued when the transport closed
+            return TransferStatus(TransferState.FAILED, TransferError("aborted", "transport closed before the transfer ran"))
         exc = fut.exception()
         if exc is None:
             return TransferStatus(TransferState.DONE)

@@ -47,7 +47,7 @@ _REQ_MAGIC, _RESP_MAGIC = b"SKVQ", b"SKVD"
 _OK, _BAD_REQUEST = 0, 1
 _MAX_SEGMENTS = 1 << 22  # refuse absurd requests before allocating for them
 _IOV_BATCH = min(512, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 512)
-_BATCH_BYTES = 2 << 20
+_BATCH_BYTES = 1 << 20
 FAULTS = (None, "truncate", "drop", "stall")
 
 
@@ -91,13 +91,12 @@ def _advance(bufs: list[memoryview], i: int, n: int) -> int:
 
 
 def _batch(bufs: list[memoryview], i: int) -> list[memoryview]:
-    """The buffers for one sendmsg/recvmsg_into: up to _IOV_BATCH of them and about _BATCH_BYTES.
-    A syscall pays for every buffer it is handed (Python acquires each one), but moves at most a
-    socket buffer's worth; handing it 512 × 16 KiB when ~1 MiB will move made fragmented
-    transfers twice as slow."""
-    j, nbytes, end = i, 0, min(len(bufs), i + _IOV_BATCH)
-    while j < end and nbytes < _BATCH_BYTES:
-        nbytes += len(bufs[j])
+    """The buffers for one sendmsg/recvmsg_into: up to _IOV_BATCH of them, about _BATCH_BYTES.
+    A syscall pays for every buffer it is handed (Python acquires each one) but moves at most a
+    socket buffer's worth: offering 512 × 16 KiB when a few hundred KiB will move only costs."""
+    j, got, end = i, 0, min(len(bufs), i + _IOV_BATCH)
+    while j < end and got < _BATCH_BYTES:
+        got += len(bufs[j])
         j += 1
     return bufs[i:j]
 

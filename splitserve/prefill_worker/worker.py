@@ -14,12 +14,13 @@ import asyncio
 import socket
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine_loop import EngineLoop
-from splitserve.kv_transfer import make_transport
-from splitserve.kv_transfer.base import KVHandoff, TransferHeader
+from splitserve.kv_transfer import choose_transport, make_transport
+from splitserve.kv_transfer.base import KVHandoff, TransferHeader, TransportEndpoint
 from splitserve.kv_transfer.layout import layout_of
 from splitserve.kv_transfer.regions import kv_checksum
 from splitserve.prefill_worker.leases import LeaseTable
@@ -34,17 +35,33 @@ class PrefillResult:
 
 
 class PrefillWorker:
-    def __init__(self, config: EngineConfig, transport: str, lease_s: float = 30.0, host: str | None = None,
-                 transport_options: dict | None = None) -> None:
+    def __init__(self, config: EngineConfig, transports: Sequence[str], lease_s: float = 30.0,
+                 host: str | None = None, transport_options: dict | None = None) -> None:
         self.engine = Engine(config)
         self.loop = EngineLoop(self.engine)
         self.layout = layout_of(self.engine)
-        self.transport = make_transport(transport, **(transport_options or {}))
-        self.endpoint = self.transport.register(self.engine.kv.storage, self.layout, host or socket.gethostname())
+        self.host = host or socket.gethostname()
+        # Every transport this worker offers; each reader gets the endpoint that suits the pair.
+        self.transports = {t: make_transport(t, **(transport_options or {}).get(t, {})) for t in transports}
+        self.endpoints = {t: tr.register(self.engine.kv.storage, self.layout, self.host)
+                          for t, tr in self.transports.items()}
         self.leases = LeaseTable(lease_s)
         self._reaper: asyncio.Task | None = None
 
-    async def prefill(self, req: Request) -> PrefillResult:
+    def endpoint_for(self, reader_host: str | None, reader_transports: Sequence[str] | None) -> TransportEndpoint:
+        """Locality first (choose_transport): shm on the same host, else nixl, else tcp."""
+        offered = [t for t in self.transports if reader_transports is None or t in reader_transports]
+        if not offered:
+            raise ValueError(f"no transport in common: this worker offers {list(self.transports)}, "
+                             f"the reader takes {list(reader_transports or [])}")
+        if len(offered) == 1 or reader_host is None:
+            return self.endpoints[offered[0]]
+        some = next(iter(self.endpoints.values()))
+        return self.endpoints[choose_transport(reader_host, some, offered)]
+
+    async def prefill(self, req: Request, reader_host: str | None = None,
+                      reader_transports: Sequence[str] | None = None) -> PrefillResult:
+        endpoint = self.endpoint_for(reader_host, reader_transports)
         self._ensure_reaper()
         q = await self.loop.submit(req, prefill_only=True)
         try:
@@ -58,16 +75,16 @@ class PrefillWorker:
         done_at = time.time()
         if item.kv_blocks is None:
             return PrefillResult(item, None, done_at)
-        return PrefillResult(item, await self._handoff(req, item), done_at)
+        return PrefillResult(item, await self._handoff(req, item, endpoint), done_at)
 
-    async def _handoff(self, req: Request, chunk: TokenChunk) -> KVHandoff:
+    async def _handoff(self, req: Request, chunk: TokenChunk, endpoint: TransportEndpoint) -> KVHandoff:
         blocks = chunk.kv_blocks
         checksum = await self.loop.call(kv_checksum, self.engine.kv.storage, self.layout, blocks)
         lease = self.leases.grant(req.request_id)
         header = TransferHeader(req.request_id, self.layout.model_fingerprint, self.layout.dtype,
                                 self.layout.block_size, self.layout.num_layers, len(blocks), lease.epoch)
         return KVHandoff(req.request_id, chunk.token_ids[0], chunk.logprobs[0] if chunk.logprobs else None,
-                         chunk.num_prompt_tokens, chunk.num_cached_tokens, tuple(blocks), self.endpoint,
+                         chunk.num_prompt_tokens, chunk.num_cached_tokens, tuple(blocks), endpoint,
                          lease.lease_id, lease.expires_at, header, checksum)
 
     async def ack(self, lease_id: str) -> bool:
@@ -106,10 +123,8 @@ class PrefillWorker:
         return {"in_use": p.num_in_use, "free": p.num_free, "cached": p.num_cached, "total": p.num_blocks,
                 "leases": len(self.leases)}
 
-    async def endpoint_info(self):
-        return self.endpoint
-
     def close(self) -> None:
         self.loop.close()
-        self.transport.close()
+        for tr in self.transports.values():
+            tr.close()
         self.engine.close()

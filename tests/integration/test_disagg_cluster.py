@@ -66,6 +66,14 @@ def test_32_concurrent_requests_exact(ray_session, model, expected, transport):
         assert_drained(c)
 
 
+def test_auto_picks_shared_memory_on_one_host(ray_session, model, expected):
+    with Cluster.start(model=model, transport="auto", disagg_min_tokens=0, num_kv_blocks=256) as c:
+        outs = c.generate(prompts()[:8], SP)
+        assert [o.outputs[0].token_ids for o in outs] == expected[:8]
+        assert c.check_invariants()[-1]["transfers_by_transport"] == {"shm": 8}
+        assert_drained(c)
+
+
 def test_aggregated_path_below_threshold(ray_session, model, expected):
     with Cluster.start(model=model, transport="tcp", disagg_min_tokens=50, num_kv_blocks=256) as c:
         ps = prompts()
@@ -79,7 +87,7 @@ def test_aggregated_path_below_threshold(ray_session, model, expected):
 @pytest.mark.parametrize("fault,kind,extra", [
     ("flip", "corrupt", {}),
     ("slow", "lease_expired", {"lease_s": 0.3}),
-    (None, "truncated", {"prefill_transport_options": {"fault": "truncate"}}),
+    (None, "truncated", {"prefill_transport_options": {"tcp": {"fault": "truncate"}}}),
 ])
 def test_faults_recompute_to_the_right_answer(ray_session, model, expected, fault, kind, extra):
     n = 4

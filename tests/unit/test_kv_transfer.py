@@ -248,6 +248,18 @@ def test_release_aborts_a_stalled_tcp_read_at_once(source, local):
     assert time.monotonic() - t0 < 2
 
 
+def test_close_ends_inflight_reads(source):
+    tcp = TcpTransport(io_timeout=30.0)
+    tcp.register(allocate(DST_BLOCKS, None).storage, layout(DST_BLOCKS), "host-b")
+    handle = tcp.read(source.handoff("tcp_stall", (1, 2)), (1, 2))
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    tcp.close()
+    assert time.monotonic() - t0 < 3
+    status = tcp.poll(handle)
+    assert status.state is TransferState.FAILED and status.reason.kind == "aborted", status
+
+
 def test_dead_tcp_port_is_unreachable(source, local):
     _, transports, _ = local
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there

@@ -10,6 +10,7 @@ it on `close()`."""
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,14 @@ _SHM_FILES: dict[int, str] = {}
 def shm_path_of(storage: torch.Tensor) -> str | None:
     """The shared-memory file that backs `storage` (the whole allocation), or None."""
     return _SHM_FILES.get(storage.data_ptr()) if storage.device.type == "cpu" else None
+
+
+def _release_shm_file(path: str, data_ptr: int) -> None:
+    _SHM_FILES.pop(data_ptr, None)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _create_shm_file(path: str, nbytes: int) -> None:
@@ -36,7 +45,8 @@ def _create_shm_file(path: str, nbytes: int) -> None:
 class KVCacheTensors:
     storage: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     shm_path: str | None = None  # the file backing `storage`, when it is shared memory
-    _owns_file: bool = field(default=False, repr=False)
+    # set when this process created the file: unlinks it on close(), garbage collection or exit
+    _unlink: weakref.finalize | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -56,20 +66,15 @@ class KVCacheTensors:
             raise
         storage = flat.view(shape)
         _SHM_FILES[storage.data_ptr()] = shm_path
-        return cls(storage, shm_path=shm_path, _owns_file=True)
+        kv = cls(storage, shm_path=shm_path)
+        kv._unlink = weakref.finalize(kv, _release_shm_file, shm_path, storage.data_ptr())
+        return kv
 
     def close(self) -> None:
         """Unlink the shared-memory file if this process created it. Mappings already made (here
         or by peers) stay valid until dropped; the memory is freed when the last one goes."""
-        if self.shm_path is None:
-            return
-        _SHM_FILES.pop(self.storage.data_ptr(), None)
-        if self._owns_file:
-            self._owns_file = False
-            try:
-                os.unlink(self.shm_path)
-            except FileNotFoundError:
-                pass
+        if self._unlink is not None:
+            self._unlink()  # runs once; later calls are no-ops
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
