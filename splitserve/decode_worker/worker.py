@@ -169,10 +169,8 @@ class DecodeWorker:
         return await self.loop.call(self.engine.stats)
 
     async def check_invariants(self) -> dict:
-        await self.loop.call(self.engine.check_invariants)
-        p = self.engine.pool
-        return {"in_use": p.num_in_use, "free": p.num_free, "cached": p.num_cached, "total": p.num_blocks,
-                "transfer_failures": dict(self.transfer_failures),
+        counts = await self.loop.call(self.engine.block_counts)
+        return {**counts, "transfer_failures": dict(self.transfer_failures),
                 "transfers_by_transport": dict(self.transfers_by_transport)}
 
     async def reader_info(self) -> tuple[str, list[str]]:

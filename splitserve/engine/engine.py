@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 import time
 import uuid
-import time
 from pathlib import Path
 
 import torch
@@ -231,6 +230,12 @@ class Engine:
             steps_total=self._steps,
             step_time_coeffs=self.step_model.coeffs,
         )
+
+    def block_counts(self) -> dict[str, int]:
+        """Check the invariants, then report the pool's counts (for workers' health checks)."""
+        self.check_invariants()
+        p = self.pool
+        return {"in_use": p.num_in_use, "free": p.num_free, "cached": p.num_cached, "total": p.num_blocks}
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.pool.drain_events()

@@ -33,6 +33,21 @@ class AsyncHandle(TransferHandle):
             raise TransferError("aborted", f"transfer for {self.request_id} was released")
 
 
+def start_read(name: str, local_layout, src, dst_blocks, layers, plan):
+    """The checks every CPU-copy transport's read() makes before moving a byte. Returns the
+    handle and the plan, or a handle that is FAILED from the start (and None)."""
+    if local_layout is None:
+        raise RuntimeError("register the local KV cache before reading")
+    layers = layers if layers is not None else range(src.endpoint.layout.num_layers)
+    handle = AsyncHandle(src.request_id, src, tuple(dst_blocks), layers)
+    try:
+        if src.endpoint.transport != name:
+            raise TransferError("header", f"endpoint is for {src.endpoint.transport!r}, not {name!r}")
+        return handle, plan(handle)
+    except TransferError as e:
+        return TransferPool.failed(handle, e), None
+
+
 class TransferPool:
     """Runs transfer jobs; turns their outcome into TransferStatus."""
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransferHandle, TransferStatus, TransportEndpoint
-from splitserve.kv_transfer.jobs import AsyncHandle, TransferPool
+from splitserve.kv_transfer.jobs import AsyncHandle, TransferPool, start_read
 from splitserve.kv_transfer.regions import block_runs, check_transfer, storage_tensor
 
 _HOW_TO = ("ShmTransport needs KV storage backed by a shared-memory file: allocate it with "
@@ -71,16 +71,11 @@ class ShmTransport:
     # -- transfers ----------------------------------------------------------------------------
 
     def read(self, src: KVHandoff, dst_blocks: Sequence[int], layers: range | None = None) -> TransferHandle:
-        if self._dst is None or self._layout is None:
-            raise RuntimeError("register the local KV cache before reading")
-        layers = layers if layers is not None else range(src.endpoint.layout.num_layers)
-        handle = AsyncHandle(src.request_id, src, tuple(dst_blocks), layers)
-        try:
-            if src.endpoint.transport != self.name:
-                raise TransferError("header", f"endpoint is for {src.endpoint.transport!r}, not 'shm'")
-            layers = check_transfer(src.endpoint.layout, self._layout, src.block_ids, handle.dst_blocks, layers)
-        except TransferError as e:
-            return TransferPool.failed(handle, e)
+        handle, layers = start_read(self.name, self._layout if self._dst is not None else None, src, dst_blocks,
+                                    layers, lambda h: check_transfer(src.endpoint.layout, self._layout,
+                                                                     src.block_ids, h.dst_blocks, h.layers))
+        if layers is None:
+            return handle
         runs = block_runs(src.block_ids, handle.dst_blocks)
         handle.nbytes = len(layers) * 2 * sum(n for _, _, n in runs) * self._layout.block_bytes
         self._handles.add(handle)

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransferHandle, TransferStatus, TransportEndpoint
-from splitserve.kv_transfer.jobs import AsyncHandle, TransferPool
+from splitserve.kv_transfer.jobs import AsyncHandle, TransferPool, start_read
 from splitserve.kv_transfer.regions import Segment, byte_view, plan_transfer, storage_tensor
 
 VERSION = 1
@@ -323,16 +323,11 @@ class TcpTransport:
             return "127.0.0.1"
 
     def read(self, src: KVHandoff, dst_blocks: Sequence[int], layers: range | None = None) -> TransferHandle:
-        if self._dst is None or self._layout is None:
-            raise RuntimeError("register the local KV cache before reading")
-        layers = layers if layers is not None else range(src.endpoint.layout.num_layers)
-        handle = AsyncHandle(src.request_id, src, tuple(dst_blocks), layers)
-        try:
-            if src.endpoint.transport != self.name:
-                raise TransferError("header", f"endpoint is for {src.endpoint.transport!r}, not 'tcp'")
-            segments = plan_transfer(src.endpoint.layout, self._layout, src.block_ids, handle.dst_blocks, layers)
-        except TransferError as e:
-            return TransferPool.failed(handle, e)
+        handle, segments = start_read(self.name, self._layout if self._dst is not None else None, src, dst_blocks,
+                                      layers, lambda h: plan_transfer(src.endpoint.layout, self._layout,
+                                                                      src.block_ids, h.dst_blocks, h.layers))
+        if segments is None:
+            return handle
         handle.nbytes = sum(s.nbytes for s in segments)
         self._handles.add(handle)
         return self._pool.submit(handle, lambda: self._fetch(handle, src.endpoint.address, segments))

@@ -118,10 +118,7 @@ class PrefillWorker:
 
     async def check_invariants(self) -> dict:
         """Raises if the block invariant is broken; returns the counts for the caller's checks."""
-        await self.loop.call(self.engine.check_invariants)
-        p = self.engine.pool
-        return {"in_use": p.num_in_use, "free": p.num_free, "cached": p.num_cached, "total": p.num_blocks,
-                "leases": len(self.leases)}
+        return {**await self.loop.call(self.engine.block_counts), "leases": len(self.leases)}
 
     def close(self) -> None:
         self.loop.close()
