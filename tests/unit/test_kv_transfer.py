@@ -135,7 +135,8 @@ def local():
     kv = allocate(DST_BLOCKS, f"{SHM_PREFIX}{uuid.uuid4().hex}")
     # "tcp_impatient" gives up on a silent source fast; "tcp" tolerates a loaded test machine.
     transports = {"shm": ShmTransport(), "tcp": TcpTransport(connect_timeout=2.0, io_timeout=5.0),
-                  "tcp_impatient": TcpTransport(connect_timeout=1.0, io_timeout=0.5)}
+                  "tcp_impatient": TcpTransport(connect_timeout=1.0, io_timeout=0.5),
+                  "tcp_split": TcpTransport(connect_timeout=2.0, io_timeout=5.0, split_bytes=1)}
     for t in transports.values():
         t.register(kv, layout(DST_BLOCKS), "host-b")
     expected = torch.empty((GEOM["num_layers"], 2, SRC_BLOCKS, 4, 2, 8))
@@ -160,13 +161,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", ["shm", "tcp"])
+@pytest.mark.parametrize("name", ["shm", "tcp", "tcp_split"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pull_lands_exact_bytes(source, local, name, case):
+    """tcp_split: every transfer over two connections at once (large ones do that by default)."""
     kv, transports, expected = local
     src, dst = CASES[case]
     kv.storage.zero_()
-    handoff = source.handoff(name, src)
+    handoff = source.handoff(name.removesuffix("_split"), src)
     check_header(handoff, layout(DST_BLOCKS))
     handle, status = pull(transports[name], handoff, dst)
     assert status.state is TransferState.DONE, status.reason
