@@ -48,7 +48,8 @@ _OK, _BAD_REQUEST = 0, 1
 _MAX_SEGMENTS = 1 << 22  # refuse absurd requests before allocating for them
 _IOV_BATCH = min(512, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 512)
 _BATCH_BYTES = 1 << 20
-_SPLIT_BYTES = 4 << 20  # transfers this large use two connections
+_SPLIT_BYTES = 4 << 20  # transfers this large use several connections
+_STREAMS = 2  # measured on 2 cores, 64 MiB loopback: 1 → 2.9 GB/s, 2 → 3.3-3.5, 3 → 2.8, 4 → 2.7
 FAULTS = (None, "truncate", "drop", "stall")
 
 
@@ -122,15 +123,17 @@ def _recv_scatter(sock: socket.socket, bufs: list[memoryview], between: Callable
         i = _advance(bufs, i, n)
 
 
-def _halves(segments: list[Segment]) -> list[list[Segment]]:
-    """Split at the segment boundary nearest half the bytes (one part if there is none)."""
-    total, acc = sum(s.nbytes for s in segments), 0
-    for i, seg in enumerate(segments):
+def _split(segments: list[Segment], n: int) -> list[list[Segment]]:
+    """Up to n parts of about equal bytes, cut at segment boundaries."""
+    total = sum(s.nbytes for s in segments)
+    parts: list[list[Segment]] = [[]]
+    acc = 0
+    for seg in segments:
+        if parts[-1] and acc * n >= total * len(parts) and len(parts) < n:
+            parts.append([])
+        parts[-1].append(seg)
         acc += seg.nbytes
-        if acc * 2 >= total:
-            cut = i + 1 if i + 1 < len(segments) else i
-            return [segments[:cut], segments[cut:]] if 0 < cut < len(segments) else [segments]
-    return [segments]
+    return parts
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -296,8 +299,11 @@ class TcpTransport:
 
     def __init__(self, bind_host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  connect_timeout: float = 2.0, io_timeout: float = 10.0, idle_timeout: float = 300.0,
-                 max_workers: int = 4, fault: str | None = None, split_bytes: int = _SPLIT_BYTES) -> None:
-        self._split_bytes = split_bytes
+                 max_workers: int = 4, fault: str | None = None, split_bytes: int = _SPLIT_BYTES,
+                 streams: int = _STREAMS) -> None:
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
+        self._split_bytes, self._streams = split_bytes, streams
         if fault not in FAULTS:
             raise ValueError(f"fault must be one of {FAULTS}, not {fault!r}")
         self._bind_host, self._port, self._advertise_host = bind_host, port, advertise_host
@@ -348,24 +354,26 @@ class TcpTransport:
     def _fetch(self, handle: AsyncHandle, address: str, segments: list[Segment]) -> None:
         """Large transfers go over two connections at once: on loopback one stream stops at
         ~2.5 GB/s, well short of what two cores copy."""
-        parts = _halves(segments) if handle.nbytes >= self._split_bytes else [segments]
+        parts = _split(segments, self._streams) if handle.nbytes >= self._split_bytes else [segments]
         if len(parts) == 1:
             return self._fetch_part(handle, address, parts[0])
         errors: list[BaseException] = []
 
-        def second() -> None:
+        def other(part: list[Segment]) -> None:
             try:
-                self._fetch_part(handle, address, parts[1])
+                self._fetch_part(handle, address, part)
             except BaseException as e:  # reported through the first part's thread
                 errors.append(e)
-                handle.aborted.set()  # stop the other half early
+                handle.aborted.set()  # stop the other parts early
 
-        t = threading.Thread(target=second, name="kv-tcp-part", daemon=True)
-        t.start()
+        threads = [threading.Thread(target=other, args=(p,), name="kv-tcp-part", daemon=True) for p in parts[1:]]
+        for t in threads:
+            t.start()
         try:
             self._fetch_part(handle, address, parts[0])
         finally:
-            t.join()
+            for t in threads:
+                t.join()
         if errors:
             raise errors[0]
 
