@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 import uuid
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from splitserve.config import EngineConfig
 from splitserve.engine.attention import get_backend
 from splitserve.engine.kv_cache import BlockPool, KVCacheTensors, KVEvent
+from splitserve.engine.kv_cache.tensors import SHM_PREFIX, sweep_stale_shm
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_model, resolve_dtype
 from splitserve.engine.model_runner import ModelRunner
@@ -47,7 +49,10 @@ class Engine:
         torch.manual_seed(config.seed)
         model = load_model(Path(config.model), mc, self.dtype, self.max_model_len, self.device)
         num_blocks = config.num_kv_blocks or _blocks_for_memory(config, mc, self.dtype)
-        shm = f"/dev/shm/splitserve-kv-{uuid.uuid4().hex}" if config.kv_shared_memory else None
+        shm = None
+        if config.kv_shared_memory:
+            sweep_stale_shm(SHM_PREFIX)  # files of workers that died without cleaning up
+            shm = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         self.kv = KVCacheTensors.allocate(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
                                           mc.head_dim, self.dtype, self.device, shm_path=shm)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)

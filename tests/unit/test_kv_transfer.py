@@ -337,3 +337,18 @@ def test_make_and_choose_transport():
     assert choose_transport("host-b", ep, ["tcp", "shm", "nixl"]) == "nixl"
     assert choose_transport("host-a", ep, ["tcp", "nixl"]) == "nixl"
     assert choose_transport("host-b", ep, ["tcp", "shm"]) == "tcp"
+
+
+def test_sweep_removes_only_files_of_dead_owners(tmp_path):
+    import subprocess
+
+    from splitserve.engine.kv_cache.tensors import sweep_stale_shm
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    prefix = str(tmp_path / "splitserve-kv-")
+    stale, live, other = f"{prefix}{dead.pid}-a", f"{prefix}{os.getpid()}-b", str(tmp_path / "unrelated")
+    for f in (stale, live, other):
+        open(f, "wb").close()
+    assert sweep_stale_shm(prefix) == [os.path.basename(stale)]
+    assert not os.path.exists(stale) and os.path.exists(live) and os.path.exists(other)

@@ -87,3 +87,36 @@ class KVCacheTensors:
     @property
     def num_blocks(self) -> int:
         return self.storage.shape[2]
+
+
+SHM_PREFIX = "/dev/shm/splitserve-kv-"  # + "<owner pid>-<uuid>"
+
+
+def sweep_stale_shm(prefix: str = SHM_PREFIX) -> list[str]:
+    """Unlink shared-memory KV files whose owning process is gone (a worker killed with
+    SIGKILL never runs its cleanup, and /dev/shm is RAM). Returns what was removed."""
+    directory, stem = os.path.split(prefix)
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(stem):].split("-", 1)[0] if name.startswith(stem) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
