@@ -6,15 +6,11 @@ starts a small server thread that serves byte ranges of that cache; the endpoint
 the layout published in the endpoint), sends them in one small request over a pooled
 connection, and receives the bytes straight into its own cache at the destination offsets.
 
-Wire format (little endian, one request and one response per transfer, connections reused):
-  request   _REQ  magic "SKVQ", version, flags, xfer_id u64, len(request_id) u16, nseg u32
-            then request_id (utf-8), then nseg × (offset u64, length u64)
-  response  _RESP magic "SKVD", version, status, xfer_id u64, total bytes u64, nseg u32
-            then, when status is OK, the raw bytes of the segments in request order;
-            otherwise `total` bytes of a utf-8 error message.
-The server sends from memoryviews of its storage (`sendmsg` over slices, no staging copy) and the
-reader `recv_into`s memoryviews of its own storage. `xfer_id` ties a response to its request,
-so a pooled connection can never deliver a stale payload.
+Wire format and socket helpers: `tcp_wire`; the serving side: `tcp_server`. The server sends
+from memoryviews of its storage (`sendmsg` over slices, no staging copy) and the reader
+`recv_into`s memoryviews of its own storage; an `xfer_id` ties each response to its request, so
+a pooled connection can never deliver a stale payload. Transfers of 4 MiB or more are split over
+two connections (one loopback stream stops well short of what two cores can copy).
 
 Failures never hang (socket timeouts) and surface through `poll`: nothing listening or dropped
 before a response → FAILED("unreachable"); cut short mid-payload → FAILED("truncated"); a
@@ -26,101 +22,34 @@ request the server rejects (out-of-range segments, version skew) → FAILED("hea
 from __future__ import annotations
 
 import itertools
-import os
 import socket
-import struct
 import threading
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransferHandle, TransferStatus, TransportEndpoint
 from splitserve.kv_transfer.jobs import AsyncHandle, TransferPool, start_read
 from splitserve.kv_transfer.regions import Segment, byte_view, plan_transfer, storage_tensor
+from splitserve.kv_transfer.tcp_server import KVServer
+from splitserve.kv_transfer.tcp_wire import (
+    RESP,
+    RESP_MAGIC,
+    REQ,
+    REQ_MAGIC,
+    SEG,
+    OK,
+    VERSION,
+    Eof,
+    peer,
+    recv_exact,
+    recv_scatter,
+    shutdown,
+)
 
-VERSION = 1
-_REQ = struct.Struct("<4sHHQHI")
-_RESP = struct.Struct("<4sHHQQI")
-_SEG = np.dtype("<u8")  # the segment table: nseg × (offset, length), as one little-endian array
-_SEG_SIZE = 2 * _SEG.itemsize
-_REQ_MAGIC, _RESP_MAGIC = b"SKVQ", b"SKVD"
-_OK, _BAD_REQUEST = 0, 1
-_MAX_SEGMENTS = 1 << 22  # refuse absurd requests before allocating for them
-_IOV_BATCH = min(512, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 512)
-_BATCH_BYTES = 1 << 20
 _SPLIT_BYTES = 4 << 20  # transfers this large use several connections
 _STREAMS = 2  # measured on 2 cores, 64 MiB loopback: 1 → 2.9 GB/s, 2 → 3.3-3.5, 3 → 2.8, 4 → 2.7
 FAULTS = (None, "truncate", "drop", "stall")
-
-
-class _Eof(Exception):
-    """The peer closed the connection; `got` bytes of the current read had arrived."""
-
-    def __init__(self, got: int) -> None:
-        super().__init__(f"connection closed after {got} bytes")
-        self.got = got
-
-
-# -- socket helpers -----------------------------------------------------------------------------
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise _Eof(got)
-        got += n
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
-    return buf
-
-
-def _advance(bufs: list[memoryview], i: int, n: int) -> int:
-    """Consume n bytes from bufs[i:], trimming a partly used buffer in place; the next index."""
-    while n and i < len(bufs):
-        if n >= len(bufs[i]):
-            n -= len(bufs[i])
-            i += 1
-        else:
-            bufs[i] = bufs[i][n:]
-            n = 0
-    while i < len(bufs) and len(bufs[i]) == 0:
-        i += 1
-    return i
-
-
-def _batch(bufs: list[memoryview], i: int) -> list[memoryview]:
-    """The buffers for one sendmsg/recvmsg_into: up to _IOV_BATCH of them, about _BATCH_BYTES.
-    A syscall pays for every buffer it is handed (Python acquires each one) but moves at most a
-    socket buffer's worth: offering 512 × 16 KiB when a few hundred KiB will move only costs."""
-    j, got, end = i, 0, min(len(bufs), i + _IOV_BATCH)
-    while j < end and got < _BATCH_BYTES:
-        got += len(bufs[j])
-        j += 1
-    return bufs[i:j]
-
-
-def _send_all(sock: socket.socket, bufs: list[memoryview]) -> None:
-    """sendmsg over many buffers, resuming after partial sends; zero-copy from the caller's memory."""
-    i = _advance(bufs, 0, 0)
-    while i < len(bufs):
-        i = _advance(bufs, i, sock.sendmsg(_batch(bufs, i)))
-
-
-def _recv_scatter(sock: socket.socket, bufs: list[memoryview], between: Callable[[], None]) -> None:
-    """recvmsg_into many buffers at once: a fragmented block list costs few syscalls, not one
-    per 16 KiB segment. `between` runs between syscalls (the abort check)."""
-    i, got = _advance(bufs, 0, 0), 0
-    while i < len(bufs):
-        between()
-        n = sock.recvmsg_into(_batch(bufs, i))[0]
-        if n == 0:
-            raise _Eof(got)
-        got += n
-        i = _advance(bufs, i, n)
 
 
 def _split(segments: list[Segment], n: int) -> list[list[Segment]]:
@@ -139,116 +68,6 @@ def _split(segments: list[Segment], n: int) -> list[list[Segment]]:
 def _split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
-
-
-# -- the serving side ---------------------------------------------------------------------------
-
-class _KVServer:
-    """Serves byte ranges of one worker's KV storage; a thread per connection."""
-
-    def __init__(self, mem: memoryview, bind_host: str, port: int, io_timeout: float,
-                 idle_timeout: float, fault: str | None) -> None:
-        self._mem, self._io_timeout, self._idle_timeout, self._fault = mem, io_timeout, idle_timeout, fault
-        self._stop = threading.Event()
-        self._conns: set[socket.socket] = set()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._listener = socket.create_server((bind_host, port), backlog=64)
-        self._listener.settimeout(0.1)  # accept() wakes up to notice close()
-        self.port = self._listener.getsockname()[1]
-        self._spawn(self._accept_loop, "kv-tcp-accept")
-
-    def _spawn(self, target, name: str, *args) -> None:
-        t = threading.Thread(target=target, args=args, name=name, daemon=True)
-        with self._lock:
-            self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        t.start()
-
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except (socket.timeout, BlockingIOError):
-                continue
-            except OSError:
-                return  # listener closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._conns.add(conn)
-            self._spawn(self._serve, "kv-tcp-conn", conn)
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            while not self._stop.is_set() and self._serve_one(conn):
-                pass
-        except (OSError, _Eof, struct.error, UnicodeDecodeError):
-            pass  # the reader went away or spoke garbage: drop the connection, keep serving others
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
-
-    def _serve_one(self, conn: socket.socket) -> bool:
-        """Answer one request; False when the connection should close."""
-        conn.settimeout(self._idle_timeout)  # a pooled connection may sit idle between transfers
-        try:
-            head = _recv_exact(conn, _REQ.size)
-        except _Eof as e:
-            if e.got == 0:
-                return False  # clean close between requests
-            raise
-        conn.settimeout(self._io_timeout)
-        magic, version, _flags, xfer_id, rid_len, nseg = _REQ.unpack(head)
-        if magic != _REQ_MAGIC or version != VERSION or nseg > _MAX_SEGMENTS:
-            self._reply_error(conn, xfer_id, f"bad request: magic {magic!r}, version {version}, {nseg} segments")
-            return False
-        _recv_exact(conn, rid_len)  # request id: for logs only, the xfer id is what matches
-        table = np.frombuffer(_recv_exact(conn, nseg * _SEG_SIZE), dtype=_SEG).reshape(nseg, 2)
-        offsets, lengths = table[:, 0], table[:, 1]
-        bad = np.flatnonzero((offsets > len(self._mem)) | (lengths > len(self._mem) - np.minimum(offsets, len(self._mem))))
-        if bad.size:
-            seg = table[bad[0]].tolist()
-            self._reply_error(conn, xfer_id, f"segment {seg} outside the {len(self._mem)}-byte storage")
-            return True
-        return self._reply_data(conn, xfer_id, table.tolist())
-
-    def _reply_data(self, conn: socket.socket, xfer_id: int, segs: list[tuple[int, int]]) -> bool:
-        total = sum(n for _, n in segs)
-        views = [memoryview(_RESP.pack(_RESP_MAGIC, VERSION, _OK, xfer_id, total, len(segs)))]
-        views += [self._mem[o: o + n] for o, n in segs]
-        if self._fault == "drop":
-            return False
-        if self._fault == "stall":
-            self._stop.wait()
-            return False
-        if self._fault == "truncate":
-            views = _cut(views, len(views[0]) + total // 2)
-        _send_all(conn, views)
-        return self._fault is None
-
-    def _reply_error(self, conn: socket.socket, xfer_id: int, message: str) -> None:
-        msg = message.encode()
-        _send_all(conn, [memoryview(_RESP.pack(_RESP_MAGIC, VERSION, _BAD_REQUEST, xfer_id, len(msg), 0) + msg)])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._listener.close()
-        with self._lock:
-            conns, threads = list(self._conns), list(self._threads)
-        for c in conns:
-            _shutdown(c)
-        for t in threads:
-            t.join(timeout=5)
-
-
-def _cut(views: list[memoryview], nbytes: int) -> list[memoryview]:
-    out = []
-    for v in views:
-        if nbytes <= 0:
-            break
-        out.append(v[:nbytes])
-        nbytes -= len(out[-1])
-    return out
 
 
 # -- the reading side ---------------------------------------------------------------------------
@@ -310,7 +129,7 @@ class TcpTransport:
         self._io_timeout, self._idle_timeout, self._fault = io_timeout, idle_timeout, fault
         self._pool = TransferPool(self.name, max_workers)
         self._conns = _ConnPool(connect_timeout, io_timeout)
-        self._server: _KVServer | None = None
+        self._server: KVServer | None = None
         self._dst: memoryview | None = None
         self._layout: KVLayout | None = None
         self._handles: set[AsyncHandle] = set()
@@ -327,7 +146,7 @@ class TcpTransport:
         if len(mem) != layout.storage_bytes:
             raise ValueError(f"storage has {len(mem)} bytes, layout says {layout.storage_bytes}")
         self._dst, self._layout = mem, layout
-        self._server = _KVServer(mem, self._bind_host, self._port, self._io_timeout, self._idle_timeout, self._fault)
+        self._server = KVServer(mem, self._bind_host, self._port, self._io_timeout, self._idle_timeout, self._fault)
         address = f"{self._advertised_ip()}:{self._server.port}"
         return TransportEndpoint(transport=self.name, host=host, address=address, layout=layout)
 
@@ -404,26 +223,26 @@ class TcpTransport:
     def _exchange(self, sock: socket.socket, handle: AsyncHandle, xfer_id: int, segments: list[Segment],
                   pooled: bool) -> None:
         rid = handle.request_id.encode()[:65535]
-        request = _REQ.pack(_REQ_MAGIC, VERSION, 0, xfer_id, len(rid), len(segments)) + rid
-        request += np.array([(s.src_offset, s.nbytes) for s in segments], dtype=_SEG).tobytes()
+        request = REQ.pack(REQ_MAGIC, VERSION, 0, xfer_id, len(rid), len(segments)) + rid
+        request += np.array([(s.src_offset, s.nbytes) for s in segments], dtype=SEG).tobytes()
         try:
             sock.sendall(request)
-            head = _recv_exact(sock, _RESP.size)
-        except (_Eof, OSError) as e:
-            if pooled and (not isinstance(e, _Eof) or e.got == 0) and not isinstance(e, socket.timeout):
+            head = recv_exact(sock, RESP.size)
+        except (Eof, OSError) as e:
+            if pooled and (not isinstance(e, Eof) or e.got == 0) and not isinstance(e, socket.timeout):
                 raise _Stale() from None
-            raise TransferError("unreachable", f"no response from {_peer(sock)}: {e}") from None
+            raise TransferError("unreachable", f"no response from {peer(sock)}: {e}") from None
         total = self._check_response(sock, head, xfer_id, sum(s.nbytes for s in segments), len(segments))
         self._receive(sock, handle, segments, total)
 
     def _check_response(self, sock: socket.socket, head: bytes, xfer_id: int, nbytes: int, nseg: int) -> int:
-        magic, version, status, got_id, total, got_nseg = _RESP.unpack(head)
-        if magic != _RESP_MAGIC or version != VERSION:
-            raise TransferError("header", f"peer speaks {magic!r} v{version}, expected {_RESP_MAGIC!r} v{VERSION}")
+        magic, version, status, got_id, total, got_nseg = RESP.unpack(head)
+        if magic != RESP_MAGIC or version != VERSION:
+            raise TransferError("header", f"peer speaks {magic!r} v{version}, expected {RESP_MAGIC!r} v{VERSION}")
         if got_id != xfer_id:
             raise TransferError("internal", f"response for transfer {got_id}, expected {xfer_id}")
-        if status != _OK:
-            msg = _recv_exact(sock, min(total, 1 << 16)).decode(errors="replace")
+        if status != OK:
+            msg = recv_exact(sock, min(total, 1 << 16)).decode(errors="replace")
             raise TransferError("header", f"source rejected the request: {msg}")
         if total != nbytes or got_nseg != nseg:
             raise TransferError("header", f"source answers {total} bytes in {got_nseg} segments, asked {nbytes} in {nseg}")
@@ -433,8 +252,8 @@ class TcpTransport:
         dst = self._dst
         views = [dst[seg.dst_offset: seg.dst_offset + seg.nbytes] for seg in segments]
         try:
-            _recv_scatter(sock, views, handle.check_aborted)
-        except _Eof as e:
+            recv_scatter(sock, views, handle.check_aborted)
+        except Eof as e:
             raise TransferError("truncated", f"payload cut at {e.got} of {total} bytes") from None
         except OSError as e:  # includes timeouts: a stalled source must not hang the reader
             raise TransferError("truncated", f"payload of {total} bytes stopped: {e}") from None
@@ -449,7 +268,7 @@ class TcpTransport:
             with self._active_lock:
                 socks = list(self._active.get(handle, ()))
             for sock in socks:
-                _shutdown(sock)
+                shutdown(sock)
 
     def close(self) -> None:
         for h in list(self._handles):
@@ -461,22 +280,9 @@ class TcpTransport:
         with self._active_lock:
             active = [sock for socks in self._active.values() for sock in socks]
         for sock in active:  # wake readers blocked on a slow source; they end FAILED("aborted")
-            _shutdown(sock)
+            shutdown(sock)
         self._pool.close()
         self._conns.close()
         self._dst = None
 
 
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv/send on it
-    except OSError:
-        pass
-
-
-def _peer(sock: socket.socket) -> str:
-    try:
-        host, port = sock.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "peer"

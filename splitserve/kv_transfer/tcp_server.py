@@ -1,0 +1,129 @@
+"""The serving side of the TCP transport: a listener thread plus a thread per connection, each
+answering requests for byte ranges of this worker's KV storage straight from its memory.
+`fault` is a test hook: "truncate" (send half the payload, then close), "drop" (close without
+answering), "stall" (never answer).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import numpy as np
+
+from splitserve.kv_transfer.tcp_wire import (
+    BAD_REQUEST,
+    MAX_SEGMENTS,
+    OK,
+    REQ,
+    REQ_MAGIC,
+    RESP,
+    RESP_MAGIC,
+    SEG,
+    SEG_SIZE,
+    VERSION,
+    Eof,
+    cut,
+    recv_exact,
+    send_all,
+    shutdown,
+)
+
+
+class KVServer:
+    """Serves byte ranges of one worker's KV storage; a thread per connection."""
+
+    def __init__(self, mem: memoryview, bind_host: str, port: int, io_timeout: float,
+                 idle_timeout: float, fault: str | None) -> None:
+        self._mem, self._io_timeout, self._idle_timeout, self._fault = mem, io_timeout, idle_timeout, fault
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._listener = socket.create_server((bind_host, port), backlog=64)
+        self._listener.settimeout(0.1)  # accept() wakes up to notice close()
+        self.port = self._listener.getsockname()[1]
+        self._spawn(self._accept_loop, "kv-tcp-accept")
+
+    def _spawn(self, target, name: str, *args) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except (socket.timeout, BlockingIOError):
+                continue
+            except OSError:
+                return  # listener closed
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            self._spawn(self._serve, "kv-tcp-conn", conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._stop.is_set() and self._serve_one(conn):
+                pass
+        except (OSError, Eof, struct.error, UnicodeDecodeError):
+            pass  # the reader went away or spoke garbage: drop the connection, keep serving others
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _serve_one(self, conn: socket.socket) -> bool:
+        """Answer one request; False when the connection should close."""
+        conn.settimeout(self._idle_timeout)  # a pooled connection may sit idle between transfers
+        try:
+            head = recv_exact(conn, REQ.size)
+        except Eof as e:
+            if e.got == 0:
+                return False  # clean close between requests
+            raise
+        conn.settimeout(self._io_timeout)
+        magic, version, _flags, xfer_id, rid_len, nseg = REQ.unpack(head)
+        if magic != REQ_MAGIC or version != VERSION or nseg > MAX_SEGMENTS:
+            self._reply_error(conn, xfer_id, f"bad request: magic {magic!r}, version {version}, {nseg} segments")
+            return False
+        recv_exact(conn, rid_len)  # request id: for logs only, the xfer id is what matches
+        table = np.frombuffer(recv_exact(conn, nseg * SEG_SIZE), dtype=SEG).reshape(nseg, 2)
+        offsets, lengths = table[:, 0], table[:, 1]
+        bad = np.flatnonzero((offsets > len(self._mem)) | (lengths > len(self._mem) - np.minimum(offsets, len(self._mem))))
+        if bad.size:
+            seg = table[bad[0]].tolist()
+            self._reply_error(conn, xfer_id, f"segment {seg} outside the {len(self._mem)}-byte storage")
+            return True
+        return self._reply_data(conn, xfer_id, table.tolist())
+
+    def _reply_data(self, conn: socket.socket, xfer_id: int, segs: list[tuple[int, int]]) -> bool:
+        total = sum(n for _, n in segs)
+        views = [memoryview(RESP.pack(RESP_MAGIC, VERSION, OK, xfer_id, total, len(segs)))]
+        views += [self._mem[o: o + n] for o, n in segs]
+        if self._fault == "drop":
+            return False
+        if self._fault == "stall":
+            self._stop.wait()
+            return False
+        if self._fault == "truncate":
+            views = cut(views, len(views[0]) + total // 2)
+        send_all(conn, views)
+        return self._fault is None
+
+    def _reply_error(self, conn: socket.socket, xfer_id: int, message: str) -> None:
+        msg = message.encode()
+        send_all(conn, [memoryview(RESP.pack(RESP_MAGIC, VERSION, BAD_REQUEST, xfer_id, len(msg), 0) + msg)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        with self._lock:
+            conns, threads = list(self._conns), list(self._threads)
+        for c in conns:
+            shutdown(c)
+        for t in threads:
+            t.join(timeout=5)
