@@ -1,0 +1,222 @@
+"""Placement policy: filters → scorers in [0, 1] → a weighted picker, and the prefill/decode
+pair chosen jointly. Pure Python over small typed values: no Ray, no engine, so the simulator
+and the unit tests run exactly this code.
+
+Policies by name: `round_robin`, `least_loaded`, `power_of_two`, `cache_aware` (default: prefix
+overlap from the cluster KV index, weighed against queue length and KV usage, so a hot prefix
+does not pile every request on one worker). The PD decider sends a request whose uncached part
+is shorter than `disagg_min_tokens` to the decode worker alone (aggregated path).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import zlib
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from splitserve.hashing import BlockHash
+from splitserve.router.kv_index import KVIndex
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    host: str
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0  # in [0, 1]
+    free_blocks: int = 1 << 30
+    healthy: bool = True
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    request_id: str
+    num_tokens: int
+    block_hashes: tuple[BlockHash, ...]
+    block_size: int = 16
+
+    @property
+    def blocks_needed(self) -> int:
+        return -(-self.num_tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class Placement:
+    prefill: str | None  # None: aggregated (the decode worker prefills)
+    decode: str
+    cached_tokens: int  # expected prefix-cache hit on the worker that prefills
+    scores: tuple[tuple[str, float], ...] = ()
+
+
+class Filter(Protocol):
+    def __call__(self, req: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerView]: ...
+
+
+class Scorer(Protocol):
+    def score(self, req: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]: ...
+
+
+def available(req: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerView]:
+    """Healthy, not draining, with room for the request's blocks."""
+    return [w for w in workers if w.healthy and not w.draining and w.free_blocks >= req.blocks_needed]
+
+
+class PrefixScorer:
+    def __init__(self, index: KVIndex) -> None:
+        self.index = index
+
+    def score(self, req: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
+        n = max(1, len(req.block_hashes))
+        hits = self.index.overlap(req.block_hashes, [w.worker_id for w in workers])
+        return {w.worker_id: hits.get(w.worker_id, 0) / n for w in workers}
+
+
+class QueueScorer:
+    """1 / (1 + load / half): an idle worker scores 1, one with `half` requests 0.5. Absolute
+    rather than relative to the busiest worker, so one request more is not a cliff."""
+
+    def __init__(self, half: float = 8.0) -> None:
+        self.half = half
+
+    def score(self, req: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
+        return {w.worker_id: 1.0 / (1.0 + (w.num_waiting + w.num_running) / self.half) for w in workers}
+
+
+class KVUsageScorer:
+    def score(self, req: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
+        return {w.worker_id: 1.0 - min(1.0, max(0.0, w.kv_usage)) for w in workers}
+
+
+class WeightedPicker:
+    """Sum of weight × score; ties broken by a stable order so routing is reproducible."""
+
+    def __init__(self, scorers: Sequence[tuple[Scorer, float]]) -> None:
+        self.scorers = list(scorers)
+
+    def totals(self, req: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
+        total = {w.worker_id: 0.0 for w in workers}
+        for scorer, weight in self.scorers:
+            for wid, s in scorer.score(req, workers).items():
+                if not 0.0 <= s <= 1.0:
+                    raise ValueError(f"{type(scorer).__name__} scored {wid} {s}, outside [0, 1]")
+                total[wid] += weight * s
+        return total
+
+
+class Router:
+    """Chooses a (prefill, decode) pair for each request. Subclasses differ only in how they
+    rank workers of one pool (`rank`); pairing and the PD decision are shared."""
+
+    name = "base"
+
+    def __init__(self, index: KVIndex | None = None, disagg_min_tokens: int = 32,
+                 same_host_margin: float = 0.1) -> None:
+        self.index = index or KVIndex()
+        self.disagg_min_tokens = disagg_min_tokens
+        self.same_host_margin = same_host_margin
+
+    def rank(self, req: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def place(self, req: RouteRequest, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView]) -> Placement:
+        decodes = available(req, decodes)
+        if not decodes:
+            raise NoCapacity("no healthy decode worker with room for this request")
+        prefills = available(req, prefills)
+        hits = self.index.overlap(req.block_hashes)
+        d_scores = self.rank(req, decodes)
+        best_d = max(decodes, key=lambda w: (d_scores[w.worker_id], -_order(w)))
+        d_cached = self._cached_tokens(req, hits.get(best_d.worker_id, 0))
+        if not prefills or req.num_tokens - d_cached < self.disagg_min_tokens:
+            return Placement(None, best_d.worker_id, d_cached, tuple(sorted(d_scores.items())))
+        p_scores = self.rank(req, prefills)
+        best_p = self._pick_prefill(prefills, p_scores, best_d)
+        p_cached = self._cached_tokens(req, hits.get(best_p.worker_id, 0))
+        return Placement(best_p.worker_id, best_d.worker_id, p_cached, tuple(sorted({**p_scores, **d_scores}.items())))
+
+    @staticmethod
+    def _cached_tokens(req: RouteRequest, blocks: int) -> int:
+        # As the engine reuses them: whole blocks, and never the block holding the last token
+        # (its logits must be computed).
+        return min(blocks, (req.num_tokens - 1) // req.block_size) * req.block_size
+
+    def _pick_prefill(self, prefills: Sequence[WorkerView], scores: dict[str, float], decode: WorkerView) -> WorkerView:
+        """The best prefill worker, or a same-host one whose score is within the margin (KV over
+        shared memory beats KV over the network)."""
+        best = max(prefills, key=lambda w: (scores[w.worker_id], -_order(w)))
+        near = [w for w in prefills if w.host == decode.host
+                and scores[w.worker_id] >= scores[best.worker_id] - self.same_host_margin]
+        return max(near, key=lambda w: (scores[w.worker_id], -_order(w))) if near else best
+
+
+class NoCapacity(RuntimeError):
+    """No worker can take the request now (all unhealthy, draining or full)."""
+
+
+def _order(w: WorkerView) -> int:
+    # A stable, id-derived order for ties: the same on every router replica and every run
+    # (str hash() is salted per process).
+    return zlib.crc32(w.worker_id.encode())
+
+
+class RoundRobin(Router):
+    name = "round_robin"
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self._turns: dict[str, itertools.count] = {}  # one turn per pool
+
+    def rank(self, req, workers):
+        turn = self._turns.setdefault(workers[0].role, itertools.count())
+        pick = workers[next(turn) % len(workers)].worker_id
+        return {w.worker_id: 1.0 if w.worker_id == pick else 0.0 for w in workers}
+
+
+class LeastLoaded(Router):
+    name = "least_loaded"
+
+    def rank(self, req, workers):
+        return WeightedPicker([(QueueScorer(), 1.0), (KVUsageScorer(), 0.5)]).totals(req, workers)
+
+
+class PowerOfTwo(Router):
+    """Two workers at random, the less loaded of them: near least-loaded balance, no herding."""
+
+    name = "power_of_two"
+
+    def __init__(self, *a, seed: int = 0, **kw) -> None:
+        super().__init__(*a, **kw)
+        self._rng = random.Random(seed)
+
+    def rank(self, req, workers):
+        two = self._rng.sample(list(workers), min(2, len(workers)))
+        load = {w.worker_id: w.num_waiting + w.num_running + w.kv_usage for w in two}
+        pick = min(two, key=lambda w: load[w.worker_id]).worker_id
+        return {w.worker_id: 1.0 if w.worker_id == pick else 0.0 for w in workers}
+
+
+class CacheAware(Router):
+    name = "cache_aware"
+
+    def __init__(self, *a, prefix_weight: float = 1.0, queue_weight: float = 1.0, kv_weight: float = 0.5,
+                 **kw) -> None:
+        super().__init__(*a, **kw)
+        self.picker = WeightedPicker([(PrefixScorer(self.index), prefix_weight), (QueueScorer(), queue_weight),
+                                      (KVUsageScorer(), kv_weight)])
+
+    def rank(self, req, workers):
+        return self.picker.totals(req, workers)
+
+
+POLICIES = {cls.name: cls for cls in (RoundRobin, LeastLoaded, PowerOfTwo, CacheAware)}
+
+
+def make_router(name: str = "cache_aware", **kwargs) -> Router:
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}")
+    return POLICIES[name](**kwargs)

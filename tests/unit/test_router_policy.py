@@ -1,0 +1,138 @@
+"""Router core: the KV index, the policies, the joint (prefill, decode) choice and the PD
+decision — including a simulated shared-prefix workload where cache_aware must reach the
+analytic maximum prefix-cache hit rate that round_robin cannot."""
+
+import pytest
+
+from splitserve.engine.kv_cache.block_pool import BlockRemoved, BlockStored
+from splitserve.hashing import block_hashes
+from splitserve.router import KVIndex, NoCapacity, RouteRequest, WorkerView, make_router
+from splitserve.router.policy import WeightedPicker
+
+BS = 16
+
+
+def req(tokens, rid="r"):
+    return RouteRequest(rid, len(tokens), tuple(block_hashes(tokens, BS)), BS)
+
+
+def workers(role, n, host="h0", **kw):
+    return [WorkerView(f"{role}{i}", role, host, **kw) for i in range(n)]
+
+
+def test_index_leading_overlap_and_removal():
+    idx = KVIndex()
+    h = block_hashes(list(range(64)), BS)
+    idx.apply("a", [BlockStored(tuple(h))])
+    idx.apply("b", [BlockStored(tuple(h[:2]))])
+    assert idx.overlap(h) == {"a": 4, "b": 2}
+    idx.apply("a", [BlockRemoved((h[1],))])  # a hole ends a's prefix there
+    assert idx.overlap(h) == {"a": 1, "b": 2}
+    assert idx.overlap(h, ["a", "c"]) == {"a": 1, "c": 0}
+    idx.remove_worker("b")
+    assert idx.overlap(h) == {"a": 1}
+
+
+def test_index_is_bounded():
+    idx = KVIndex(max_hashes=10)
+    for i in range(5):
+        idx.apply("w", [BlockStored(tuple(block_hashes(list(range(i * 100, i * 100 + 64)), BS)))])
+    assert len(idx) == 10
+
+
+def test_filters_and_no_capacity():
+    r = req(list(range(100)))
+    dec = [WorkerView("d0", "decode", "h", healthy=False), WorkerView("d1", "decode", "h", draining=True),
+           WorkerView("d2", "decode", "h", free_blocks=3)]
+    with pytest.raises(NoCapacity):
+        make_router("least_loaded").place(r, [], dec)
+    ok = dec + [WorkerView("d3", "decode", "h", free_blocks=100)]
+    assert make_router("least_loaded").place(r, [], ok).decode == "d3"
+
+
+def test_round_robin_alternates_and_least_loaded_picks_min():
+    r = req(list(range(100)))
+    rr = make_router("round_robin", disagg_min_tokens=0)
+    picks = [rr.place(r, workers("p", 2), workers("d", 1)).prefill for _ in range(4)]
+    assert picks == ["p0", "p1", "p0", "p1"]
+    busy = [WorkerView("p0", "prefill", "h", num_waiting=5), WorkerView("p1", "prefill", "h", num_waiting=1)]
+    assert make_router("least_loaded", disagg_min_tokens=0).place(r, busy, workers("d", 1)).prefill == "p1"
+
+
+def test_power_of_two_never_picks_the_most_loaded():
+    r = req(list(range(100)))
+    ws = [WorkerView(f"p{i}", "prefill", "h", num_running=i) for i in range(3)]
+    router = make_router("power_of_two", disagg_min_tokens=0, seed=1)
+    picks = {router.place(r, ws, workers("d", 1)).prefill for _ in range(50)}
+    assert "p2" not in picks and picks == {"p0", "p1"}
+
+
+def test_cache_aware_follows_the_prefix_unless_the_holder_is_swamped():
+    tokens = list(range(320))
+    r = req(tokens)
+    router = make_router("cache_aware", disagg_min_tokens=0)
+    router.index.apply("p1", [BlockStored(r.block_hashes)])
+    pl = router.place(r, workers("p", 3), workers("d", 1))
+    assert pl.prefill == "p1" and pl.cached_tokens == 304  # the last token is always recomputed
+    swamped = [WorkerView("p0", "prefill", "h"), WorkerView("p1", "prefill", "h", num_waiting=50, kv_usage=1.0),
+               WorkerView("p2", "prefill", "h", num_waiting=1)]
+    assert router.place(r, swamped, workers("d", 1)).prefill == "p0"
+
+
+def test_pd_decider_uses_the_uncached_part():
+    tokens = list(range(200))
+    r = req(tokens)
+    router = make_router("cache_aware", disagg_min_tokens=64)
+    assert router.place(r, workers("p", 1), workers("d", 1)).prefill == "p0"  # 200 uncached
+    router.index.apply("d0", [BlockStored(r.block_hashes[:10])])  # 160 cached on the decode worker
+    pl = router.place(r, workers("p", 1), workers("d", 1))
+    assert pl.prefill is None and pl.cached_tokens == 160  # 40 uncached < 64: aggregated
+    assert make_router("cache_aware", disagg_min_tokens=64).place(req(tokens[:30]), workers("p", 1),
+                                                                  workers("d", 1)).prefill is None
+
+
+def test_same_host_pair_preferred_within_margin():
+    r = req(list(range(100)))
+    pre = [WorkerView("far", "prefill", "h1"), WorkerView("near", "prefill", "h0", num_waiting=1)]
+    dec = [WorkerView("d0", "decode", "h0")]
+    router = make_router("least_loaded", disagg_min_tokens=0, same_host_margin=0.6)
+    assert router.place(r, pre, dec).prefill == "near"
+    router = make_router("least_loaded", disagg_min_tokens=0, same_host_margin=0.0)
+    assert router.place(r, pre, dec).prefill == "far"
+
+
+def test_scores_outside_unit_interval_are_refused():
+    class Bad:
+        def score(self, req, ws):
+            return {w.worker_id: 2.0 for w in ws}
+
+    with pytest.raises(ValueError, match="outside"):
+        WeightedPicker([(Bad(), 1.0)]).totals(req([1] * 20), workers("p", 1))
+
+
+def test_unknown_policy_lists_known():
+    with pytest.raises(ValueError, match="cache_aware"):
+        make_router("random_walk")
+
+
+@pytest.mark.parametrize("policy,min_fraction", [("cache_aware", 0.95), ("round_robin", 0.0)])
+def test_shared_prefix_hit_rate(policy, min_fraction):
+    """8 groups × 8 prompts (512-token system prompt + 64-token question), 2 prefill workers.
+    Each worker's cache is simulated from the router's own placements (BlockStored events)."""
+    router = make_router(policy, disagg_min_tokens=0)
+    pre, dec = workers("p", 2), workers("d", 1)
+    hit = best = 0
+    for g in range(8):
+        system = [10_000 + g * 1000 + i for i in range(512)]
+        for q in range(8):
+            tokens = system + [(g * 8 + q) * 100 + i for i in range(64)]
+            r = req(tokens, f"{g}-{q}")
+            pl = router.place(r, pre, dec)
+            hit += pl.cached_tokens
+            best += 0 if q == 0 else 512  # analytic max: only a group's first prompt misses
+            router.index.apply(pl.prefill, [BlockStored(r.block_hashes)])
+    frac = hit / best
+    if policy == "cache_aware":
+        assert frac >= min_fraction, frac
+    else:
+        assert frac < 0.95, f"round robin should split groups across workers, got {frac}"
