@@ -1,0 +1,71 @@
+"""The `splitserve bench` handler: parsed arguments -> dataset and config -> run -> JSON + PNG.
+
+The arguments themselves are declared in `splitserve/cli.py` (`_add_bench`); this module turns
+them into typed values, with a clear error for every bad combination.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Iterator
+
+from splitserve.bench.datasets import BenchRequest, mooncake_requests, random_requests, shared_prefix_requests
+from splitserve.bench.metrics import Slo, format_summary
+from splitserve.bench.runner import BenchConfig, LoadConfig, run_bench, write_results
+
+DEFAULT_RANDOM_REQUESTS = 100  # the random dataset is endless; without bounds it sends this many
+
+
+def dataset_from_args(args: argparse.Namespace) -> tuple[Iterator[BenchRequest], int | None]:
+    """The request iterator and its length when known."""
+    if args.dataset == "random":
+        return random_requests(args.input_len, args.output_len, args.seed, args.vocab_size), None
+    if args.dataset == "shared-prefix":
+        n = args.num_groups * args.prompts_per_group
+        return shared_prefix_requests(args.num_groups, args.prompts_per_group, args.system_prompt_len,
+                                      args.question_len, args.output_len[1], args.seed, args.vocab_size), n
+    if args.dataset == "mooncake":
+        if not args.trace:
+            raise ValueError("--dataset mooncake needs --trace FILE.jsonl")
+        reqs = list(mooncake_requests(args.trace, args.time_scale, args.max_requests, args.seed, args.vocab_size,
+                                      max_output_len=args.max_output_len))
+        return iter(reqs), len(reqs)
+    raise ValueError(f"unknown dataset {args.dataset!r}")
+
+
+def load_from_args(args: argparse.Namespace) -> LoadConfig:
+    if args.rate is not None and args.concurrency is not None:
+        raise ValueError("give either --rate (open loop) or --concurrency (closed loop), not both")
+    trace = args.dataset == "mooncake" and args.rate is None and args.concurrency is None
+    if args.rate is None and args.concurrency is None and not trace:
+        raise ValueError(f"--dataset {args.dataset} needs a load: --rate R (req/s, 'inf' for all at once) "
+                         "or --concurrency N")
+    num = args.num_requests
+    if args.dataset == "random" and num is None and args.duration is None:
+        num = DEFAULT_RANDOM_REQUESTS
+    return LoadConfig(rate=args.rate, concurrency=args.concurrency, trace_timestamps=trace, num_requests=num,
+                      duration_s=args.duration, drain_timeout_s=args.drain_timeout, seed=args.seed)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    load = load_from_args(args)
+    config = BenchConfig(args.url, args.model, load, Slo(args.ttft_slo_ms, args.tpot_slo_ms),
+                         request_timeout_s=args.request_timeout, ignore_eos=not args.no_ignore_eos,
+                         progress=not args.quiet)
+    requests, total = dataset_from_args(args)
+    print(f"splitserve bench: {args.dataset} -> {config.endpoint} ({load.mode})", file=sys.stderr)
+    run = run_bench(config, requests, total)
+    meta = {"dataset": args.dataset, "dataset_args": _dataset_args(args)}
+    out, png = write_results(run, config, args.out, meta=meta, plot=not args.no_plot)
+    print(format_summary(run.summary))
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
+    return 0
+
+
+def _dataset_args(args: argparse.Namespace) -> dict:
+    keys = {"random": ("input_len", "output_len", "vocab_size", "seed"),
+            "shared-prefix": ("num_groups", "prompts_per_group", "system_prompt_len", "question_len", "output_len",
+                              "vocab_size", "seed"),
+            "mooncake": ("trace", "time_scale", "max_requests", "max_output_len", "vocab_size", "seed")}
+    return {k: getattr(args, k) for k in keys[args.dataset]}

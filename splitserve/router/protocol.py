@@ -1,0 +1,214 @@
+"""The OpenAI-compatible request surface (DESIGN.md §1 step 1): JSON bodies of
+/v1/completions and /v1/chat/completions turned into small typed requests, or an `APIError`
+carrying the OpenAI error shape and the right HTTP status. Nothing here does I/O, so the HTTP
+and gRPC ingresses and the tests share exactly this validation.
+
+Bad input is always a 4xx with a message naming the parameter: wrong types (a bool is not an
+integer), NaN or out-of-range numbers, unknown models (404), unsupported parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from splitserve.types import ConfigError, Priority, SamplingParams
+
+Prompt = str | tuple[int, ...]
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+                              429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What every generation request carries besides its prompt."""
+
+    model: str
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    user: str | None
+    priority: Priority
+    ttft_slo_ms: float | None
+    tpot_slo_ms: float | None
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompts: tuple[Prompt, ...]
+    options: RequestOptions
+    echo: bool
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: tuple[dict[str, str], ...]
+    options: RequestOptions
+    logprobs: bool
+
+
+def _bad(param: str, msg: str) -> APIError:
+    return APIError(400, f"'{param}': {msg}", param)
+
+
+def _get(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in kinds:
+        raise _bad(name, f"expected {' or '.join(k.__name__ for k in kinds)}, got a boolean")
+    if not isinstance(v, kinds):
+        raise _bad(name, f"expected {' or '.join(k.__name__ for k in kinds)}, got {type(v).__name__}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise _bad(name, f"must be a finite number, got {v}")
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+        raise _bad("stop", "expected a non-empty string or a list of at most 16 non-empty strings")
+    return tuple(stop)
+
+
+def _int_list(v: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise _bad(name, "expected a list of integers")
+    return tuple(v)
+
+
+_NUM = (int, float)
+_UNSUPPORTED = ("suffix", "logit_bias", "tools", "functions", "response_format")
+
+
+def _options(body: dict, served: Sequence[str], logprobs: int | None, max_tokens: int | None) -> RequestOptions:
+    model = _get(body, "model", (str,))
+    if model is None:
+        raise _bad("model", "is required")
+    if model not in served:
+        raise APIError(404, f"The model '{model}' does not exist; served: {', '.join(served)}", "model",
+                       code="model_not_found")
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, [], {}):
+            raise _bad(name, "is not supported")
+    n = _get(body, "n", (int,), 1)
+    best_of = _get(body, "best_of", (int,), n)
+    if best_of != n:
+        raise _bad("best_of", "only best_of == n is supported")
+    stream = _get(body, "stream", (bool,), False)
+    so = _get(body, "stream_options", (dict,), {})
+    if so and not stream:
+        raise _bad("stream_options", "is only allowed with stream: true")
+    try:
+        params = SamplingParams(
+            n=n, temperature=float(_get(body, "temperature", _NUM, 1.0)), top_p=float(_get(body, "top_p", _NUM, 1.0)),
+            top_k=_get(body, "top_k", (int,), 0), min_p=float(_get(body, "min_p", _NUM, 0.0)),
+            presence_penalty=float(_get(body, "presence_penalty", _NUM, 0.0)),
+            frequency_penalty=float(_get(body, "frequency_penalty", _NUM, 0.0)),
+            repetition_penalty=float(_get(body, "repetition_penalty", _NUM, 1.0)),
+            seed=_get(body, "seed", (int,)), max_tokens=max_tokens, min_tokens=_get(body, "min_tokens", (int,), 0),
+            stop=_stop(body), stop_token_ids=_int_list(body.get("stop_token_ids") or [], "stop_token_ids"),
+            ignore_eos=_get(body, "ignore_eos", (bool,), False),
+            include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
+            logprobs=logprobs, skip_special_tokens=_get(body, "skip_special_tokens", (bool,), True))
+    except ConfigError as e:
+        raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
+    return RequestOptions(model, params, stream, bool(_get(so, "include_usage", (bool,), False)),
+                          _get(body, "user", (str,)), _priority(body), _slo(body, "ttft_slo_ms"),
+                          _slo(body, "tpot_slo_ms"))
+
+
+def _priority(body: dict) -> Priority:
+    p = _get(body, "priority", (str,), "standard")
+    try:
+        return Priority[p.upper()]
+    except KeyError:
+        raise _bad("priority", "expected critical, standard or sheddable") from None
+
+
+def _slo(body: dict, name: str) -> float | None:
+    v = _get(body, name, _NUM)
+    if v is not None and v <= 0:
+        raise _bad(name, "must be positive")
+    return None if v is None else float(v)
+
+
+def _max_tokens(body: dict, *names: str) -> int | None:
+    for name in names:
+        v = _get(body, name, (int,))
+        if v is not None:
+            if v < 1:
+                raise _bad(name, f"must be at least 1, got {v}")
+            return v
+    return None
+
+
+def _prompts(body: dict) -> tuple[Prompt, ...]:
+    p = body.get("prompt")
+    if isinstance(p, str) and p:
+        return (p,)
+    if isinstance(p, list) and p:
+        if all(isinstance(x, str) and x for x in p):
+            return tuple(p)
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return (tuple(p),)
+        if all(isinstance(x, list) and x for x in p):
+            return tuple(_int_list(x, "prompt") for x in p)
+    raise _bad("prompt", "expected a non-empty string, list of strings, list of token ids or list of such lists")
+
+
+def parse_completion(body: Any, served: Sequence[str]) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    lp = _get(body, "logprobs", (int,))
+    if lp is not None and not 0 <= lp <= 5:
+        raise _bad("logprobs", "must be between 0 and 5")
+    prompts = _prompts(body)
+    opts = _options(body, served, lp, _max_tokens(body, "max_tokens") or (None if "max_tokens" in body else 16))
+    return CompletionRequest(prompts, opts, bool(_get(body, "echo", (bool,), False)))
+
+
+def parse_chat(body: Any, served: Sequence[str]) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "expected a non-empty list of messages")
+    want = _get(body, "logprobs", (bool,), False)
+    top = _get(body, "top_logprobs", (int,))
+    if top is not None and (not want or not 0 <= top <= 20):
+        raise _bad("top_logprobs", "needs logprobs: true and must be between 0 and 20")
+    opts = _options(body, served, (top or 0) if want else None,
+                    _max_tokens(body, "max_completion_tokens", "max_tokens"))
+    return ChatRequest(tuple(_message(m, i) for i, m in enumerate(msgs)), opts, want)
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+        raise _bad(f"messages[{i}]", "each message needs a role of system, user, assistant, developer or tool")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise _bad(f"messages[{i}].content", "only text content parts are supported")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise _bad(f"messages[{i}].content", "expected a string or a list of text parts")
+    return {"role": m["role"], "content": content}
