@@ -7,6 +7,7 @@ what they need lazily, so `splitserve --help` stays instant (no torch import).
     splitserve demo-model [DIR]   write SmolLM2-135M-Instruct as a Hugging Face checkpoint
     splitserve chat MESSAGE       answer one chat message with the offline engine
     splitserve generate PROMPT..  complete prompts with the offline engine
+    splitserve bench              load-test a running server over its OpenAI streaming API
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_model(subparsers)
     _add_generate(subparsers, "chat")
     _add_generate(subparsers, "generate")
+    _add_bench(subparsers)
     return parser
 
 
@@ -87,6 +89,56 @@ def _run_generate(args: argparse.Namespace) -> int:
     for out in outs:
         print(out.outputs[0].text)
     return 0
+
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench", help="load-test a running server over its OpenAI streaming API",
+        description="Send streaming /v1/completions requests (token-id prompts) from a dataset, open loop "
+        "(--rate, or a Mooncake trace's timestamps) or closed loop (--concurrency); report TTFT / TPOT / ITL / "
+        "end-to-end latency, throughput and goodput; write JSON (--out) and a PNG of the latency CDFs next to it.")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default: %(default)s)")
+    p.add_argument("--model", required=True, help="model name, as the server's /v1/models lists it")
+    p.add_argument("--dataset", choices=("random", "shared-prefix", "mooncake"), default="random")
+    load = p.add_argument_group("load (one of; a mooncake trace without either replays its timestamps)")
+    load.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals, req/s ('inf': all at once)")
+    load.add_argument("--concurrency", type=int, default=None, help="closed loop: N clients, one request each at a time")
+    load.add_argument("--num-requests", type=int, default=None,
+                      help="stop after this many (random dataset default: 100 when --duration is not given)")
+    load.add_argument("--duration", type=float, default=None, help="start no request after this many seconds")
+    load.add_argument("--drain-timeout", type=float, default=60.0,
+                      help="with --duration: seconds in-flight requests get before they are cancelled")
+    load.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrivals")
+    data = p.add_argument_group("datasets")
+    data.add_argument("--input-len", type=int, nargs="+", default=[128, 512], metavar="N",
+                      help="random: input length N or range LO HI (default: 128 512)")
+    data.add_argument("--output-len", type=int, nargs="+", default=[64], metavar="N",
+                      help="random: output length N or range LO HI; shared-prefix: N (default: 64)")
+    data.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn below this (default: %(default)s)")
+    data.add_argument("--num-groups", type=int, default=8, help="shared-prefix: groups (default: %(default)s)")
+    data.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix (default: %(default)s)")
+    data.add_argument("--system-prompt-len", type=int, default=512, help="shared-prefix: tokens (default: %(default)s)")
+    data.add_argument("--question-len", type=int, default=64, help="shared-prefix: tokens (default: %(default)s)")
+    data.add_argument("--trace", default=None, help="mooncake: JSONL trace file")
+    data.add_argument("--time-scale", type=float, default=1.0,
+                      help="mooncake: multiply trace timestamps by this (0.5 replays twice as fast)")
+    data.add_argument("--max-requests", type=int, default=None, help="mooncake: read at most this many trace lines")
+    data.add_argument("--max-output-len", type=int, default=None, help="mooncake: cap each output length")
+    out = p.add_argument_group("measurement and output")
+    out.add_argument("--ttft-slo-ms", type=float, default=None, help="goodput counts requests with TTFT <= this")
+    out.add_argument("--tpot-slo-ms", type=float, default=None, help="goodput counts requests with TPOT <= this")
+    out.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
+    out.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (output may end early)")
+    out.add_argument("--out", default="results/bench.json", help="JSON path; the PNG goes next to it (default: %(default)s)")
+    out.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    out.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from splitserve.bench.command import run_from_args
+
+    return run_from_args(args)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,15 @@ DEFAULT_RANDOM_REQUESTS = 100  # the random dataset is endless; without bounds i
 def dataset_from_args(args: argparse.Namespace) -> tuple[Iterator[BenchRequest], int | None]:
     """The request iterator and its length when known."""
     if args.dataset == "random":
-        return random_requests(args.input_len, args.output_len, args.seed, args.vocab_size), None
+        return random_requests(_range("--input-len", args.input_len), _range("--output-len", args.output_len),
+                               args.seed, args.vocab_size), None
     if args.dataset == "shared-prefix":
+        lo, hi = _range("--output-len", args.output_len)
+        if lo != hi:
+            raise ValueError("--dataset shared-prefix takes one --output-len N, not a range")
         n = args.num_groups * args.prompts_per_group
         return shared_prefix_requests(args.num_groups, args.prompts_per_group, args.system_prompt_len,
-                                      args.question_len, args.output_len[1], args.seed, args.vocab_size), n
+                                      args.question_len, lo, args.seed, args.vocab_size), n
     if args.dataset == "mooncake":
         if not args.trace:
             raise ValueError("--dataset mooncake needs --trace FILE.jsonl")
@@ -32,6 +36,13 @@ def dataset_from_args(args: argparse.Namespace) -> tuple[Iterator[BenchRequest],
                                       max_output_len=args.max_output_len))
         return iter(reqs), len(reqs)
     raise ValueError(f"unknown dataset {args.dataset!r}")
+
+
+def _range(flag: str, values: list[int]) -> tuple[int, int]:
+    """`N` -> (N, N); `LO HI` -> (LO, HI)."""
+    if len(values) not in (1, 2):
+        raise ValueError(f"{flag} takes N or LO HI, got {len(values)} values")
+    return values[0], values[-1]
 
 
 def load_from_args(args: argparse.Namespace) -> LoadConfig:

@@ -1,0 +1,52 @@
+"""What the HTTP and gRPC ingresses generate with: a `Backend` streams TokenChunks for one
+engine request. `LocalBackend` runs one engine in this process (the aggregated path: a single
+worker that prefills and decodes); the cluster backend places each request on Ray workers.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol
+
+from splitserve.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine_loop import EngineLoop
+from splitserve.tokenizer import Tokenizer
+from splitserve.types import Request, TokenChunk
+
+
+class Backend(Protocol):
+    model_name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+
+    def ready(self) -> bool: ...
+
+    def generate(self, req: Request) -> AsyncIterator[TokenChunk]: ...
+
+
+class LocalBackend:
+    def __init__(self, config: EngineConfig, model_name: str | None = None) -> None:
+        self.engine = Engine(config)
+        self.loop = EngineLoop(self.engine)
+        self.tokenizer = Tokenizer(config.model)
+        self.model_name = model_name or config.model.rstrip("/").rsplit("/", 1)[-1]
+        self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.model_config.vocab_size
+
+    def ready(self) -> bool:
+        return True
+
+    async def generate(self, req: Request) -> AsyncIterator[TokenChunk]:
+        q = await self.loop.submit(req)
+        done = False
+        try:
+            while not done:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                done = item.finished
+                yield item
+        finally:
+            if not done:  # the consumer went away (client disconnect, stop string): free it now
+                await self.loop.abort(req.request_id)

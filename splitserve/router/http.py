@@ -1,0 +1,277 @@
+"""The OpenAI-compatible HTTP ingress (DESIGN.md §1 step 1): /v1/completions and
+/v1/chat/completions (JSON or SSE streaming), /v1/models, /health, /ready.
+
+Per request: parse and validate (`protocol`), tokenize once, fan out prompts × n into engine
+requests on the `Backend`, turn chunks into text with `RequestText` (stop strings included),
+answer in OpenAI's shapes. A client that disconnects closes the stream, which aborts its
+requests in the backend. Every failure the caller caused is a 4xx in the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from splitserve.detokenizer import RequestText
+from splitserve.router.backend import Backend
+from splitserve.router.protocol import APIError, RequestOptions, parse_chat, parse_completion
+from splitserve.types import ConfigError, Request, SamplingParams, as_token_ids
+
+MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_ids: tuple[int, ...]
+    text: RequestText
+    emitted: int = 0  # characters already streamed
+
+
+def error_response(e: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
+
+
+async def read_json(request: HTTPRequest) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    body = b""
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+
+
+class OpenAIServer:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+        ])
+
+    # -- endpoints ------------------------------------------------------------------------------
+    async def models(self, _: HTTPRequest) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": self.backend.model_name, "object": "model",
+                                                          "owned_by": "splitserve",
+                                                          "max_model_len": self.backend.max_model_len}]})
+
+    async def health(self, _: HTTPRequest) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, _: HTTPRequest) -> JSONResponse:
+        if not self.backend.ready():
+            return error_response(APIError(503, "not ready: workers are still loading"))
+        return JSONResponse({"status": "ready"})
+
+    async def completions(self, request: HTTPRequest) -> Response:
+        try:
+            req = parse_completion(await read_json(request), [self.backend.model_name])
+            prompts = [self._encode(p) for p in req.prompts]
+        except APIError as e:
+            return error_response(e)
+        return await self._serve("text_completion", req.options, prompts, echo=req.echo)
+
+    async def chat(self, request: HTTPRequest) -> Response:
+        try:
+            req = parse_chat(await read_json(request), [self.backend.model_name])
+            try:
+                ids = self.backend.tokenizer.encode_chat(list(req.messages))
+            except ConfigError as e:
+                raise APIError(400, str(e), "messages") from None
+            prompts = [self._check_ids(tuple(ids))]
+        except APIError as e:
+            return error_response(e)
+        return await self._serve("chat.completion", req.options, prompts, echo=False)
+
+    # -- shared ---------------------------------------------------------------------------------
+    def _encode(self, p: str | tuple[int, ...]) -> tuple[int, ...]:
+        ids = tuple(self.backend.tokenizer.encode(p)) if isinstance(p, str) else p
+        return self._check_ids(ids)
+
+    def _check_ids(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        try:
+            as_token_ids(ids, self.backend.vocab_size)
+        except ConfigError as e:
+            raise APIError(400, str(e), "prompt") from None
+        if not ids:
+            raise APIError(400, "the prompt is empty after tokenization", "prompt")
+        if len(ids) >= self.backend.max_model_len:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context length is "
+                                f"{self.backend.max_model_len}", "prompt", code="context_length_exceeded")
+        return ids
+
+    def _choices(self, opts: RequestOptions, prompts: list[tuple[int, ...]]) -> tuple[str, list[Choice], list[Request]]:
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        choices, reqs = [], []
+        for i, ids in enumerate(prompts):
+            for j in range(opts.params.n):
+                k = i * opts.params.n + j
+                sp = opts.params if opts.params.seed is None or j == 0 else _reseed(opts.params, opts.params.seed + j)
+                reqs.append(Request(f"{rid}-{k}", ids, sp, priority=opts.priority, arrival_time=time.time()))
+                choices.append(Choice(k, ids, RequestText(self.backend.tokenizer, sp, ids)))
+        return rid, choices, reqs
+
+    async def _serve(self, kind: str, opts: RequestOptions, prompts, echo: bool) -> Response:
+        rid, choices, reqs = self._choices(opts, prompts)
+        streams = [self._drive(r, c) for r, c in zip(reqs, choices)]
+        if opts.stream:
+            return StreamingResponse(self._sse(kind, rid, opts, choices, streams), media_type="text/event-stream")
+        try:
+            await asyncio.gather(*[_drain(s) for s in streams])
+        except ConfigError as e:
+            return error_response(APIError(400, str(e)))
+        return JSONResponse(self._full_body(kind, rid, opts, choices, echo))
+
+    async def _drive(self, req: Request, choice: Choice) -> AsyncIterator[None]:
+        """Feed one request's chunks into its RequestText; yields after each chunk. Closing the
+        generator (client gone, stop string) aborts the request in the backend."""
+        gen = self.backend.generate(req)
+        try:
+            async for chunk in gen:
+                if choice.text.add(chunk) or choice.text.finished:
+                    yield None
+                    return
+                yield None
+        finally:
+            await gen.aclose()
+
+    async def _sse(self, kind, rid, opts, choices, streams) -> AsyncIterator[bytes]:
+        created, queue = int(time.time()), asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for _ in streams[i]:
+                    await queue.put(i)
+            except Exception as e:  # surfaced as an error event, never a broken stream
+                await queue.put(e)
+            await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+        live = len(tasks)
+        try:
+            while live:
+                item = await queue.get()
+                if item is None:
+                    live -= 1
+                    continue
+                if isinstance(item, Exception):
+                    yield _sse(APIError(400 if isinstance(item, ConfigError) else 500, str(item)).to_dict())
+                    continue
+                event = self._delta(kind, rid, created, choices[item])
+                if event is not None:
+                    yield _sse(event)
+            if opts.include_usage:
+                yield _sse({"id": rid, "object": _chunk_kind(kind), "created": created, "model": opts.model,
+                            "choices": [], "usage": _usage(choices)})
+            yield b"data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                await s.aclose()
+
+    def _delta(self, kind: str, rid: str, created: int, c: Choice) -> dict | None:
+        t = c.text
+        # Hold back what a stop string might still claim, until the request is done.
+        hold = 0 if t.finished else max((len(s) - 1 for s in t.params.stop), default=0)
+        upto = max(c.emitted, len(t.text) - hold)
+        new, c.emitted = t.text[c.emitted:upto], upto
+        reason = t.finish_reason.value if t.finished else None
+        if not new and reason is None:
+            return None
+        if kind == "chat.completion":
+            choice = {"index": c.index, "delta": {"role": "assistant", "content": new}, "finish_reason": reason}
+        else:
+            choice = {"index": c.index, "text": new, "finish_reason": reason}
+        return {"id": rid, "object": _chunk_kind(kind), "created": created, "model": self.backend.model_name,
+                "choices": [choice]}
+
+    def _full_body(self, kind, rid, opts, choices: list[Choice], echo: bool) -> dict:
+        out = []
+        for c in choices:
+            t = c.text
+            reason = t.finish_reason.value if t.finish_reason else None
+            if kind == "chat.completion":
+                out.append({"index": c.index, "message": {"role": "assistant", "content": t.text},
+                            "logprobs": _chat_logprobs(t, self.backend.tokenizer), "finish_reason": reason})
+            else:
+                prefix = self.backend.tokenizer.decode(c.prompt_ids) if echo else ""
+                out.append({"index": c.index, "text": prefix + t.text, "logprobs": _cmpl_logprobs(t, self.backend.tokenizer),
+                            "finish_reason": reason, "stop_reason": t.stop_reason})
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": opts.model, "choices": out,
+                "usage": _usage(choices)}
+
+
+def _reseed(sp: SamplingParams, seed: int) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(sp, seed=seed)
+
+
+async def _drain(stream: AsyncIterator[None]) -> None:
+    async for _ in stream:
+        pass
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _chunk_kind(kind: str) -> str:
+    return "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+
+
+def _usage(choices: list[Choice]) -> dict:
+    prompt = sum(len(c.prompt_ids) for c in {c.prompt_ids: c for c in choices}.values())
+    completion = sum(len(c.text.token_ids) for c in choices)
+    cached = sum(c.text.num_cached_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _cmpl_logprobs(t: RequestText, tok) -> dict | None:
+    if t.params.logprobs is None:
+        return None
+    toks = [tok.decode([lp.token_id], skip_special_tokens=False) for lp in t.logprobs]
+    return {"tokens": toks, "token_logprobs": [lp.logprob for lp in t.logprobs],
+            "top_logprobs": [{tok.decode([i], skip_special_tokens=False): v for i, v in lp.top} for lp in t.logprobs],
+            "text_offset": _offsets(toks)}
+
+
+def _chat_logprobs(t: RequestText, tok) -> dict | None:
+    if t.params.logprobs is None:
+        return None
+
+    def entry(i: int, v: float) -> dict:
+        s = tok.decode([i], skip_special_tokens=False)
+        return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                        for lp in t.logprobs]}
+
+
+def _offsets(toks: list[str]) -> list[int]:
+    out, pos = [], 0
+    for s in toks:
+        out.append(pos)
+        pos += len(s)
+    return out
