@@ -4,6 +4,7 @@ Each subcommand is one `_add_<name>(subparsers)` function that declares its argu
 `func`, the handler called with the parsed arguments; `build_parser` lists them. Handlers import
 what they need lazily, so `splitserve --help` stays instant (no torch import).
 
+    splitserve serve              the OpenAI-compatible HTTP server (demo model by default)
     splitserve demo-model [DIR]   write SmolLM2-135M-Instruct as a Hugging Face checkpoint
     splitserve chat MESSAGE       answer one chat message with the offline engine
     splitserve generate PROMPT..  complete prompts with the offline engine
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="LLM serving with prefill and decode disaggregated.")
     parser.add_argument("--version", action="version", version=f"splitserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_serve(subparsers)
     _add_demo_model(subparsers)
     _add_generate(subparsers, "chat")
     _add_generate(subparsers, "generate")
@@ -57,6 +59,62 @@ def _run_demo_model(args: argparse.Namespace) -> int:
     from splitserve.demo import ensure_demo_model
 
     print(ensure_demo_model(args.dir, progress=not args.quiet))
+    return 0
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /ready. With "
+                    "--prefill/--decode, requests run disaggregated on a local Ray cluster; otherwise one "
+                    "in-process engine prefills and decodes. Default model: the demo model.")
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the demo model)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill", type=int, default=0, help="prefill workers (0 with --decode 0: in-process)")
+    p.add_argument("--decode", type=int, default=0, help="decode workers")
+    p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "nixl"])
+    p.add_argument("--disagg-min-tokens", type=int, default=32)
+    p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from splitserve.router.http import OpenAIServer
+
+    model = args.model
+    if model is None:
+        from splitserve.demo import ensure_demo_model
+
+        model = str(ensure_demo_model())
+    print(f"splitserve: loading {model} ...", flush=True)
+    cluster = None
+    if args.prefill or args.decode:
+        from splitserve.cluster import Cluster
+        from splitserve.router.backend import ClusterBackend
+
+        cluster = Cluster.start(model=model, prefill=args.prefill, decode=max(1, args.decode),
+                                transport=args.transport, disagg_min_tokens=args.disagg_min_tokens,
+                                dtype=args.dtype, address=args.address, kv_cache_memory_gib=args.kv_cache_memory_gib)
+        backend = ClusterBackend(cluster, args.served_model_name)
+    else:
+        from splitserve.config import EngineConfig
+        from splitserve.router.backend import LocalBackend
+
+        backend = LocalBackend(EngineConfig(model=model, dtype=args.dtype,
+                                            kv_cache_memory_gib=args.kv_cache_memory_gib), args.served_model_name)
+    print(f"splitserve: serving {backend.model_name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
+          flush=True)
+    try:  # uvicorn handles SIGINT/SIGTERM: it stops accepting, finishes, then returns here
+        uvicorn.run(OpenAIServer(backend).app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
     return 0
 
 
@@ -101,8 +159,10 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="model name, as the server's /v1/models lists it")
     p.add_argument("--dataset", choices=("random", "shared-prefix", "mooncake"), default="random")
     load = p.add_argument_group("load (one of; a mooncake trace without either replays its timestamps)")
-    load.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals, req/s ('inf': all at once)")
-    load.add_argument("--concurrency", type=int, default=None, help="closed loop: N clients, one request each at a time")
+    load.add_argument("--rate", type=float, default=None,
+                      help="open loop: Poisson arrivals, req/s ('inf': all at once)")
+    load.add_argument("--concurrency", type=int, default=None,
+                      help="closed loop: N clients, one request each at a time")
     load.add_argument("--num-requests", type=int, default=None,
                       help="stop after this many (random dataset default: 100 when --duration is not given)")
     load.add_argument("--duration", type=float, default=None, help="start no request after this many seconds")
@@ -114,7 +174,8 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
                       help="random: input length N or range LO HI (default: 128 512)")
     data.add_argument("--output-len", type=int, nargs="+", default=[64], metavar="N",
                       help="random: output length N or range LO HI; shared-prefix: N (default: 64)")
-    data.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn below this (default: %(default)s)")
+    data.add_argument("--vocab-size", type=int, default=32000,
+                      help="token ids are drawn below this (default: %(default)s)")
     data.add_argument("--num-groups", type=int, default=8, help="shared-prefix: groups (default: %(default)s)")
     data.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix (default: %(default)s)")
     data.add_argument("--system-prompt-len", type=int, default=512, help="shared-prefix: tokens (default: %(default)s)")
@@ -129,7 +190,8 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     out.add_argument("--tpot-slo-ms", type=float, default=None, help="goodput counts requests with TPOT <= this")
     out.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
     out.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (output may end early)")
-    out.add_argument("--out", default="results/bench.json", help="JSON path; the PNG goes next to it (default: %(default)s)")
+    out.add_argument("--out", default="results/bench.json",
+                     help="JSON path; the PNG goes next to it (default: %(default)s)")
     out.add_argument("--no-plot", action="store_true", help="skip the PNG")
     out.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_run_bench)

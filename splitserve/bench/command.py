@@ -10,7 +10,9 @@ import argparse
 import sys
 from typing import Iterator
 
-from splitserve.bench.datasets import BenchRequest, mooncake_requests, random_requests, shared_prefix_requests
+from splitserve.bench.datasets import (
+    BenchRequest, random_requests, read_mooncake_trace, shared_prefix_requests, trace_requests,
+)
 from splitserve.bench.metrics import Slo, format_summary
 from splitserve.bench.runner import BenchConfig, LoadConfig, run_bench, write_results
 
@@ -32,9 +34,11 @@ def dataset_from_args(args: argparse.Namespace) -> tuple[Iterator[BenchRequest],
     if args.dataset == "mooncake":
         if not args.trace:
             raise ValueError("--dataset mooncake needs --trace FILE.jsonl")
-        reqs = list(mooncake_requests(args.trace, args.time_scale, args.max_requests, args.seed, args.vocab_size,
-                                      max_output_len=args.max_output_len))
-        return iter(reqs), len(reqs)
+        if args.max_requests is not None and args.max_requests < 1:
+            raise ValueError(f"--max-requests must be >= 1, got {args.max_requests}")
+        records = read_mooncake_trace(args.trace, args.max_requests)
+        return trace_requests(records, args.time_scale, args.seed, args.vocab_size,
+                              max_output_len=args.max_output_len), len(records)
     raise ValueError(f"unknown dataset {args.dataset!r}")
 
 

@@ -15,6 +15,7 @@ Every generator is seeded: the same arguments give the same requests.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -145,15 +146,26 @@ def _parse_trace_line(line: str, path: Path, lineno: int) -> TraceRecord:
         raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({e!r})") from e
 
 
-def mooncake_block(hash_id: int, seed: int, space: TokenSpace, block_size: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)
+def mooncake_block(hash_id: int, seed: int, vocab_size: int, block_size: int) -> tuple[int, ...]:
     """The tokens of hash id `hash_id`: a deterministic function of (seed, hash id)."""
-    return space.draw(random.Random(f"mooncake:{seed}:{hash_id}"), block_size)
+    return tuple(TokenSpace(vocab_size).draw(random.Random(f"mooncake:{seed}:{hash_id}"), block_size))
 
 
 def mooncake_requests(path: str | Path, time_scale: float = 1.0, max_requests: int | None = None,
                       seed: int = 0, vocab_size: int = 32000, block_size: int = MOONCAKE_BLOCK_SIZE,
                       max_output_len: int | None = None) -> Iterator[BenchRequest]:
-    """Requests replaying a Mooncake trace.
+    """Requests replaying a Mooncake trace file; see `trace_requests`."""
+    if max_requests is not None and max_requests < 1:
+        raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+    records = read_mooncake_trace(path, max_requests)
+    return trace_requests(records, time_scale, seed, vocab_size, block_size, max_output_len)
+
+
+def trace_requests(records: Sequence[TraceRecord], time_scale: float = 1.0, seed: int = 0,
+                   vocab_size: int = 32000, block_size: int = MOONCAKE_BLOCK_SIZE,
+                   max_output_len: int | None = None) -> Iterator[BenchRequest]:
+    """Requests replaying trace records, built lazily (a trace's prompts are too big to hold at once).
 
     The prompt is the concatenation of the blocks named by `hash_ids`, cut to `input_length`
     (the last block is partial); if `input_length` runs past the blocks, request-unique tokens
@@ -161,19 +173,22 @@ def mooncake_requests(path: str | Path, time_scale: float = 1.0, max_requests: i
     """
     if time_scale < 0:
         raise ValueError(f"time_scale must be >= 0, got {time_scale}")
-    if max_requests is not None and max_requests < 1:
-        raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+    if max_output_len is not None and max_output_len < 1:
+        raise ValueError(f"max_output_len must be >= 1, got {max_output_len}")
     space = TokenSpace(vocab_size)
-    records = read_mooncake_trace(path, max_requests)
     t0 = min((r.timestamp_ms for r in records), default=0.0)
-    for i, rec in enumerate(records):
-        tokens: list[int] = []
-        for h in rec.hash_ids:
-            if len(tokens) >= rec.input_length:
-                break
-            tokens += mooncake_block(h, seed, space, block_size)
-        if len(tokens) < rec.input_length:
-            tokens += space.draw(random.Random(f"mooncake-tail:{seed}:{i}"), rec.input_length - len(tokens))
-        out_len = max(1, rec.output_length if max_output_len is None else min(rec.output_length, max_output_len))
-        yield BenchRequest(tuple(tokens[: rec.input_length]), out_len,
-                           (rec.timestamp_ms - t0) / 1000.0 * time_scale)
+    return (_trace_request(i, rec, (rec.timestamp_ms - t0) / 1000.0 * time_scale, seed, space, block_size,
+                           max_output_len) for i, rec in enumerate(records))
+
+
+def _trace_request(i: int, rec: TraceRecord, arrival_s: float, seed: int, space: TokenSpace, block_size: int,
+                   max_output_len: int | None) -> BenchRequest:
+    tokens: list[int] = []
+    for h in rec.hash_ids:
+        if len(tokens) >= rec.input_length:
+            break
+        tokens += mooncake_block(h, seed, space.vocab_size, block_size)
+    if len(tokens) < rec.input_length:
+        tokens += space.draw(random.Random(f"mooncake-tail:{seed}:{i}"), rec.input_length - len(tokens))
+    out_len = rec.output_length if max_output_len is None else min(rec.output_length, max_output_len)
+    return BenchRequest(tuple(tokens[: max(1, rec.input_length)]), max(1, out_len), arrival_s)

@@ -137,7 +137,8 @@ def _make_send(client, config: BenchConfig, run_start: float, results: list[Requ
     async def send(req: BenchRequest) -> None:
         t0 = time.perf_counter()
         try:
-            r = await send_request(client, config.endpoint, request_body(config.model, req, config.ignore_eos), run_start)
+            body = request_body(config.model, req, config.ignore_eos)
+            r = await send_request(client, config.endpoint, body, run_start)
         except asyncio.CancelledError:
             results.append(RequestResult(CANCELLED, t0 - run_start, time.perf_counter() - t0,
                                          error="cancelled at the end of the run"))

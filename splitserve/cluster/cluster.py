@@ -17,12 +17,12 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from splitserve.detokenizer import RequestText
 from splitserve.llm import CompletionOutput, RequestOutput, _as_params_list, _as_prompt_list, _reseed
 from splitserve.tokenizer import Tokenizer
-from splitserve.types import ConfigError, Request, SamplingParams
+from splitserve.types import ConfigError, Request, SamplingParams, TokenChunk
 
 TRANSPORTS = ("auto", "shm", "tcp", "nixl")
 
@@ -142,23 +142,55 @@ class Cluster:
 
     async def run_request(self, req: Request) -> RequestText:
         text = RequestText(self.tokenizer, req.params, req.prompt_token_ids)
+        gen = self.stream(req)
+        try:
+            async for chunk in gen:
+                if text.add(chunk) or text.finished:
+                    break
+        finally:
+            await gen.aclose()  # a stop string ended it early: the workers free it now
+        return text
+
+    async def stream(self, req: Request) -> AsyncIterator[TokenChunk]:
+        """The request's chunks: the first token as soon as the prefill worker has it, then the
+        decode worker's. Closing the iterator early releases the request on every worker."""
         timing = Timing(req.request_id)
         self.timings.append(timing)
         d = next(self._rr_d) % len(self.decodes)
-        decode = self.decodes[d]
-        handoff, prefill, delivered = None, None, None
+        handoff, prefill, first_at = None, None, None
         if self.prefills and len(req.prompt_token_ids) >= self.cfg.disagg_min_tokens:
             result, prefill = await self._prefill(req, self.readers[d])
             if result is not None:
                 timing.prefill_done_to_first_token_s = time.time() - result.done_at
-                delivered = time.monotonic()
-                if text.add(result.chunk) or result.handoff is None:
-                    if result.handoff is not None:
-                        await prefill.ack.remote(result.handoff.lease_id)
-                    return text
+                first_at = time.monotonic()
                 handoff = result.handoff
-        await self._stream(decode, req, handoff, prefill, text, timing, delivered)
-        return text
+                taken = False
+                try:
+                    yield result.chunk
+                    taken = True
+                finally:
+                    if not taken and handoff is not None:  # the caller stopped at the first token
+                        await prefill.ack.remote(handoff.lease_id)
+                if handoff is None:
+                    return
+        async for chunk in self._decode(self.decodes[d], req, handoff, prefill, timing, first_at):
+            yield chunk
+
+    async def _decode(self, decode, req, handoff, prefill, timing: Timing, first_at) -> AsyncIterator[TokenChunk]:
+        gen = decode.generate.options(num_returns="streaming").remote(req, handoff, prefill)
+        finished = False
+        try:
+            async for ref in gen:
+                chunk = await ref
+                if first_at is not None and chunk.token_ids and timing.first_to_second_token_s is None:
+                    timing.first_to_second_token_s = time.monotonic() - first_at
+                finished = chunk.finished
+                yield chunk
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await decode.abort.remote(req.request_id)
 
     async def _prefill(self, req: Request, reader: tuple[str, list[str]]):
         """Try prefill workers in turn; (None, None) when all fail (local prefill instead)."""
@@ -170,17 +202,6 @@ class Cluster:
             except Exception:  # the actor died or its engine failed: the next one, else locally
                 self.prefill_failures += 1
         return None, None
-
-    async def _stream(self, decode, req, handoff, prefill, text: RequestText, timing: Timing, first_at) -> None:
-        gen = decode.generate.options(num_returns="streaming").remote(req, handoff, prefill)
-        async for ref in gen:
-            chunk = await ref
-            if first_at is not None and chunk.token_ids and timing.first_to_second_token_s is None:
-                timing.first_to_second_token_s = time.monotonic() - first_at
-            if text.add(chunk):  # a stop string: the engine does not know about text
-                await decode.abort.remote(req.request_id)
-            if text.finished:
-                return
 
     # -- lifecycle ------------------------------------------------------------------------------
     def check_invariants(self) -> list[dict]:

@@ -50,3 +50,23 @@ class LocalBackend:
         finally:
             if not done:  # the consumer went away (client disconnect, stop string): free it now
                 await self.loop.abort(req.request_id)
+
+
+class ClusterBackend:
+    """Requests placed on a `Cluster`'s prefill and decode pools (the disaggregated path)."""
+
+    def __init__(self, cluster, model_name: str | None = None) -> None:
+        from splitserve.engine.model.config import ModelConfig
+
+        self.cluster = cluster
+        self.tokenizer = cluster.tokenizer
+        mc = ModelConfig.from_dir(cluster.cfg.model)
+        self.model_name = model_name or cluster.cfg.model.rstrip("/").rsplit("/", 1)[-1]
+        self.max_model_len = cluster.cfg.engine.get("max_model_len") or mc.max_context
+        self.vocab_size = mc.vocab_size
+
+    def ready(self) -> bool:
+        return bool(self.cluster.decodes)
+
+    def generate(self, req: Request) -> AsyncIterator[TokenChunk]:
+        return self.cluster.stream(req)

@@ -183,9 +183,10 @@ class OpenAIServer:
                 yield _sse({"id": rid, "object": _chunk_kind(kind), "created": created, "model": opts.model,
                             "choices": [], "usage": _usage(choices)})
             yield b"data: [DONE]\n\n"
-        finally:
+        finally:  # done, or the client went away: stop the pumps, which aborts unfinished requests
             for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             for s in streams:
                 await s.aclose()
 

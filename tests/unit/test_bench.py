@@ -85,6 +85,10 @@ def fake_server():
         started.set()
         async with srv:
             await stop.wait()
+        handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in handlers:
+            t.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
     thread = threading.Thread(target=lambda: loop.run_until_complete(serve()), daemon=True)
     thread.start()

@@ -124,3 +124,37 @@ def test_bad_requests_are_4xx_in_openai_shape(server, path, body, status):
     assert err["message"] and "type" in err and "param" in err
     server.backend.engine.check_invariants()
     assert server.backend.engine.pool.num_in_use == 0
+
+
+def test_client_disconnect_aborts(server):
+    """A real socket: uvicorn in a thread, a streaming request read for two events, then closed."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="error"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    try:
+        deadline = time.time() + 10
+        while not srv.started and time.time() < deadline:
+            time.sleep(0.05)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 500, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=10) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(3)]
+        assert any(g.startswith("data: ") for g in got)
+        eng = server.backend.engine
+        deadline = time.time() + 10
+        while (eng.has_unfinished() or eng.pool.num_in_use) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not eng.has_unfinished() and eng.pool.num_in_use == 0, "a disconnected client's request must be aborted"
+        eng.check_invariants()
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
