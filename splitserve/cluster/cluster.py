@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 from splitserve.detokenizer import RequestText
+from splitserve.hashing import block_hashes
+from splitserve.router import NoCapacity, RouteRequest, WorkerView, make_router
 from splitserve.llm import CompletionOutput, RequestOutput, _as_params_list, _as_prompt_list, _reseed
 from splitserve.tokenizer import Tokenizer
 from splitserve.types import ConfigError, Request, SamplingParams, TokenChunk
@@ -48,6 +50,7 @@ class ClusterConfig:
     on_transfer_failure: str = "recompute"
     lease_s: float = 30.0
     engine: dict = field(default_factory=dict)
+    policy: str = "cache_aware"  # router placement policy (splitserve.router.POLICIES)
     decode_fault: str | None = None  # test hooks, see DecodeWorker / the transports
     prefill_transport_options: dict = field(default_factory=dict)
 
@@ -84,6 +87,10 @@ class Cluster:
         self._started_ray = started_ray
         self._rr_p = itertools.count()
         self._rr_d = itertools.count()
+        self.router = make_router(cfg.policy, disagg_min_tokens=cfg.disagg_min_tokens)
+        self.block_size = int(cfg.engine.get("block_size") or 16)
+        self._views: dict[str, WorkerView] = {}
+        self._refreshed = 0.0
         self._ids = itertools.count()
         self.timings: list[Timing] = []
         self.prefill_failures = 0
@@ -102,8 +109,9 @@ class Cluster:
             model = str(ensure_demo_model())
         fault = kwargs.pop("decode_fault", None)
         popts = kwargs.pop("prefill_transport_options", {})
+        policy = kwargs.pop("policy", "cache_aware")
         cfg = ClusterConfig(str(model), prefill, decode, transport, disagg_min_tokens, on_transfer_failure, lease_s,
-                            {"dtype": dtype, **kwargs}, fault, popts)
+                            {"dtype": dtype, **kwargs}, policy, fault, popts)
         started = not ray.is_initialized()
         if started:
             # Logical CPUs: one per worker at least, so a small box still places every actor.
@@ -156,10 +164,10 @@ class Cluster:
         decode worker's. Closing the iterator early releases the request on every worker."""
         timing = Timing(req.request_id)
         self.timings.append(timing)
-        d = next(self._rr_d) % len(self.decodes)
+        p, d = await self._place(req)
         handoff, prefill, first_at = None, None, None
-        if self.prefills and len(req.prompt_token_ids) >= self.cfg.disagg_min_tokens:
-            result, prefill = await self._prefill(req, self.readers[d])
+        if p is not None:
+            result, prefill = await self._prefill(req, self.readers[d], p)
             if result is not None:
                 timing.prefill_done_to_first_token_s = time.time() - result.done_at
                 first_at = time.monotonic()
@@ -192,9 +200,46 @@ class Cluster:
             if not finished:
                 await decode.abort.remote(req.request_id)
 
-    async def _prefill(self, req: Request, reader: tuple[str, list[str]]):
-        """Try prefill workers in turn; (None, None) when all fail (local prefill instead)."""
-        start = next(self._rr_p)
+    async def _place(self, req: Request) -> tuple[int | None, int]:
+        """(prefill index or None for the aggregated path, decode index), by the router policy
+        over fresh worker views and the cluster KV index."""
+        await self._refresh()
+        route = RouteRequest(req.request_id, len(req.prompt_token_ids),
+                             tuple(block_hashes(req.prompt_token_ids, self.block_size, req.cache_salt)), self.block_size)
+        views = self._views
+        pre = [views[f"prefill-{i}"] for i in range(len(self.prefills)) if f"prefill-{i}" in views]
+        dec = [views[f"decode-{i}"] for i in range(len(self.decodes)) if f"decode-{i}" in views]
+        try:
+            pl = self.router.place(route, pre, dec)
+        except NoCapacity:  # every decode worker looks full: its scheduler will queue the request
+            d = next(self._rr_d) % len(self.decodes)
+            use_p = self.prefills and len(req.prompt_token_ids) >= self.cfg.disagg_min_tokens
+            return (next(self._rr_p) % len(self.prefills) if use_p else None), d
+        p = None if pl.prefill is None else int(pl.prefill.split("-")[1])
+        return p, int(pl.decode.split("-")[1])
+
+    async def _refresh(self, min_interval: float = 0.02) -> None:
+        """Pull every worker's load and KV events (at most every `min_interval` seconds)."""
+        if time.monotonic() - self._refreshed < min_interval:
+            return
+        self._refreshed = time.monotonic()
+        named = [(f"prefill-{i}", "prefill", w) for i, w in enumerate(self.prefills)]
+        named += [(f"decode-{i}", "decode", w) for i, w in enumerate(self.decodes)]
+        snaps = await asyncio.gather(*[w.snapshot.remote() for *_, w in named], return_exceptions=True)
+        for (wid, role, _), snap in zip(named, snaps):
+            if isinstance(snap, BaseException):  # dead or failing: out of placement, cache forgotten
+                self._views[wid] = WorkerView(wid, role, local_host(), healthy=False)
+                self.router.index.remove_worker(wid)
+                continue
+            stats, events = snap
+            self.router.index.apply(wid, events)
+            self._views[wid] = WorkerView(wid, role, local_host(), stats.num_waiting, stats.num_running,
+                                          stats.kv_usage, stats.kv_blocks_free + stats.kv_blocks_cached)
+
+    async def _prefill(self, req: Request, reader: tuple[str, list[str]], first: int):
+        """The chosen prefill worker, then the others in turn; (None, None) when all fail
+        (local prefill instead)."""
+        start = first
         for k in range(len(self.prefills)):
             worker = self.prefills[(start + k) % len(self.prefills)]
             try:

@@ -168,6 +168,10 @@ class DecodeWorker:
     async def stats(self) -> WorkerStats:
         return await self.loop.call(self.engine.stats)
 
+    async def snapshot(self) -> tuple[WorkerStats, list]:
+        """Load and the KV events since the last call, in one round trip, for the router."""
+        return await self.loop.call(lambda: (self.engine.stats(), self.engine.drain_kv_events()))
+
     async def check_invariants(self) -> dict:
         counts = await self.loop.call(self.engine.block_counts)
         return {**counts, "transfer_failures": dict(self.transfer_failures),

@@ -116,6 +116,10 @@ class PrefillWorker:
     async def stats(self) -> WorkerStats:
         return await self.loop.call(self.engine.stats)
 
+    async def snapshot(self) -> tuple[WorkerStats, list]:
+        """Load and the KV events since the last call, in one round trip, for the router."""
+        return await self.loop.call(lambda: (self.engine.stats(), self.engine.drain_kv_events()))
+
     async def check_invariants(self) -> dict:
         """Raises if the block invariant is broken; returns the counts for the caller's checks."""
         return {**await self.loop.call(self.engine.block_counts), "leases": len(self.leases)}
