@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve.detokenizer import RequestText
+from splitserve.metrics import Metrics
 from splitserve.router.backend import Backend
 from splitserve.router.protocol import APIError, RequestOptions, parse_chat, parse_completion
 from splitserve.types import ConfigError, Request, SamplingParams, as_token_ids
@@ -58,9 +59,11 @@ async def read_json(request: HTTPRequest) -> Any:
 
 
 class OpenAIServer:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, metrics: Metrics | None = None) -> None:
         self.backend = backend
+        self.metrics = metrics or Metrics()
         self.app = Starlette(routes=[
+            Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -73,6 +76,9 @@ class OpenAIServer:
         return JSONResponse({"object": "list", "data": [{"id": self.backend.model_name, "object": "model",
                                                           "owned_by": "splitserve",
                                                           "max_model_len": self.backend.max_model_len}]})
+
+    async def prometheus(self, _: HTTPRequest) -> Response:
+        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     async def health(self, _: HTTPRequest) -> JSONResponse:
         return JSONResponse({"status": "ok"})
@@ -145,14 +151,30 @@ class OpenAIServer:
         """Feed one request's chunks into its RequestText; yields after each chunk. Closing the
         generator (client gone, stop string) aborts the request in the backend."""
         gen = self.backend.generate(req)
+        clock = _Clock(time.monotonic())
         try:
             async for chunk in gen:
+                clock.saw(chunk)
                 if choice.text.add(chunk) or choice.text.finished:
                     yield None
                     return
                 yield None
         finally:
             await gen.aclose()
+            self._record(clock, choice)
+
+    def _record(self, clock: "_Clock", choice: Choice) -> None:
+        m, t = self.metrics, choice.text
+        now = time.monotonic()
+        status = t.finish_reason.value if t.finish_reason else "abort"
+        m.requests.labels(status=status).inc()
+        if clock.first is not None:
+            m.ttft.observe(clock.first - clock.start)
+            m.e2e.observe(now - clock.start)
+            if len(t.token_ids) > 1:
+                m.tpot.observe((now - clock.first) / (len(t.token_ids) - 1))
+        m.prefix_query.inc(len(choice.prompt_ids))
+        m.prefix_hit.inc(t.num_cached_tokens)
 
     async def _sse(self, kind, rid, opts, choices, streams) -> AsyncIterator[bytes]:
         created, queue = int(time.time()), asyncio.Queue()
@@ -220,6 +242,16 @@ class OpenAIServer:
                             "finish_reason": reason, "stop_reason": t.stop_reason})
         return {"id": rid, "object": kind, "created": int(time.time()), "model": opts.model, "choices": out,
                 "usage": _usage(choices)}
+
+
+@dataclass
+class _Clock:
+    start: float
+    first: float | None = None
+
+    def saw(self, chunk) -> None:
+        if self.first is None and chunk.token_ids:
+            self.first = time.monotonic()
 
 
 def _reseed(sp: SamplingParams, seed: int) -> SamplingParams:

@@ -158,3 +158,19 @@ def test_client_disconnect_aborts(server):
     finally:
         srv.should_exit = True
         t.join(timeout=10)
+
+
+def test_metrics_endpoint_counts_requests(server):
+    async def go():
+        c = client(server)
+        await c.completions.create(model="tiny", prompt="metrics please", max_tokens=3, temperature=0)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://t") as h:
+            return (await h.get("/metrics")).text
+
+    text = run(go())
+    names = ["splitserve_time_to_first_token_seconds_count", "splitserve_e2e_request_latency_seconds_count",
+             "splitserve_prefix_cache_query_tokens_total", "splitserve_requests_total"]
+    for n in names:
+        assert n in text, n
+    count = [ln for ln in text.splitlines() if ln.startswith("splitserve_time_to_first_token_seconds_count")][0]
+    assert float(count.split()[-1]) >= 1

@@ -1,0 +1,43 @@
+"""Every Prometheus metric splitserve exports, defined once (DESIGN.md §4 "Metrics"), in a
+registry per server so tests and several servers in one process do not collide."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "splitserve_"
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", buckets=_LATENCY,
+                              registry=r)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=_TOKEN, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY,
+                             registry=r)
+        self.requests = Counter(PREFIX + "requests", "Finished requests by status", ["status"], registry=r)
+        self.rejections = Counter(PREFIX + "admission_rejections", "Requests rejected before any compute",
+                                  ["reason"], registry=r)
+        self.prefix_query = Counter(PREFIX + "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
+                                    registry=r)
+        self.prefix_hit = Counter(PREFIX + "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
+                                  registry=r)
+        self.kv_transfer_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV bytes moved between workers", registry=r)
+        self.kv_transfer_seconds = Histogram(PREFIX + "kv_transfer_seconds", "KV transfer time", buckets=_LATENCY,
+                                             registry=r)
+        self.kv_usage = Gauge(PREFIX + "worker_kv_usage_ratio", "KV blocks in use / total", ["role", "worker"],
+                              registry=r)
+        self.queue = Gauge(PREFIX + "worker_queue_length", "Requests waiting", ["role", "worker"], registry=r)
+        self.pool_size = Gauge(PREFIX + "pool_size", "Workers per role", ["role"], registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
