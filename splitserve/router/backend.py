@@ -37,6 +37,9 @@ class LocalBackend:
     def ready(self) -> bool:
         return True
 
+    async def stats(self):
+        return await self.loop.call(self.engine.stats)
+
     async def generate(self, req: Request) -> AsyncIterator[TokenChunk]:
         q = await self.loop.submit(req)
         done = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from starlette.routing import Route
 
 from splitserve.detokenizer import RequestText
 from splitserve.metrics import Metrics
+from splitserve.router.admission import Admission
 from splitserve.router.backend import Backend
 from splitserve.router.protocol import APIError, RequestOptions, parse_chat, parse_completion
 from splitserve.types import ConfigError, Request, SamplingParams, as_token_ids
@@ -39,7 +41,7 @@ class Choice:
 
 
 def error_response(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status == 429 else None
+    headers = {"Retry-After": str(max(1, math.ceil(e.retry_after or 1)))} if e.status == 429 else None
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 
@@ -59,9 +61,10 @@ async def read_json(request: HTTPRequest) -> Any:
 
 
 class OpenAIServer:
-    def __init__(self, backend: Backend, metrics: Metrics | None = None) -> None:
+    def __init__(self, backend: Backend, metrics: Metrics | None = None, admission: Admission | None = None) -> None:
         self.backend = backend
         self.metrics = metrics or Metrics()
+        self.admission = admission or Admission()
         self.app = Starlette(routes=[
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -136,7 +139,23 @@ class OpenAIServer:
                 choices.append(Choice(k, ids, RequestText(self.backend.tokenizer, sp, ids)))
         return rid, choices, reqs
 
+    async def _admit(self, opts: RequestOptions, prompts) -> APIError | None:
+        stats_fn = getattr(self.backend, "stats", None)
+        stats = await stats_fn() if stats_fn is not None else None
+        n = len(prompts) * opts.params.n
+        for ids in prompts:
+            d = self.admission.decide(stats, opts.priority, len(ids), 0, opts.ttft_slo_ms, opts.tpot_slo_ms)
+            if not d.admit:
+                self.metrics.rejections.labels(reason=d.reason).inc()
+                return APIError(429, f"rejected ({d.reason}): the request cannot be served within its targets now; "
+                                     f"retry in {d.retry_after_s:.0f} s", code=d.reason, retry_after=d.retry_after_s)
+        self.admission.inflight += n
+        return None
+
     async def _serve(self, kind: str, opts: RequestOptions, prompts, echo: bool) -> Response:
+        refused = await self._admit(opts, prompts)
+        if refused is not None:
+            return error_response(refused)
         rid, choices, reqs = self._choices(opts, prompts)
         streams = [self._drive(r, c) for r, c in zip(reqs, choices)]
         if opts.stream:
@@ -161,6 +180,7 @@ class OpenAIServer:
                 yield None
         finally:
             await gen.aclose()
+            self.admission.inflight -= 1
             self._record(clock, choice)
 
     def _record(self, clock: "_Clock", choice: Choice) -> None:

@@ -20,9 +20,10 @@ Prompt = str | tuple[int, ...]
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
         self.message = message
         self.param = param
         self.type = type_ or {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",

@@ -174,3 +174,26 @@ def test_metrics_endpoint_counts_requests(server):
         assert n in text, n
     count = [ln for ln in text.splitlines() if ln.startswith("splitserve_time_to_first_token_seconds_count")][0]
     assert float(count.split()[-1]) >= 1
+
+
+def test_overload_gets_429_with_retry_after(tiny_checkpoint):
+    from splitserve.router.admission import Admission, AdmissionConfig
+
+    backend = LocalBackend(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=256), model_name="tiny")
+    srv = OpenAIServer(backend, admission=Admission(AdmissionConfig(max_inflight=2)))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=srv.app), base_url="http://t") as h:
+            body = {"model": "tiny", "prompt": "load", "max_tokens": 30, "ignore_eos": True}
+            rs = await asyncio.gather(*[h.post("/v1/completions", json=body) for _ in range(6)])
+            sheddable = await h.post("/v1/completions", json={**body, "priority": "sheddable", "max_tokens": 2})
+            return rs, sheddable, (await h.get("/metrics")).text
+
+    rs, sheddable, metrics = run(go())
+    codes = sorted(r.status_code for r in rs)
+    assert codes.count(200) >= 2 and codes.count(429) >= 1, codes
+    rejected = [r for r in rs if r.status_code == 429][0]
+    assert int(rejected.headers["retry-after"]) >= 1 and rejected.json()["error"]["type"] == "rate_limit_error"
+    assert sheddable.status_code == 200  # the server is idle again
+    assert 'splitserve_admission_rejections_total{reason="capacity"}' in metrics
+    assert srv.admission.inflight == 0
