@@ -79,6 +79,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    p.add_argument("--max-inflight", type=int, default=256, help="admission: requests in flight at most")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="admission: default TTFT target")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="admission: default TPOT target")
+    p.add_argument("--no-admission", action="store_true", help="admit everything (for comparisons)")
     p.set_defaults(func=_run_serve)
 
 
@@ -110,8 +114,13 @@ def _run_serve(args: argparse.Namespace) -> int:
                                             kv_cache_memory_gib=args.kv_cache_memory_gib), args.served_model_name)
     print(f"splitserve: serving {backend.model_name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
           flush=True)
+    from splitserve.router.admission import Admission, AdmissionConfig
+
+    admission = Admission(AdmissionConfig(args.max_inflight, args.ttft_slo_ms, args.tpot_slo_ms,
+                                          enabled=not args.no_admission))
     try:  # uvicorn handles SIGINT/SIGTERM: it stops accepting, finishes, then returns here
-        uvicorn.run(OpenAIServer(backend).app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(OpenAIServer(backend, admission=admission).app, host=args.host, port=args.port,
+                    log_level="warning")
     finally:
         if cluster is not None:
             cluster.shutdown()

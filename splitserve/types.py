@@ -164,6 +164,9 @@ class WorkerStats:
     steps_total: int
     # Fitted step time: seconds ≈ c0 + c1·prefill tokens + c2·decode seqs + c3·decode context tokens
     step_time_coeffs: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+    pending_prefill_tokens: int = 0  # prompt tokens admitted or queued but not yet computed
+    decode_context_tokens: int = 0  # context the running decodes read each step
+    token_budget: int = 2048  # max_num_batched_tokens
 
     @property
     def kv_usage(self) -> float:

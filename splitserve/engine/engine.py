@@ -234,6 +234,9 @@ class Engine:
             prefix_hit_tokens_total=self.scheduler.prefix_hit_tokens,
             steps_total=self._steps,
             step_time_coeffs=self.step_model.coeffs,
+            pending_prefill_tokens=sum(max(0, s.num_tokens - s.num_computed_tokens - 1) for s in self._seqs.values()),
+            decode_context_tokens=sum(s.num_computed_tokens for s in self.scheduler.running),
+            token_budget=self.config.max_num_batched_tokens,
         )
 
     def block_counts(self) -> dict[str, int]:

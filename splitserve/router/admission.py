@@ -3,9 +3,9 @@ meet its latency targets, instead of letting every request miss them.
 
 From the serving worker's fitted step-time model (`WorkerStats.step_time_coeffs`: seconds ≈
 c0 + c1·prefill tokens + c2·decode seqs + c3·decode context tokens) and its load, predict:
-  TTFT ≈ queue ahead (waiting requests × their mean prompt) + this prompt's uncached tokens,
-         each prefilled at c1 per token, plus a step's fixed cost
-  TPOT ≈ c0 + c2·(running + 1) + c3·(context tokens of the batch with this request)
+  TTFT ≈ c1·(prompt tokens pending ahead + this prompt's uncached tokens)
+         + steps to get through them (token budget per step) × a step's decode cost
+  TPOT ≈ c0 + c2·(running + 1) + c3·(context of the running batch + this prompt)
 A request is admitted if both predictions meet its SLOs (per request, else the server's), and
 the in-flight count is under its class's limit: sheddable requests go first (half the limit),
 standard at the limit, critical only past twice the limit (the hard capacity bound).
@@ -48,18 +48,17 @@ class Admission:
         self.config = config or AdmissionConfig()
         self.inflight = 0
 
-    def predict(self, stats: WorkerStats, prompt_tokens: int, cached_tokens: int, mean_prompt: float,
-                mean_context: float) -> tuple[float, float]:
+    def predict(self, stats: WorkerStats, prompt_tokens: int, cached_tokens: int) -> tuple[float, float]:
         c0, c1, c2, c3 = (tuple(stats.step_time_coeffs) + (0.0,) * 4)[:4]
-        queued_tokens = stats.num_waiting * mean_prompt
-        ttft = c0 + c1 * (queued_tokens + max(0, prompt_tokens - cached_tokens))
-        running = stats.num_running + 1
-        tpot = c0 + c2 * running + c3 * running * (mean_context + prompt_tokens) / 2
+        tokens = stats.pending_prefill_tokens + max(1, prompt_tokens - cached_tokens)
+        steps = -(-tokens // max(1, stats.token_budget))
+        step_cost = c0 + c2 * stats.num_running + c3 * stats.decode_context_tokens
+        ttft = c1 * tokens + steps * step_cost
+        tpot = c0 + c2 * (stats.num_running + 1) + c3 * (stats.decode_context_tokens + prompt_tokens)
         return ttft, tpot
 
     def decide(self, stats: WorkerStats | None, priority: Priority, prompt_tokens: int, cached_tokens: int = 0,
-               ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None, mean_prompt: float = 256.0,
-               mean_context: float = 512.0) -> Decision:
+               ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None) -> Decision:
         cfg = self.config
         if not cfg.enabled:
             return Decision(True)
@@ -68,7 +67,7 @@ class Admission:
             return Decision(False, "capacity", retry_after_s=1.0)
         if stats is None or priority is Priority.CRITICAL:
             return Decision(True)  # critical requests are refused only at the hard limit
-        ttft, tpot = self.predict(stats, prompt_tokens, cached_tokens, mean_prompt, mean_context)
+        ttft, tpot = self.predict(stats, prompt_tokens, cached_tokens)
         ttft_slo = ttft_slo_ms if ttft_slo_ms is not None else cfg.ttft_slo_ms
         tpot_slo = tpot_slo_ms if tpot_slo_ms is not None else cfg.tpot_slo_ms
         drain = max(0.0, ttft - (ttft_slo or 0) / 1e3)
