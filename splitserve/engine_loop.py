@@ -1,15 +1,19 @@
-"""Runs an Engine inside an asyncio program (a Ray actor) without blocking it.
+"""Runs an Engine inside an asyncio program (a Ray actor, the HTTP server) without blocking it.
 
 Every engine call goes through one dedicated thread, so the engine is never touched by two
-threads at once and the event loop never waits on a forward pass. A background task steps the
-engine while it has work and routes each TokenChunk to its request's queue; an exception in a
-step is delivered to every waiting request instead of dying silently.
+threads at once and the event loop never waits on a forward pass. New requests do not wait for
+the step in progress: they are checked at once (`Engine.check_request` reads only config),
+put in an inbox, and the engine thread takes them in right before its next step. After each
+step the engine thread also leaves a stats snapshot, which admission reads without waiting.
+A background task steps the engine while it has work and routes each TokenChunk to its
+request's queue; an exception in a step is delivered to every waiting request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -24,6 +28,9 @@ class EngineLoop:
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._inbox: list[tuple[Request, dict]] = []
+        self._inbox_lock = threading.Lock()
+        self.latest_stats = engine.stats()
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run fn on the engine thread."""
@@ -38,13 +45,11 @@ class EngineLoop:
     async def submit(self, req: Request, **kwargs: Any) -> asyncio.Queue:
         """Add a request; its chunks arrive on the returned queue."""
         self._ensure_running()
+        self.engine.check_request(req, tuple(kwargs.get("outputs", ())))  # bad input fails here, now
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.request_id] = q
-        try:
-            await self.call(self.engine.add_request, req, **kwargs)
-        except BaseException:
-            self._queues.pop(req.request_id, None)
-            raise
+        with self._inbox_lock:
+            self._inbox.append((req, kwargs))
         self.wake()
         return q
 
@@ -65,23 +70,43 @@ class EngineLoop:
     async def abort(self, request_id: str) -> None:
         """Stop the request in the engine; a consumer still waiting gets a final ABORT chunk."""
         q = self._queues.pop(request_id, None)
+        with self._inbox_lock:
+            self._inbox = [(r, kw) for r, kw in self._inbox if r.request_id != request_id]
         await self.call(self.engine.abort, request_id)
         if q is not None:
             q.put_nowait(TokenChunk(request_id, (), finish_reason=FinishReason.ABORT))
 
+    def _take_inbox_and_step(self) -> tuple[list[TokenChunk], list[tuple[str, Exception]]]:
+        """On the engine thread: admit what arrived, step, leave a stats snapshot."""
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
+        failed = []
+        for req, kwargs in inbox:
+            try:
+                self.engine.add_request(req, **kwargs)
+            except Exception as e:  # e.g. a duplicate id: that request fails, the others go on
+                failed.append((req.request_id, e))
+        chunks = self.engine.step() if self.engine.has_unfinished() else []
+        self.latest_stats = self.engine.stats()
+        return chunks, failed
+
     async def _run(self) -> None:
         while True:
-            if not self.engine.has_unfinished():
+            if not self.engine.has_unfinished() and not self._inbox:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             try:
-                chunks: list[TokenChunk] = await self.call(self.engine.step)
+                chunks, failed = await self.call(self._take_inbox_and_step)
             except Exception as e:  # deliver, don't die: every waiter learns what happened
                 for q in list(self._queues.values()):
                     q.put_nowait(e)
                 await asyncio.sleep(0.01)
                 continue
+            for rid, e in failed:
+                q = self._queues.pop(rid, None)
+                if q is not None:
+                    q.put_nowait(e)
             for c in chunks:
                 q = self._queues.get(c.request_id)
                 if q is not None:

@@ -74,16 +74,16 @@ class Engine:
         chunk carries `kv_blocks`; `release_detached` frees them later). `outputs`: tokens
         already generated elsewhere (a handoff that fell back to local compute, a migration):
         they are recomputed as context and generation continues after them."""
-        as_token_ids(outputs, self.model_config.vocab_size)
         seq = self._new_seq(req, outputs=tuple(outputs))
         seq.prefill_only = prefill_only
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
 
-    def _new_seq(self, req: Request, outputs: tuple[int, ...] = ()) -> Sequence:
-        if req.request_id in self._seqs or req.request_id in self._pulling or req.request_id in self._detached:
-            raise ConfigError(f"request id {req.request_id!r} is already running")
+    def check_request(self, req: Request, outputs: tuple[int, ...] = ()) -> int:
+        """Everything about a request that can be wrong regardless of engine state; reads only
+        configuration, so any thread may call it. Returns the effective max_tokens."""
         as_token_ids(req.prompt_token_ids, self.model_config.vocab_size)
+        as_token_ids(outputs, self.model_config.vocab_size)
         prompt_len = len(req.prompt_token_ids)
         if prompt_len >= self.max_model_len:
             raise ConfigError(f"prompt has {prompt_len} tokens; the context length is {self.max_model_len} "
@@ -91,6 +91,12 @@ class Engine:
         room = self.max_model_len - prompt_len
         max_tokens = room if req.params.max_tokens is None else min(req.params.max_tokens, room)
         self._check_fits(prompt_len + max_tokens)
+        return max_tokens
+
+    def _new_seq(self, req: Request, outputs: tuple[int, ...] = ()) -> Sequence:
+        if req.request_id in self._seqs or req.request_id in self._pulling or req.request_id in self._detached:
+            raise ConfigError(f"request id {req.request_id!r} is already running")
+        max_tokens = self.check_request(req, outputs)
         sampling = SamplingState(params=req.params, prompt_token_ids=req.prompt_token_ids,
                                  output_token_ids=list(outputs), eos_token_ids=self.model_config.eos_token_ids,
                                  generator=make_generator(req.params, num_output_tokens=len(outputs)))
@@ -111,7 +117,6 @@ class Engine:
     def add_pulled(self, req: Request, first_token: int) -> list[int]:
         """Allocate blocks for a prompt whose KV a peer computed; the caller fills them and then
         calls kv_ready (or kv_failed to recompute locally). Raises OutOfBlocks if none free."""
-        as_token_ids((first_token,), self.model_config.vocab_size)
         seq = self._new_seq(req, outputs=(first_token,))
         seq.block_ids = self.pool.allocate(-(-seq.num_prompt_tokens // self.config.block_size))
         self._pulling[req.request_id] = seq

@@ -38,7 +38,7 @@ class LocalBackend:
         return True
 
     async def stats(self):
-        return await self.loop.call(self.engine.stats)
+        return self.loop.latest_stats  # the snapshot after the last step: no waiting on the engine
 
     async def generate(self, req: Request) -> AsyncIterator[TokenChunk]:
         q = await self.loop.submit(req)
