@@ -10,6 +10,7 @@ requests in the backend. Every failure the caller caused is a 4xx in the OpenAI 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -65,6 +66,8 @@ class OpenAIServer:
         self.backend = backend
         self.metrics = metrics or Metrics()
         self.admission = admission or Admission()
+        self._snapshot = None  # the backend stats object last seen, and what was admitted since
+        self._since = [0, 0]
         self.app = Starlette(routes=[
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -139,9 +142,20 @@ class OpenAIServer:
                 choices.append(Choice(k, ids, RequestText(self.backend.tokenizer, sp, ids)))
         return rid, choices, reqs
 
-    async def _admit(self, opts: RequestOptions, prompts) -> APIError | None:
+    async def _stats(self):
+        """The backend's latest load, plus what this server admitted since that snapshot was
+        taken: a burst arriving within one engine step must not all see the same idle engine."""
         stats_fn = getattr(self.backend, "stats", None)
         stats = await stats_fn() if stats_fn is not None else None
+        if stats is None:
+            return None
+        if stats is not self._snapshot:
+            self._snapshot, self._since = stats, [0, 0]
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + self._since[0],
+                                   pending_prefill_tokens=stats.pending_prefill_tokens + self._since[1])
+
+    async def _admit(self, opts: RequestOptions, prompts) -> APIError | None:
+        stats = await self._stats()
         n = len(prompts) * opts.params.n
         for ids in prompts:
             d = self.admission.decide(stats, opts.priority, len(ids), 0, opts.ttft_slo_ms, opts.tpot_slo_ms)
@@ -150,6 +164,9 @@ class OpenAIServer:
                 return APIError(429, f"rejected ({d.reason}): the request cannot be served within its targets now; "
                                      f"retry in {d.retry_after_s:.0f} s", code=d.reason, retry_after=d.retry_after_s)
         self.admission.inflight += n
+        if stats is not None:
+            self._since[0] += n
+            self._since[1] += n * sum(len(ids) for ids in prompts) // max(1, len(prompts))
         return None
 
     async def _serve(self, kind: str, opts: RequestOptions, prompts, echo: bool) -> Response:
@@ -275,8 +292,6 @@ class _Clock:
 
 
 def _reseed(sp: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(sp, seed=seed)
 
 
