@@ -4,6 +4,7 @@ construction with a message naming the field, never later in the middle of a req
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,13 @@ from typing import Any
 import yaml
 
 from splitserve.types import ConfigError
+
+
+def default_cache_dir() -> Path:
+    """Where splitserve keeps what it builds once (demo model, compiled kernels):
+    `$SPLITSERVE_CACHE`, else `~/.cache/splitserve`."""
+    env = os.environ.get("SPLITSERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "splitserve"
 
 
 @dataclass(frozen=True)

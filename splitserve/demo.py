@@ -30,6 +30,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from splitserve.config import default_cache_dir
 from splitserve.engine.model.gguf_convert import convert_gguf
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -39,12 +40,6 @@ DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 COMPLETE_MARKER = ".splitserve-complete"
 _CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-
-def default_cache_dir() -> Path:
-    """`$SPLITSERVE_CACHE`, else `~/.cache/splitserve`."""
-    env = os.environ.get("SPLITSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "splitserve"
 
 
 def default_demo_model_dir() -> Path:

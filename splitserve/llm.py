@@ -7,7 +7,6 @@ turned into text by `RequestText`, which also applies stop strings.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -82,8 +81,7 @@ class LLM:
                 gid = str(next(self._ids))
                 rids = [f"{gid}-{i}" for i in range(sp.n)]
                 for i, rid in enumerate(rids):
-                    # n seeded samples must differ from each other yet stay reproducible.
-                    p = sp if sp.seed is None or i == 0 else _reseed(sp, sp.seed + i)
+                    p = sp.for_choice(i)
                     self.engine.add_request(Request(rid, ids, p))
                     texts[rid] = RequestText(self.tokenizer, p, ids)
                 groups.append((gid, text, ids, rids))
@@ -93,7 +91,7 @@ class LLM:
                 if not t.finished:
                     self.engine.abort(rid)
             raise
-        return [self._output(gid, text, ids, [texts[r] for r in rids]) for gid, text, ids, rids in groups]
+        return [request_output(gid, text, ids, [texts[r] for r in rids]) for gid, text, ids, rids in groups]
 
     def _drive(self, texts: dict[str, RequestText]) -> None:
         live = set(texts)
@@ -107,17 +105,14 @@ class LLM:
                 if t.finished:
                     live.discard(chunk.request_id)
 
-    @staticmethod
-    def _output(gid: str, prompt: str | None, ids: tuple[int, ...], texts: list[RequestText]) -> RequestOutput:
-        outs = tuple(
-            CompletionOutput(i, t.text, tuple(t.token_ids), t.finish_reason.value if t.finish_reason else None,
-                             t.stop_reason, tuple(t.logprobs) if t.params.logprobs is not None else None)
-            for i, t in enumerate(texts))
-        return RequestOutput(gid, prompt, ids, outs, texts[0].num_cached_tokens)
 
-
-def _reseed(sp: SamplingParams, seed: int) -> SamplingParams:
-    return dataclasses.replace(sp, seed=seed)
+def request_output(gid: str, prompt: str | None, ids: tuple[int, ...], texts: list[RequestText]) -> RequestOutput:
+    """The vLLM-shaped result of one prompt's n samples, from their finished RequestTexts."""
+    outs = tuple(
+        CompletionOutput(i, t.text, tuple(t.token_ids), t.finish_reason.value if t.finish_reason else None,
+                         t.stop_reason, tuple(t.logprobs) if t.params.logprobs is not None else None)
+        for i, t in enumerate(texts))
+    return RequestOutput(gid, prompt, ids, outs, texts[0].num_cached_tokens)
 
 
 def _as_prompt_list(prompts: Any) -> list[Prompt]:

@@ -8,6 +8,7 @@ A request's life (DESIGN.md §1): the front end (offline `LLM`, later the router
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -95,6 +96,13 @@ class SamplingParams:
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
         )
+
+    def for_choice(self, i: int) -> "SamplingParams":
+        """The params of the i-th of n samples: seeded samples must differ from each other and
+        still be reproducible, so sample i > 0 takes seed + i."""
+        if self.seed is None or i == 0:
+            return self
+        return dataclasses.replace(self, seed=self.seed + i)
 
     @property
     def greedy(self) -> bool:

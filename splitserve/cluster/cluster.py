@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Sequence
 from splitserve.detokenizer import RequestText
 from splitserve.hashing import block_hashes
 from splitserve.router import NoCapacity, RouteRequest, WorkerView, make_router
-from splitserve.llm import CompletionOutput, RequestOutput, _as_params_list, _as_prompt_list, _reseed
+from splitserve.llm import RequestOutput, _as_params_list, _as_prompt_list, request_output
 from splitserve.tokenizer import Tokenizer
 from splitserve.types import ConfigError, Request, SamplingParams, TokenChunk
 
@@ -135,18 +135,10 @@ class Cluster:
         for p, sp in zip(prompts, plist):
             ids = tuple(self.tokenizer.encode(p)) if isinstance(p, str) else tuple(p)
             gid = str(next(self._ids))
-            reqs = [Request(f"{gid}-{i}", ids, sp if sp.seed is None or i == 0 else _reseed(sp, sp.seed + i))
-                    for i in range(sp.n)]
+            reqs = [Request(f"{gid}-{i}", ids, sp.for_choice(i)) for i in range(sp.n)]
             groups.append((gid, p if isinstance(p, str) else None, ids, reqs))
         tasks = [[asyncio.ensure_future(self.run_request(r)) for r in reqs] for *_, reqs in groups]
-        out = []
-        for (gid, text, ids, _), ts in zip(groups, tasks):
-            texts = [await t for t in ts]
-            outs = tuple(CompletionOutput(i, t.text, tuple(t.token_ids), t.finish_reason.value if t.finish_reason else None,
-                                          t.stop_reason, tuple(t.logprobs) if t.params.logprobs is not None else None)
-                         for i, t in enumerate(texts))
-            out.append(RequestOutput(gid, text, ids, outs, texts[0].num_cached_tokens))
-        return out
+        return [request_output(gid, text, ids, [await t for t in ts]) for (gid, text, ids, _), ts in zip(groups, tasks)]
 
     async def run_request(self, req: Request) -> RequestText:
         text = RequestText(self.tokenizer, req.params, req.prompt_token_ids)

@@ -28,7 +28,7 @@ from splitserve.metrics import Metrics
 from splitserve.router.admission import Admission
 from splitserve.router.backend import Backend
 from splitserve.router.protocol import APIError, RequestOptions, parse_chat, parse_completion
-from splitserve.types import ConfigError, Request, SamplingParams, as_token_ids
+from splitserve.types import ConfigError, Request, as_token_ids
 
 MAX_BODY_BYTES = 8 << 20
 
@@ -137,7 +137,7 @@ class OpenAIServer:
         for i, ids in enumerate(prompts):
             for j in range(opts.params.n):
                 k = i * opts.params.n + j
-                sp = opts.params if opts.params.seed is None or j == 0 else _reseed(opts.params, opts.params.seed + j)
+                sp = opts.params.for_choice(j)
                 reqs.append(Request(f"{rid}-{k}", ids, sp, priority=opts.priority, arrival_time=time.time()))
                 choices.append(Choice(k, ids, RequestText(self.backend.tokenizer, sp, ids)))
         return rid, choices, reqs
@@ -289,10 +289,6 @@ class _Clock:
     def saw(self, chunk) -> None:
         if self.first is None and chunk.token_ids:
             self.first = time.monotonic()
-
-
-def _reseed(sp: SamplingParams, seed: int) -> SamplingParams:
-    return dataclasses.replace(sp, seed=seed)
 
 
 async def _drain(stream: AsyncIterator[None]) -> None:

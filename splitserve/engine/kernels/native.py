@@ -18,17 +18,14 @@ import tempfile
 import threading
 from pathlib import Path
 
+from splitserve.config import default_cache_dir
+
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 # -fno-math-errno lets `omp simd` loops call glibc's vector expf (libmvec).
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
-
-
-def _cache_dir() -> Path:
-    env = os.environ.get("SPLITSERVE_CACHE")
-    return (Path(env).expanduser() if env else Path.home() / ".cache" / "splitserve") / "kernels"
 
 
 def _cpu_id() -> str:
@@ -55,7 +52,7 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
         return None
     src = _CSRC / f"{name}.c"
     key = hashlib.sha256(src.read_bytes() + cc.encode() + " ".join(_FLAGS).encode() + _cpu_id().encode())
-    out = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    out = default_cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     if not out.exists():
         try:
             _compile(cc, src, out)
