@@ -36,6 +36,7 @@ MAX_BODY_BYTES = 8 << 20
 @dataclass
 class Choice:
     index: int
+    prompt_index: int  # which prompt of the request this sample continues
     prompt_ids: tuple[int, ...]
     text: RequestText
     emitted: int = 0  # characters already streamed
@@ -139,7 +140,7 @@ class OpenAIServer:
                 k = i * opts.params.n + j
                 sp = opts.params.for_choice(j)
                 reqs.append(Request(f"{rid}-{k}", ids, sp, priority=opts.priority, arrival_time=time.time()))
-                choices.append(Choice(k, ids, RequestText(self.backend.tokenizer, sp, ids)))
+                choices.append(Choice(k, i, ids, RequestText(self.backend.tokenizer, sp, ids)))
         return rid, choices, reqs
 
     async def _stats(self):
@@ -305,7 +306,8 @@ def _chunk_kind(kind: str) -> str:
 
 
 def _usage(choices: list[Choice]) -> dict:
-    prompt = sum(len(c.prompt_ids) for c in {c.prompt_ids: c for c in choices}.values())
+    # Each prompt counts once however many samples (n) continue it — identical prompts included.
+    prompt = sum(len(c.prompt_ids) for c in {c.prompt_index: c for c in choices}.values())
     completion = sum(len(c.text.token_ids) for c in choices)
     cached = sum(c.text.num_cached_tokens for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,

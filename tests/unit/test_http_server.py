@@ -197,3 +197,16 @@ def test_overload_gets_429_with_retry_after(tiny_checkpoint):
     assert sheddable.status_code == 200  # the server is idle again
     assert 'splitserve_admission_rejections_total{reason="capacity"}' in metrics
     assert srv.admission.inflight == 0
+
+
+def test_usage_counts_each_prompt_once_even_when_identical(server):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://t") as h:
+            r = await h.post("/v1/completions", json={"model": "tiny", "prompt": [[5, 6, 7], [5, 6, 7]], "n": 2,
+                                                      "max_tokens": 2, "ignore_eos": True})
+            return r.json()
+
+    body = run(go())
+    assert len(body["choices"]) == 4
+    assert body["usage"]["prompt_tokens"] == 6  # two prompts of 3 tokens; n does not multiply them
+    assert body["usage"]["completion_tokens"] == 8
