@@ -140,6 +140,23 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PhaseTimes:
+    """Seconds one request spent in each phase (and the KV bytes its transfer moved), as far as
+    the reporting worker saw it; unset phases are None (an aggregated request has no
+    transfer). The ingress merges what each worker reports."""
+
+    queue_s: float | None = None  # added to the engine → first scheduled
+    prefill_s: float | None = None  # first scheduled → first token sampled
+    transfer_s: float | None = None  # KV pull + verify + ack on the decode worker
+    transfer_bytes: int | None = None  # what that pull moved
+
+    def merged(self, other: "PhaseTimes | None") -> "PhaseTimes":
+        if other is None:
+            return self
+        return PhaseTimes(*(b if b is not None else a for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclass(frozen=True)
 class TokenChunk:
     """New tokens of one request from one engine step; `finish_reason` set on the last chunk."""
 
@@ -151,6 +168,7 @@ class TokenChunk:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_blocks: tuple[int, ...] | None = None  # prefill-only: the blocks now pinned for handoff
+    phases: PhaseTimes | None = None  # on the chunk where a worker learned them
 
     @property
     def finished(self) -> bool:

@@ -24,7 +24,8 @@ from splitserve.hashing import block_hashes
 from splitserve.router import NoCapacity, RouteRequest, WorkerView, make_router
 from splitserve.llm import RequestOutput, _as_params_list, _as_prompt_list, request_output
 from splitserve.tokenizer import Tokenizer
-from splitserve.types import ConfigError, Request, SamplingParams, TokenChunk
+from splitserve.router.admission import Plan
+from splitserve.types import ConfigError, Request, SamplingParams, TokenChunk, WorkerStats
 
 TRANSPORTS = ("auto", "shm", "tcp", "nixl")
 
@@ -90,6 +91,7 @@ class Cluster:
         self.router = make_router(cfg.policy, disagg_min_tokens=cfg.disagg_min_tokens)
         self.block_size = int(cfg.engine.get("block_size") or 16)
         self._views: dict[str, WorkerView] = {}
+        self._stats: dict[str, WorkerStats] = {}
         self._refreshed = 0.0
         self._ids = itertools.count()
         self.timings: list[Timing] = []
@@ -151,12 +153,19 @@ class Cluster:
             await gen.aclose()  # a stop string ended it early: the workers free it now
         return text
 
-    async def stream(self, req: Request) -> AsyncIterator[TokenChunk]:
+    async def plan(self, req: Request) -> Plan:
+        """Where the router would place `req` now, with both workers' load (for admission)."""
+        p, d, cached = await self._place(req)
+        first = f"prefill-{p}" if p is not None else f"decode-{d}"
+        return Plan(first, self._stats.get(first), f"decode-{d}", self._stats.get(f"decode-{d}"), cached, (p, d))
+
+    async def stream(self, req: Request, plan: Plan | None = None) -> AsyncIterator[TokenChunk]:
         """The request's chunks: the first token as soon as the prefill worker has it, then the
-        decode worker's. Closing the iterator early releases the request on every worker."""
+        decode worker's. Closing the iterator early releases the request on every worker.
+        `plan` (from `plan()`) fixes the placement; without it the router places it now."""
         timing = Timing(req.request_id)
         self.timings.append(timing)
-        p, d = await self._place(req)
+        p, d = plan.route if plan is not None else (await self._place(req))[:2]
         handoff, prefill, first_at = None, None, None
         if p is not None:
             result, prefill = await self._prefill(req, self.readers[d], p)
@@ -192,9 +201,10 @@ class Cluster:
             if not finished:
                 await decode.abort.remote(req.request_id)
 
-    async def _place(self, req: Request) -> tuple[int | None, int]:
-        """(prefill index or None for the aggregated path, decode index), by the router policy
-        over fresh worker views and the cluster KV index."""
+    async def _place(self, req: Request) -> tuple[int | None, int, int]:
+        """(prefill index or None for the aggregated path, decode index, prompt tokens cached
+        where it is prefilled), by the router policy over fresh worker views and the cluster
+        KV index."""
         await self._refresh()
         route = RouteRequest(req.request_id, len(req.prompt_token_ids),
                              tuple(block_hashes(req.prompt_token_ids, self.block_size, req.cache_salt)), self.block_size)
@@ -206,9 +216,9 @@ class Cluster:
         except NoCapacity:  # every decode worker looks full: its scheduler will queue the request
             d = next(self._rr_d) % len(self.decodes)
             use_p = self.prefills and len(req.prompt_token_ids) >= self.cfg.disagg_min_tokens
-            return (next(self._rr_p) % len(self.prefills) if use_p else None), d
+            return (next(self._rr_p) % len(self.prefills) if use_p else None), d, 0
         p = None if pl.prefill is None else int(pl.prefill.split("-")[1])
-        return p, int(pl.decode.split("-")[1])
+        return p, int(pl.decode.split("-")[1]), pl.cached_tokens
 
     async def _refresh(self, min_interval: float = 0.02) -> None:
         """Pull every worker's load and KV events (at most every `min_interval` seconds)."""
@@ -221,9 +231,11 @@ class Cluster:
         for (wid, role, _), snap in zip(named, snaps):
             if isinstance(snap, BaseException):  # dead or failing: out of placement, cache forgotten
                 self._views[wid] = WorkerView(wid, role, local_host(), healthy=False)
+                self._stats.pop(wid, None)
                 self.router.index.remove_worker(wid)
                 continue
             stats, events = snap
+            self._stats[wid] = stats
             self.router.index.apply(wid, events)
             self._views[wid] = WorkerView(wid, role, local_host(), stats.num_waiting, stats.num_running,
                                           stats.kv_usage, stats.kv_blocks_free + stats.kv_blocks_cached)
@@ -239,6 +251,10 @@ class Cluster:
             except Exception:  # the actor died or its engine failed: the next one, else locally
                 self.prefill_failures += 1
         return None, None
+
+    def worker_views(self) -> list[WorkerView]:
+        """Every worker's load as of the last refresh."""
+        return list(self._views.values())
 
     # -- lifecycle ------------------------------------------------------------------------------
     def check_invariants(self) -> list[dict]:

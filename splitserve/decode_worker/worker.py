@@ -12,6 +12,7 @@ lease is always settled, and a caller that goes away aborts the request here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
@@ -25,7 +26,7 @@ from splitserve.kv_transfer import make_transport
 from splitserve.kv_transfer.base import KVHandoff, TransferError, TransferState
 from splitserve.kv_transfer.layout import layout_of
 from splitserve.kv_transfer.verify import check_header, verify_landed
-from splitserve.types import Request, TokenChunk, WorkerStats
+from splitserve.types import PhaseTimes, Request, TokenChunk, WorkerStats
 
 log = logging.getLogger(__name__)
 POLICIES = ("recompute", "fail")
@@ -56,11 +57,18 @@ class DecodeWorker:
         rid = req.request_id
         finished = False
         try:
+            started = time.monotonic()
             q = await (self._admit_pulled(req, handoff, prefill) if handoff else self.loop.submit(req))
+            phases = None
+            if handoff is not None:
+                moved = len(handoff.block_ids) * self.layout.num_layers * 2 * self.layout.block_bytes
+                phases = PhaseTimes(transfer_s=time.monotonic() - started, transfer_bytes=moved)
             while True:
                 item = await q.get()
                 if isinstance(item, Exception):
                     raise item
+                if phases is not None:  # the transfer's time rides on the first chunk after it
+                    item, phases = dataclasses.replace(item, phases=phases.merged(item.phases)), None
                 finished = item.finished
                 yield item
                 if finished:

@@ -31,6 +31,7 @@ from splitserve.engine.step_model import StepTimeModel
 from splitserve.types import (
     ConfigError,
     FinishReason,
+    PhaseTimes,
     Request,
     TokenChunk,
     WorkerStats,
@@ -199,7 +200,8 @@ class Engine:
         reason, stop_id = self._finish_reason(seq, tok)
         chunk = TokenChunk(seq.request_id, (tok,), (lp,) if lp is not None else None, reason, stop_id,
                            num_prompt_tokens=seq.num_prompt_tokens,
-                           num_cached_tokens=max(seq.num_cached_tokens, 0) if first or reason else 0)
+                           num_cached_tokens=max(seq.num_cached_tokens, 0) if first or reason else 0,
+                           phases=_phases(seq) if first else None)
         if reason is not None:
             self._seqs.pop(seq.request_id, None)
             self.scheduler.remove(seq)
@@ -283,3 +285,9 @@ def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
 def _blocks_for_memory(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
     per_block = KVCacheTensors.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
     return max(1, int(config.kv_cache_memory_gib * (1 << 30)) // per_block)
+
+
+def _phases(seq: Sequence) -> PhaseTimes:
+    now = time.monotonic()
+    sched = seq.scheduled_at if seq.scheduled_at is not None else now
+    return PhaseTimes(queue_s=sched - seq.added_at, prefill_s=now - sched)

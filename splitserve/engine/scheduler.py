@@ -14,6 +14,7 @@ counts.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 from splitserve.engine.kv_cache import BlockPool
@@ -69,6 +70,8 @@ class Scheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose blocks are allocated and filled already (KV pulled from a peer)."""
+        if seq.scheduled_at is None:
+            seq.scheduled_at = time.monotonic()
         seq.status = SeqStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.sort_key)
 
@@ -144,6 +147,8 @@ class Scheduler:
             seq.num_cached_tokens = computed
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += computed
+        if seq.scheduled_at is None:
+            seq.scheduled_at = time.monotonic()
         seq.status = SeqStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.sort_key)
 

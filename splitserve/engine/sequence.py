@@ -7,6 +7,7 @@ and drops the blocks, keeping the generated tokens so nothing is lost.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from splitserve.engine.sampler import SamplingState
@@ -36,6 +37,8 @@ class Sequence:
     prefill_only: bool = False  # stop after the first token and hand the KV blocks over
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
+    added_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # first scheduling: ends its queueing, starts its prefill
 
     def __post_init__(self) -> None:
         if not self.token_ids:

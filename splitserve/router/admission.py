@@ -1,20 +1,36 @@
 """Admission (DESIGN.md §1 step 3): refuse, before any compute is spent, a request that cannot
 meet its latency targets, instead of letting every request miss them.
 
-From the serving worker's fitted step-time model (`WorkerStats.step_time_coeffs`: seconds ≈
+The ingress asks the backend for a `Plan` (which worker computes the prompt, which decodes,
+how much of the prompt the first one has cached, and both workers' load), then asks here.
+From each worker's fitted step-time model (`WorkerStats.step_time_coeffs`: seconds ≈
 c0 + c1·prefill tokens + c2·decode seqs + c3·decode context tokens) and its load, predict:
   TTFT ≈ c1·(prompt tokens pending ahead + this prompt's uncached tokens)
          + steps to get through them (token budget per step) × a step's decode cost
+         (on the worker that computes the prompt: the first token comes from it, before any
+         KV moves)
   TPOT ≈ c0 + c2·(running + 1) + c3·(context of the running batch + this prompt)
+         (on the decode worker)
+The TTFT prediction is then calibrated online: the model sees the queue as it is now, not the
+steps that grow as the requests ahead start decoding, so it runs low under load. Each
+finished request reports observed vs predicted TTFT; the prediction is multiplied by a high
+quantile of that ratio over recent requests whose prediction mattered (near the SLO).
+
 A request is admitted if both predictions meet its SLOs (per request, else the server's), and
 the in-flight count is under its class's limit: sheddable requests go first (half the limit),
 standard at the limit, critical only past twice the limit (the hard capacity bound).
 Rejections carry a Retry-After estimate: how long until the queue ahead drains.
+
+Worker stats arrive as snapshots; a burst arriving between two snapshots must not all see the
+same idle worker, so what was admitted to a worker since its last snapshot is added to it.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from splitserve.types import Priority, WorkerStats
 
@@ -25,10 +41,33 @@ class AdmissionConfig:
     ttft_slo_ms: float | None = None  # server defaults; a request may set its own
     tpot_slo_ms: float | None = None
     enabled: bool = True
+    calibration_quantile: float = 0.95  # of observed/predicted TTFT: the margin the SLO check keeps
+    calibration_window: int = 200  # recent finished requests it is taken over
+    calibration_min_samples: int = 8
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if not 0.5 <= self.calibration_quantile <= 1.0:
+            raise ValueError(f"calibration_quantile must be in [0.5, 1], got {self.calibration_quantile}")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a request would run: the worker that computes its prompt (a prefill worker, or the
+    decode worker itself on the aggregated path) and the one that decodes it, with their load
+    snapshots (None: unknown) and the prompt tokens the first already has cached."""
+
+    first_worker: str
+    first_stats: WorkerStats | None
+    decode_worker: str
+    decode_stats: WorkerStats | None
+    cached_tokens: int = 0
+    route: Any = None  # the backend's own placement, handed back to its generate()
 
 
 @dataclass(frozen=True)
@@ -41,38 +80,121 @@ class Decision:
 
 
 _LIMIT = {Priority.SHEDDABLE: 0.5, Priority.STANDARD: 1.0, Priority.CRITICAL: 2.0}
+_RATIO_BOUNDS = (0.5, 8.0)  # a calibration factor beyond these says the model is broken, not biased
+
+
+def predict(stats: WorkerStats, prompt_tokens: int, cached_tokens: int) -> tuple[float, float]:
+    """(TTFT, TPOT) in seconds on a worker with this load, before calibration."""
+    c0, c1, c2, c3 = (tuple(stats.step_time_coeffs) + (0.0,) * 4)[:4]
+    tokens = stats.pending_prefill_tokens + max(1, prompt_tokens - cached_tokens)
+    steps = -(-tokens // max(1, stats.token_budget))
+    step_cost = c0 + c2 * stats.num_running + c3 * stats.decode_context_tokens
+    ttft = c1 * tokens + steps * step_cost
+    tpot = c0 + c2 * (stats.num_running + 1) + c3 * (stats.decode_context_tokens + prompt_tokens)
+    return ttft, tpot
+
+
+class LoadView:
+    """Worker snapshots plus what was admitted to each worker since its snapshot was taken."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, int, int]] = {}  # worker -> (steps_total, waiting, tokens) added
+
+    def adjusted(self, worker: str, stats: WorkerStats | None) -> WorkerStats | None:
+        if stats is None:
+            return None
+        steps, waiting, tokens = self._seen.get(worker, (stats.steps_total, 0, 0))
+        if steps != stats.steps_total:  # a newer snapshot: it has seen what was added before it
+            self._seen[worker] = (stats.steps_total, 0, 0)
+            return stats
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + waiting,
+                                   pending_prefill_tokens=stats.pending_prefill_tokens + tokens)
+
+    def add(self, worker: str, stats: WorkerStats | None, prompt_tokens: int) -> None:
+        if stats is None:
+            return
+        steps, waiting, tokens = self._seen.get(worker, (stats.steps_total, 0, 0))
+        if steps != stats.steps_total:
+            waiting, tokens = 0, 0
+        self._seen[worker] = (stats.steps_total, waiting + 1, tokens + prompt_tokens)
+
+
+class Calibration:
+    """A high quantile of observed / predicted TTFT over recent requests (1.0 until enough)."""
+
+    def __init__(self, quantile: float, window: int, min_samples: int) -> None:
+        self.quantile, self.min_samples = quantile, min_samples
+        self._recent: collections.deque[float] = collections.deque(maxlen=window)
+
+    def observe(self, predicted_s: float, observed_s: float) -> None:
+        if predicted_s > 0 and observed_s > 0:
+            lo, hi = _RATIO_BOUNDS
+            self._recent.append(min(hi, max(lo, observed_s / predicted_s)))
+
+    @property
+    def factor(self) -> float:
+        if len(self._recent) < self.min_samples:
+            return 1.0
+        ordered = sorted(self._recent)
+        return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+
+    def __len__(self) -> int:
+        return len(self._recent)
 
 
 class Admission:
     def __init__(self, config: AdmissionConfig | None = None) -> None:
         self.config = config or AdmissionConfig()
         self.inflight = 0
+        self.load = LoadView()
+        c = self.config
+        self.calibration = Calibration(c.calibration_quantile, c.calibration_window, c.calibration_min_samples)
 
     def predict(self, stats: WorkerStats, prompt_tokens: int, cached_tokens: int) -> tuple[float, float]:
-        c0, c1, c2, c3 = (tuple(stats.step_time_coeffs) + (0.0,) * 4)[:4]
-        tokens = stats.pending_prefill_tokens + max(1, prompt_tokens - cached_tokens)
-        steps = -(-tokens // max(1, stats.token_budget))
-        step_cost = c0 + c2 * stats.num_running + c3 * stats.decode_context_tokens
-        ttft = c1 * tokens + steps * step_cost
-        tpot = c0 + c2 * (stats.num_running + 1) + c3 * (stats.decode_context_tokens + prompt_tokens)
-        return ttft, tpot
+        return predict(stats, prompt_tokens, cached_tokens)
 
-    def decide(self, stats: WorkerStats | None, priority: Priority, prompt_tokens: int, cached_tokens: int = 0,
+    def decide(self, plan: Plan | None, priority: Priority, prompt_tokens: int,
                ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None) -> Decision:
+        """Admit or refuse one request placed by `plan`; an admitted one counts as in flight
+        (and as load on its workers) until `finished`."""
+        decision = self._decide(plan, priority, prompt_tokens, ttft_slo_ms, tpot_slo_ms)
+        if decision.admit:
+            self.inflight += 1
+            if plan is not None:
+                self.load.add(plan.first_worker, plan.first_stats, prompt_tokens - plan.cached_tokens)
+        return decision
+
+    def finished(self, decision: Decision, observed_ttft_s: float | None, slo_ms: float | None = None) -> None:
+        """An admitted request ended; its TTFT (None: no token came) calibrates the predictor.
+        Only predictions that could have decided something count: those past a quarter of
+        the SLO (far below it, fixed per-request overheads dominate the ratio)."""
+        self.inflight -= 1
+        slo = slo_ms if slo_ms is not None else self.config.ttft_slo_ms
+        if observed_ttft_s is not None and (slo is None or decision.predicted_ttft_s * 1e3 >= slo / 4):
+            self.calibration.observe(decision.predicted_ttft_s, observed_ttft_s)
+
+    def _decide(self, plan, priority, prompt_tokens, ttft_slo_ms, tpot_slo_ms) -> Decision:
         cfg = self.config
         if not cfg.enabled:
             return Decision(True)
         limit = cfg.max_inflight * _LIMIT[priority]
         if self.inflight >= limit:
             return Decision(False, "capacity", retry_after_s=1.0)
-        if stats is None or priority is Priority.CRITICAL:
-            return Decision(True)  # critical requests are refused only at the hard limit
-        ttft, tpot = self.predict(stats, prompt_tokens, cached_tokens)
+        first = None if plan is None else self.load.adjusted(plan.first_worker, plan.first_stats)
+        decode = None if plan is None else self.load.adjusted(plan.decode_worker, plan.decode_stats)
+        ttft = tpot = 0.0
+        if first is not None:
+            ttft = predict(first, prompt_tokens, plan.cached_tokens)[0] * self.calibration.factor
+        if decode is not None:
+            tpot = predict(decode, prompt_tokens, 0)[1]
+        if priority is Priority.CRITICAL:
+            return Decision(True, "", 0.0, ttft, tpot)  # critical requests are refused only at the hard limit
         ttft_slo = ttft_slo_ms if ttft_slo_ms is not None else cfg.ttft_slo_ms
         tpot_slo = tpot_slo_ms if tpot_slo_ms is not None else cfg.tpot_slo_ms
-        drain = max(0.0, ttft - (ttft_slo or 0) / 1e3)
-        if ttft_slo is not None and ttft * 1e3 > ttft_slo:
-            return Decision(False, "ttft_slo", max(1.0, drain), ttft, tpot)
-        if tpot_slo is not None and tpot * 1e3 > tpot_slo:
+        if first is not None and ttft_slo is not None and ttft * 1e3 > ttft_slo:
+            drain = max(1.0, ttft - ttft_slo / 1e3)
+            return Decision(False, "ttft_slo", drain, ttft, tpot)
+        if decode is not None and tpot_slo is not None and tpot * 1e3 > tpot_slo:
             return Decision(False, "tpot_slo", 1.0, ttft, tpot)
         return Decision(True, "", 0.0, ttft, tpot)
+

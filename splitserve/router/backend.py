@@ -1,6 +1,7 @@
-"""What the HTTP and gRPC ingresses generate with: a `Backend` streams TokenChunks for one
-engine request. `LocalBackend` runs one engine in this process (the aggregated path: a single
-worker that prefills and decodes); the cluster backend places each request on Ray workers.
+"""What the HTTP and gRPC ingresses generate with: a `Backend` plans where one engine request
+would run (for admission) and then streams its TokenChunks. `LocalBackend` runs one engine in
+this process (the aggregated path: a single worker that prefills and decodes); `ClusterBackend`
+places each request on Ray workers through the router.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from typing import AsyncIterator, Protocol
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine_loop import EngineLoop
+from splitserve.router.admission import Plan
+from splitserve.router.policy import WorkerView
 from splitserve.tokenizer import Tokenizer
 from splitserve.types import Request, TokenChunk
 
@@ -22,7 +25,14 @@ class Backend(Protocol):
 
     def ready(self) -> bool: ...
 
-    def generate(self, req: Request) -> AsyncIterator[TokenChunk]: ...
+    async def plan(self, req: Request) -> Plan: ...
+
+    def generate(self, req: Request, plan: Plan | None = None) -> AsyncIterator[TokenChunk]: ...
+
+    def worker_views(self) -> list[WorkerView]: ...
+
+
+LOCAL = "local"
 
 
 class LocalBackend:
@@ -37,10 +47,17 @@ class LocalBackend:
     def ready(self) -> bool:
         return True
 
-    async def stats(self):
-        return self.loop.latest_stats  # the snapshot after the last step: no waiting on the engine
+    async def plan(self, req: Request) -> Plan:
+        stats = self.loop.latest_stats  # the snapshot after the last step: no waiting on the engine
+        return Plan(LOCAL, stats, LOCAL, stats)
 
-    async def generate(self, req: Request) -> AsyncIterator[TokenChunk]:
+    def worker_views(self) -> list[WorkerView]:
+        s = self.loop.latest_stats
+        if s is None:
+            return []
+        return [WorkerView(LOCAL, "decode", "localhost", s.num_waiting, s.num_running, s.kv_usage)]
+
+    async def generate(self, req: Request, plan: Plan | None = None) -> AsyncIterator[TokenChunk]:
         q = await self.loop.submit(req)
         done = False
         try:
@@ -71,5 +88,11 @@ class ClusterBackend:
     def ready(self) -> bool:
         return bool(self.cluster.decodes)
 
-    def generate(self, req: Request) -> AsyncIterator[TokenChunk]:
-        return self.cluster.stream(req)
+    async def plan(self, req: Request) -> Plan:
+        return await self.cluster.plan(req)
+
+    def generate(self, req: Request, plan: Plan | None = None) -> AsyncIterator[TokenChunk]:
+        return self.cluster.stream(req, plan)
+
+    def worker_views(self) -> list[WorkerView]:
+        return self.cluster.worker_views()

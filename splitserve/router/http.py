@@ -1,21 +1,20 @@
 """The OpenAI-compatible HTTP ingress (DESIGN.md §1 step 1): /v1/completions and
 /v1/chat/completions (JSON or SSE streaming), /v1/models, /health, /ready.
 
-Per request: parse and validate (`protocol`), tokenize once, fan out prompts × n into engine
-requests on the `Backend`, turn chunks into text with `RequestText` (stop strings included),
-answer in OpenAI's shapes. A client that disconnects closes the stream, which aborts its
-requests in the backend. Every failure the caller caused is a 4xx in the OpenAI error shape.
+Per request: parse and validate (`protocol`), tokenize once, then the shared `Frontend` fans
+prompts × n out into engine requests, admits them and drives them; this module answers in
+OpenAI's shapes. A client that disconnects closes the stream, which aborts its requests in the
+backend. Every failure the caller caused is a 4xx in the OpenAI error shape. Each response
+carries its timing breakdown: `x-splitserve-<phase>-ms` headers on JSON responses, and
+`usage.splitserve_timings_ms` (JSON, and the streamed usage chunk).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import math
 import time
-import uuid
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -27,19 +26,11 @@ from splitserve.detokenizer import RequestText
 from splitserve.metrics import Metrics
 from splitserve.router.admission import Admission
 from splitserve.router.backend import Backend
+from splitserve.router.frontend import Choice, Frontend, worst_timings
 from splitserve.router.protocol import APIError, RequestOptions, parse_chat, parse_completion
-from splitserve.types import ConfigError, Request, as_token_ids
+from splitserve.types import ConfigError
 
 MAX_BODY_BYTES = 8 << 20
-
-
-@dataclass
-class Choice:
-    index: int
-    prompt_index: int  # which prompt of the request this sample continues
-    prompt_ids: tuple[int, ...]
-    text: RequestText
-    emitted: int = 0  # characters already streamed
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -64,11 +55,8 @@ async def read_json(request: HTTPRequest) -> Any:
 
 class OpenAIServer:
     def __init__(self, backend: Backend, metrics: Metrics | None = None, admission: Admission | None = None) -> None:
-        self.backend = backend
-        self.metrics = metrics or Metrics()
-        self.admission = admission or Admission()
-        self._snapshot = None  # the backend stats object last seen, and what was admitted since
-        self._since = [0, 0]
+        self.front = Frontend(backend, metrics, admission)
+        self.backend, self.metrics, self.admission = backend, self.front.metrics, self.front.admission
         self.app = Starlette(routes=[
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -85,6 +73,7 @@ class OpenAIServer:
                                                           "max_model_len": self.backend.max_model_len}]})
 
     async def prometheus(self, _: HTTPRequest) -> Response:
+        self.front.export_worker_gauges()
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     async def health(self, _: HTTPRequest) -> JSONResponse:
@@ -98,7 +87,7 @@ class OpenAIServer:
     async def completions(self, request: HTTPRequest) -> Response:
         try:
             req = parse_completion(await read_json(request), [self.backend.model_name])
-            prompts = [self._encode(p) for p in req.prompts]
+            prompts = [self.front.encode(p) for p in req.prompts]
         except APIError as e:
             return error_response(e)
         return await self._serve("text_completion", req.options, prompts, echo=req.echo)
@@ -110,109 +99,28 @@ class OpenAIServer:
                 ids = self.backend.tokenizer.encode_chat(list(req.messages))
             except ConfigError as e:
                 raise APIError(400, str(e), "messages") from None
-            prompts = [self._check_ids(tuple(ids))]
+            prompts = [self.front.check_ids(tuple(ids), "messages")]
         except APIError as e:
             return error_response(e)
         return await self._serve("chat.completion", req.options, prompts, echo=False)
 
     # -- shared ---------------------------------------------------------------------------------
-    def _encode(self, p: str | tuple[int, ...]) -> tuple[int, ...]:
-        ids = tuple(self.backend.tokenizer.encode(p)) if isinstance(p, str) else p
-        return self._check_ids(ids)
-
-    def _check_ids(self, ids: tuple[int, ...]) -> tuple[int, ...]:
-        try:
-            as_token_ids(ids, self.backend.vocab_size)
-        except ConfigError as e:
-            raise APIError(400, str(e), "prompt") from None
-        if not ids:
-            raise APIError(400, "the prompt is empty after tokenization", "prompt")
-        if len(ids) >= self.backend.max_model_len:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context length is "
-                                f"{self.backend.max_model_len}", "prompt", code="context_length_exceeded")
-        return ids
-
-    def _choices(self, opts: RequestOptions, prompts: list[tuple[int, ...]]) -> tuple[str, list[Choice], list[Request]]:
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        choices, reqs = [], []
-        for i, ids in enumerate(prompts):
-            for j in range(opts.params.n):
-                k = i * opts.params.n + j
-                sp = opts.params.for_choice(j)
-                reqs.append(Request(f"{rid}-{k}", ids, sp, priority=opts.priority, arrival_time=time.time()))
-                choices.append(Choice(k, i, ids, RequestText(self.backend.tokenizer, sp, ids)))
-        return rid, choices, reqs
-
-    async def _stats(self):
-        """The backend's latest load, plus what this server admitted since that snapshot was
-        taken: a burst arriving within one engine step must not all see the same idle engine."""
-        stats_fn = getattr(self.backend, "stats", None)
-        stats = await stats_fn() if stats_fn is not None else None
-        if stats is None:
-            return None
-        if stats is not self._snapshot:
-            self._snapshot, self._since = stats, [0, 0]
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + self._since[0],
-                                   pending_prefill_tokens=stats.pending_prefill_tokens + self._since[1])
-
-    async def _admit(self, opts: RequestOptions, prompts) -> APIError | None:
-        stats = await self._stats()
-        n = len(prompts) * opts.params.n
-        for ids in prompts:
-            d = self.admission.decide(stats, opts.priority, len(ids), 0, opts.ttft_slo_ms, opts.tpot_slo_ms)
-            if not d.admit:
-                self.metrics.rejections.labels(reason=d.reason).inc()
-                return APIError(429, f"rejected ({d.reason}): the request cannot be served within its targets now; "
-                                     f"retry in {d.retry_after_s:.0f} s", code=d.reason, retry_after=d.retry_after_s)
-        self.admission.inflight += n
-        if stats is not None:
-            self._since[0] += n
-            self._since[1] += n * sum(len(ids) for ids in prompts) // max(1, len(prompts))
-        return None
-
     async def _serve(self, kind: str, opts: RequestOptions, prompts, echo: bool) -> Response:
-        refused = await self._admit(opts, prompts)
-        if refused is not None:
-            return error_response(refused)
-        rid, choices, reqs = self._choices(opts, prompts)
-        streams = [self._drive(r, c) for r, c in zip(reqs, choices)]
+        rid, choices, reqs = self.front.requests(opts, prompts)
+        try:
+            await self.front.admit(opts, reqs, choices)
+        except APIError as e:
+            return error_response(e)
+        streams = [self.front.drive(r, c, opts.ttft_slo_ms) for r, c in zip(reqs, choices)]
         if opts.stream:
             return StreamingResponse(self._sse(kind, rid, opts, choices, streams), media_type="text/event-stream")
         try:
             await asyncio.gather(*[_drain(s) for s in streams])
         except ConfigError as e:
             return error_response(APIError(400, str(e)))
-        return JSONResponse(self._full_body(kind, rid, opts, choices, echo))
-
-    async def _drive(self, req: Request, choice: Choice) -> AsyncIterator[None]:
-        """Feed one request's chunks into its RequestText; yields after each chunk. Closing the
-        generator (client gone, stop string) aborts the request in the backend."""
-        gen = self.backend.generate(req)
-        clock = _Clock(time.monotonic())
-        try:
-            async for chunk in gen:
-                clock.saw(chunk)
-                if choice.text.add(chunk) or choice.text.finished:
-                    yield None
-                    return
-                yield None
-        finally:
-            await gen.aclose()
-            self.admission.inflight -= 1
-            self._record(clock, choice)
-
-    def _record(self, clock: "_Clock", choice: Choice) -> None:
-        m, t = self.metrics, choice.text
-        now = time.monotonic()
-        status = t.finish_reason.value if t.finish_reason else "abort"
-        m.requests.labels(status=status).inc()
-        if clock.first is not None:
-            m.ttft.observe(clock.first - clock.start)
-            m.e2e.observe(now - clock.start)
-            if len(t.token_ids) > 1:
-                m.tpot.observe((now - clock.first) / (len(t.token_ids) - 1))
-        m.prefix_query.inc(len(choice.prompt_ids))
-        m.prefix_hit.inc(t.num_cached_tokens)
+        timings = worst_timings(choices)
+        headers = {f"x-splitserve-{k.replace('_', '-')}-ms": f"{v * 1e3:.1f}" for k, v in timings.items()}
+        return JSONResponse(self._full_body(kind, rid, opts, choices, echo), headers=headers)
 
     async def _sse(self, kind, rid, opts, choices, streams) -> AsyncIterator[bytes]:
         created, queue = int(time.time()), asyncio.Queue()
@@ -282,16 +190,6 @@ class OpenAIServer:
                 "usage": _usage(choices)}
 
 
-@dataclass
-class _Clock:
-    start: float
-    first: float | None = None
-
-    def saw(self, chunk) -> None:
-        if self.first is None and chunk.token_ids:
-            self.first = time.monotonic()
-
-
 async def _drain(stream: AsyncIterator[None]) -> None:
     async for _ in stream:
         pass
@@ -310,8 +208,9 @@ def _usage(choices: list[Choice]) -> dict:
     prompt = sum(len(c.prompt_ids) for c in {c.prompt_index: c for c in choices}.values())
     completion = sum(len(c.text.token_ids) for c in choices)
     cached = sum(c.text.num_cached_tokens for c in choices)
+    timings = {k: round(v * 1e3, 1) for k, v in worst_timings(choices).items()}
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached}, "splitserve_timings_ms": timings}
 
 
 def _cmpl_logprobs(t: RequestText, tok) -> dict | None:

@@ -1,0 +1,163 @@
+"""What the HTTP and gRPC ingresses share (DESIGN.md §1 steps 2–3, 7): prompt checks after
+tokenization, one engine request per (prompt, sample), admission against the placement the
+backend plans, driving each request's chunks into its text, and the metrics and timings of
+every request that ends.
+
+Per request: `requests()` makes the engine requests and their `Choice`s; `admit()` plans each
+one on the backend and asks admission (an `APIError` 429 refuses them all, nothing started);
+`drive()` streams one request's chunks into its `RequestText` and, however it ends (finish,
+stop string, client gone), closes the backend stream — which aborts the request on every
+worker — then records it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from splitserve.detokenizer import RequestText
+from splitserve.metrics import Metrics
+from splitserve.router.admission import Admission, Decision, Plan
+from splitserve.router.backend import Backend
+from splitserve.router.protocol import APIError, RequestOptions
+from splitserve.types import ConfigError, PhaseTimes, Request, as_token_ids
+
+TIMING_PHASES = ("queue", "prefill", "transfer", "first_token", "decode")
+
+
+@dataclass
+class Choice:
+    """One engine request of an API request: a sample `index` continuing prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: tuple[int, ...]
+    text: RequestText
+    emitted: int = 0  # characters already streamed
+    arrived: float = field(default_factory=time.monotonic)
+    first_at: float | None = None
+    ended_at: float | None = None
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
+    plan: Plan | None = None
+    decision: Decision | None = None
+
+    def timings(self) -> dict[str, float]:
+        """Seconds per phase (DESIGN.md §1): queue and prefill on the worker that computed the
+        prompt, the KV transfer, first token as the ingress saw it, and decode after it."""
+        p = self.phases
+        out = {"queue": p.queue_s, "prefill": p.prefill_s, "transfer": p.transfer_s,
+               "first_token": None if self.first_at is None else self.first_at - self.arrived,
+               "decode": None if self.first_at is None or self.ended_at is None else self.ended_at - self.first_at}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def worst_timings(choices: list[Choice]) -> dict[str, float]:
+    """Per phase, the slowest choice's: what the caller waited for."""
+    out: dict[str, float] = {}
+    for c in choices:
+        for k, v in c.timings().items():
+            out[k] = max(v, out.get(k, 0.0))
+    return out
+
+
+class Frontend:
+    def __init__(self, backend: Backend, metrics: Metrics | None = None, admission: Admission | None = None) -> None:
+        self.backend = backend
+        self.metrics = metrics or Metrics()
+        self.admission = admission or Admission()
+
+    # -- prompts --------------------------------------------------------------------------------
+    def encode(self, p: str | tuple[int, ...]) -> tuple[int, ...]:
+        ids = tuple(self.backend.tokenizer.encode(p)) if isinstance(p, str) else p
+        return self.check_ids(ids)
+
+    def check_ids(self, ids: tuple[int, ...], param: str = "prompt") -> tuple[int, ...]:
+        try:
+            as_token_ids(ids, self.backend.vocab_size)
+        except ConfigError as e:
+            raise APIError(400, str(e), param) from None
+        if not ids:
+            raise APIError(400, "the prompt is empty after tokenization", param)
+        if len(ids) >= self.backend.max_model_len:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context length is "
+                                f"{self.backend.max_model_len}", param, code="context_length_exceeded")
+        return ids
+
+    def requests(self, opts: RequestOptions, prompts: list[tuple[int, ...]],
+                 request_id: str | None = None) -> tuple[str, list[Choice], list[Request]]:
+        rid = request_id or f"cmpl-{uuid.uuid4().hex}"
+        choices, reqs = [], []
+        for i, ids in enumerate(prompts):
+            for j in range(opts.params.n):
+                k = i * opts.params.n + j
+                sp = opts.params.for_choice(j)
+                reqs.append(Request(f"{rid}-{k}", ids, sp, priority=opts.priority, arrival_time=time.time()))
+                choices.append(Choice(k, i, ids, RequestText(self.backend.tokenizer, sp, ids)))
+        return rid, choices, reqs
+
+    # -- admission ------------------------------------------------------------------------------
+    async def admit(self, opts: RequestOptions, reqs: list[Request], choices: list[Choice]) -> None:
+        """Plan and admit every request of one API request, or none (APIError 429)."""
+        admitted: list[Choice] = []
+        for req, c in zip(reqs, choices):
+            c.plan = await self.backend.plan(req)
+            d = self.admission.decide(c.plan, opts.priority, len(req.prompt_token_ids), opts.ttft_slo_ms,
+                                      opts.tpot_slo_ms)
+            if not d.admit:
+                for done in admitted:  # all or nothing: release the ones admitted before it
+                    self.admission.finished(done.decision, None)
+                self.metrics.rejections.labels(reason=d.reason).inc()
+                raise APIError(429, f"rejected ({d.reason}): the request cannot be served within its targets now; "
+                                    f"retry in {d.retry_after_s:.0f} s", code=d.reason, retry_after=d.retry_after_s)
+            c.decision = d
+            admitted.append(c)
+
+    # -- running --------------------------------------------------------------------------------
+    async def drive(self, req: Request, choice: Choice, ttft_slo_ms: float | None = None) -> AsyncIterator[None]:
+        """Feed one request's chunks into its RequestText; yields after each chunk. Closing the
+        generator (client gone, stop string) aborts the request in the backend."""
+        gen = self.backend.generate(req, choice.plan)
+        try:
+            async for chunk in gen:
+                if choice.first_at is None and chunk.token_ids:
+                    choice.first_at = time.monotonic()
+                choice.phases = choice.phases.merged(chunk.phases)
+                if choice.text.add(chunk) or choice.text.finished:
+                    yield None
+                    return
+                yield None
+        finally:
+            choice.ended_at = time.monotonic()
+            await gen.aclose()
+            if choice.decision is not None:
+                ttft = None if choice.first_at is None else choice.first_at - choice.arrived
+                self.admission.finished(choice.decision, ttft, ttft_slo_ms)
+            self._record(choice)
+
+    def _record(self, c: Choice) -> None:
+        m, t = self.metrics, c.text
+        status = t.finish_reason.value if t.finish_reason else "abort"
+        m.requests.labels(status=status).inc()
+        if c.first_at is not None:
+            m.ttft.observe(c.first_at - c.arrived)
+            m.e2e.observe(c.ended_at - c.arrived)
+            if len(t.token_ids) > 1:
+                m.tpot.observe((c.ended_at - c.first_at) / (len(t.token_ids) - 1))
+        m.prefix_query.inc(len(c.prompt_ids))
+        m.prefix_hit.inc(t.num_cached_tokens)
+        if c.phases.transfer_s is not None:
+            m.kv_transfer_seconds.observe(c.phases.transfer_s)
+            m.kv_transfer_bytes.inc(c.phases.transfer_bytes or 0)
+
+    def export_worker_gauges(self) -> None:
+        """Worker load gauges, as of the backend's last look at its workers."""
+        m = self.metrics
+        roles: dict[str, int] = {}
+        for w in self.backend.worker_views():
+            m.kv_usage.labels(role=w.role, worker=w.worker_id).set(w.kv_usage)
+            m.queue.labels(role=w.role, worker=w.worker_id).set(w.num_waiting)
+            roles[w.role] = roles.get(w.role, 0) + (1 if w.healthy else 0)
+        for role, n in roles.items():
+            m.pool_size.labels(role=role).set(n)
