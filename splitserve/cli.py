@@ -33,12 +33,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        args = _with_config_file(parser, argv, args.config)
     try:
         return args.func(args)
     except (ValueError, RuntimeError, FileExistsError) as e:  # our deliberate, explained failures
         print(f"splitserve {args.command}: error: {e}", file=sys.stderr)
         return 1
+
+
+def _with_config_file(parser: argparse.ArgumentParser, argv: Sequence[str] | None, path: str) -> argparse.Namespace:
+    """Re-parse with the YAML file's options as defaults (command-line flags still win)."""
+    import yaml
+
+    with open(path) as f:
+        options = yaml.safe_load(f) or {}
+    sub = parser._subparsers._group_actions[0].choices["serve"]  # only `serve` takes --config
+    known = {a.dest for a in sub._actions} | {"engine"}
+    if not isinstance(options, dict) or set(options) - known:
+        bad = sorted(set(options) - known) if isinstance(options, dict) else options
+        raise SystemExit(f"splitserve serve: error: {path}: unknown options {bad}; known: {sorted(known - {'help'})}")
+    sub.set_defaults(**options)
+    return parser.parse_args(argv)
 
 
 def _add_demo_model(subparsers: argparse._SubParsersAction) -> None:
@@ -64,16 +82,24 @@ def _run_demo_model(args: argparse.Namespace) -> int:
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "serve", help="serve the OpenAI-compatible HTTP API",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /ready. With "
-                    "--prefill/--decode, requests run disaggregated on a local Ray cluster; otherwise one "
-                    "in-process engine prefills and decodes. Default model: the demo model.")
+        "serve", help="serve the OpenAI-compatible HTTP API and the gRPC API",
+        description="Start (or join, with --address) a Ray cluster, a prefill pool and a decode pool, and the "
+                    "ingress as a Ray Serve application: /v1/completions, /v1/chat/completions, /v1/models, /health, "
+                    "/ready, /metrics over HTTP and splitserve.v1.Generation over gRPC. With --prefill 0 --decode 0, "
+                    "one in-process engine serves both APIs without Ray. Default model: the demo model. "
+                    "--config FILE.yaml sets any of these options (keys as the flags, with underscores; "
+                    "'engine:' for engine settings); flags given on the command line win.")
+    p.add_argument("--config", default=None, help="YAML file of serve options")
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the demo model)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill", type=int, default=0, help="prefill workers (0 with --decode 0: in-process)")
-    p.add_argument("--decode", type=int, default=0, help="decode workers")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (default: %(default)s)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default: %(default)s)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default: %(default)s; 0 with --prefill 0: "
+                                                         "in-process, no Ray)")
+    p.add_argument("--policy", default="cache_aware",
+                   choices=["cache_aware", "round_robin", "least_loaded", "power_of_two"])
     p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "nixl"])
     p.add_argument("--disagg-min-tokens", type=int, default=32)
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
@@ -83,48 +109,13 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="admission: default TTFT target")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="admission: default TPOT target")
     p.add_argument("--no-admission", action="store_true", help="admit everything (for comparisons)")
-    p.set_defaults(func=_run_serve)
+    p.set_defaults(func=_run_serve, engine={})
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from splitserve.server import run_serve
 
-    from splitserve.router.http import OpenAIServer
-
-    model = args.model
-    if model is None:
-        from splitserve.demo import ensure_demo_model
-
-        model = str(ensure_demo_model())
-    print(f"splitserve: loading {model} ...", flush=True)
-    cluster = None
-    if args.prefill or args.decode:
-        from splitserve.cluster import Cluster
-        from splitserve.router.backend import ClusterBackend
-
-        cluster = Cluster.start(model=model, prefill=args.prefill, decode=max(1, args.decode),
-                                transport=args.transport, disagg_min_tokens=args.disagg_min_tokens,
-                                dtype=args.dtype, address=args.address, kv_cache_memory_gib=args.kv_cache_memory_gib)
-        backend = ClusterBackend(cluster, args.served_model_name)
-    else:
-        from splitserve.config import EngineConfig
-        from splitserve.router.backend import LocalBackend
-
-        backend = LocalBackend(EngineConfig(model=model, dtype=args.dtype,
-                                            kv_cache_memory_gib=args.kv_cache_memory_gib), args.served_model_name)
-    print(f"splitserve: serving {backend.model_name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
-          flush=True)
-    from splitserve.router.admission import Admission, AdmissionConfig
-
-    admission = Admission(AdmissionConfig(args.max_inflight, args.ttft_slo_ms, args.tpot_slo_ms,
-                                          enabled=not args.no_admission))
-    try:  # uvicorn handles SIGINT/SIGTERM: it stops accepting, finishes, then returns here
-        uvicorn.run(OpenAIServer(backend, admission=admission).app, host=args.host, port=args.port,
-                    log_level="warning")
-    finally:
-        if cluster is not None:
-            cluster.shutdown()
-    return 0
+    return run_serve(args)
 
 
 def _add_generate(subparsers: argparse._SubParsersAction, name: str) -> None:

@@ -109,6 +109,7 @@ class Cluster:
             from splitserve.demo import ensure_demo_model
 
             model = str(ensure_demo_model())
+        on_ready = kwargs.pop("on_ready", None)  # on_ready(done, total) as each worker finishes loading
         fault = kwargs.pop("decode_fault", None)
         popts = kwargs.pop("prefill_transport_options", {})
         policy = kwargs.pop("policy", "cache_aware")
@@ -122,7 +123,7 @@ class Cluster:
         kinds = resolve_transports(cfg.transport)
         prefills = [make_prefill(cfg, kinds, i) for i in range(cfg.prefill)]
         decodes = [make_decode(cfg, kinds, i) for i in range(cfg.decode)]
-        ray.get([p.stats.remote() for p in prefills])  # wait until loaded
+        _wait_loaded(prefills + decodes, on_ready)
         readers = ray.get([d.reader_info.remote() for d in decodes])
         return cls(cfg, prefills, decodes, started, readers)
 
@@ -287,6 +288,18 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _wait_loaded(workers: list, on_ready=None) -> None:
+    """Block until every worker has loaded its model; a worker that failed to load raises here."""
+    import ray
+
+    pending = [w.stats.remote() for w in workers]
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+        if on_ready is not None:
+            on_ready(len(workers) - len(pending), len(workers))
 
 
 def local_host() -> str:

@@ -36,6 +36,7 @@ class Choice:
     prompt_ids: tuple[int, ...]
     text: RequestText
     emitted: int = 0  # characters already streamed
+    ids_sent: int = 0  # token ids already streamed (gRPC sends them too)
     arrived: float = field(default_factory=time.monotonic)
     first_at: float | None = None
     ended_at: float | None = None
@@ -125,11 +126,12 @@ class Frontend:
                     choice.first_at = time.monotonic()
                 choice.phases = choice.phases.merged(chunk.phases)
                 if choice.text.add(chunk) or choice.text.finished:
+                    choice.ended_at = time.monotonic()  # before the caller sees the end
                     yield None
                     return
                 yield None
         finally:
-            choice.ended_at = time.monotonic()
+            choice.ended_at = choice.ended_at or time.monotonic()
             await gen.aclose()
             if choice.decision is not None:
                 ttft = None if choice.first_at is None else choice.first_at - choice.arrived

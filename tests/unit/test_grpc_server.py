@@ -1,0 +1,153 @@
+"""The gRPC ingress with a client generated from the protos: a streamed generation (greedy, equal
+to the HTTP API's), health, reflection, and bad input → INVALID_ARGUMENT / NOT_FOUND,
+admission → RESOURCE_EXHAUSTED with retry-after, never INTERNAL."""
+
+import asyncio
+import math
+
+import grpc
+import httpx
+import pytest
+
+from splitserve.config import EngineConfig
+from splitserve.router.admission import Admission, AdmissionConfig
+from splitserve.router.backend import LocalBackend
+from splitserve.router.grpc_service import SERVICE_NAME, GenerationService, serve
+from splitserve.router.http import OpenAIServer
+from splitserve.v1 import generation_pb2 as pb
+from splitserve.v1 import generation_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(scope="module")
+def http_server(tiny_checkpoint):
+    backend = LocalBackend(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=256), model_name="tiny")
+    return OpenAIServer(backend, admission=Admission(AdmissionConfig(max_inflight=4)))
+
+
+async def with_grpc(http_server, fn):
+    """Run fn(stub) against a gRPC server sharing the HTTP server's frontend."""
+    server, port = await serve(GenerationService(http_server.front), "127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            return await fn(pb_grpc.GenerationStub(ch))
+    finally:
+        await server.stop(None)
+
+
+def run(http_server, fn):
+    return asyncio.run(with_grpc(http_server, fn))
+
+
+def test_generate_streams_the_same_greedy_text_as_http(http_server):
+    async def go(stub):
+        req = pb.GenerateRequest(text="Paris is the capital",
+                                 sampling=pb.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2))
+        msgs = [m async for m in stub.Generate(req)]
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=http_server.app), base_url="http://t") as h:
+            r = await h.post("/v1/completions", json={"model": "tiny", "prompt": "Paris is the capital", "max_tokens": 12,
+                                                      "temperature": 0, "ignore_eos": True})
+        return msgs, r
+
+    msgs, r = run(http_server, go)
+    ids = [i for m in msgs for i in m.token_ids]
+    assert len(ids) == 12 and len(msgs) >= 2  # streamed, not one final message
+    assert "".join(m.text for m in msgs) == r.json()["choices"][0]["text"]
+    assert all(len(m.logprobs) == len(m.token_ids) for m in msgs)
+    assert all(len(lp.top) == 2 and lp.logprob <= 0 for m in msgs for lp in m.logprobs)
+    last = msgs[-1]
+    assert last.finish_reason == "length" and not any(m.finish_reason for m in msgs[:-1])
+    assert last.usage.completion_tokens == 12 and last.usage.prompt_tokens == r.json()["usage"]["prompt_tokens"]
+    assert last.timings.first_token_s > 0 and last.timings.decode_s > 0 and last.timings.prefill_s > 0
+    # The HTTP response carries the same breakdown as headers and as a usage extension.
+    assert float(r.headers["x-splitserve-first-token-ms"]) > 0 and float(r.headers["x-splitserve-queue-ms"]) >= 0
+    assert set(r.json()["usage"]["splitserve_timings_ms"]) >= {"queue", "prefill", "first_token", "decode"}
+
+
+def test_token_ids_stop_and_health(http_server):
+    async def go(stub):
+        health = await stub.Health(pb.HealthRequest())
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7, 8]),
+                                 sampling=pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        plain = [m async for m in stub.Generate(req)]
+        text = "".join(m.text for m in plain)
+        stop = text.strip()[:2]
+        req.sampling.stop.append(stop)
+        stopped = [m async for m in stub.Generate(req)]
+        return health, text, stop, stopped
+
+    health, text, stop, stopped = run(http_server, go)
+    assert health.ready and health.model == "tiny"
+    assert stopped[-1].finish_reason == "stop"
+    assert "".join(m.text for m in stopped) == text[:text.index(stop)]
+
+
+BAD = [
+    ("nan temperature", pb.GenerateRequest(text="x", sampling=pb.SamplingParams(temperature=math.nan)),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("temperature out of range", pb.GenerateRequest(text="x", sampling=pb.SamplingParams(temperature=-1)),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("max_tokens 0", pb.GenerateRequest(text="x", sampling=pb.SamplingParams(max_tokens=0)),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("no prompt", pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+    ("empty text", pb.GenerateRequest(text=""), grpc.StatusCode.INVALID_ARGUMENT),
+    ("token id past the vocabulary", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**9])),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("prompt beyond the context", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 100_000)),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("top_p 0", pb.GenerateRequest(text="x", sampling=pb.SamplingParams(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT),
+    ("logprobs 99", pb.GenerateRequest(text="x", sampling=pb.SamplingParams(logprobs=99)),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("unknown priority", pb.GenerateRequest(text="x", priority=42), grpc.StatusCode.INVALID_ARGUMENT),
+    ("negative SLO", pb.GenerateRequest(text="x", ttft_slo_ms=-5), grpc.StatusCode.INVALID_ARGUMENT),
+    ("unknown model", pb.GenerateRequest(text="x", model="gpt-9"), grpc.StatusCode.NOT_FOUND),
+]
+
+
+@pytest.mark.parametrize("req,code", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_gets_its_status_not_internal(http_server, req, code):
+    async def go(stub):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in stub.Generate(req):
+                pass
+        return e.value
+
+    err = run(http_server, go)
+    assert err.code() == code, (err.code(), err.details())
+    assert err.details()
+
+
+def test_overload_is_resource_exhausted_with_retry_after(http_server):
+    async def go(stub):
+        req = pb.GenerateRequest(text="load", sampling=pb.SamplingParams(max_tokens=40, ignore_eos=True))
+
+        async def one():
+            try:
+                return len([m async for m in stub.Generate(req)])
+            except grpc.aio.AioRpcError as e:
+                return e
+
+        return await asyncio.gather(*[one() for _ in range(8)])
+
+    out = run(http_server, go)
+    refused = [e for e in out if isinstance(e, grpc.aio.AioRpcError)]
+    assert refused and len(refused) < len(out)  # max_inflight=4: some served, some refused
+    assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused)
+    assert all(int(dict(e.trailing_metadata())["retry-after"]) >= 1 for e in refused)
+    assert http_server.admission.inflight == 0
+
+
+def test_server_reflection_lists_the_service(http_server):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def go():
+        server, port = await serve(GenerationService(http_server.front), "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+                reqs = [reflection_pb2.ServerReflectionRequest(list_services="")]
+                async for r in stub.ServerReflectionInfo(iter(reqs)):
+                    return [s.name for s in r.list_services_response.service]
+        finally:
+            await server.stop(None)
+
+    assert SERVICE_NAME in asyncio.run(go())
