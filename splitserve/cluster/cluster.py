@@ -93,6 +93,7 @@ class Cluster:
         self._views: dict[str, WorkerView] = {}
         self._stats: dict[str, WorkerStats] = {}
         self._refreshed = 0.0
+        self._refreshing: asyncio.Future | None = None
         self._ids = itertools.count()
         self.timings: list[Timing] = []
         self.prefill_failures = 0
@@ -221,11 +222,22 @@ class Cluster:
         p = None if pl.prefill is None else int(pl.prefill.split("-")[1])
         return p, int(pl.decode.split("-")[1]), pl.cached_tokens
 
-    async def _refresh(self, min_interval: float = 0.02) -> None:
-        """Pull every worker's load and KV events (at most every `min_interval` seconds)."""
-        if time.monotonic() - self._refreshed < min_interval:
-            return
-        self._refreshed = time.monotonic()
+    async def _refresh(self, min_interval: float = 0.02, wait_s: float = 0.05) -> None:
+        """Pull every worker's load and KV events (at most every `min_interval` seconds). A
+        request waits at most `wait_s` for it (a worker busy in a long step answers late): past
+        that it is placed on the views it has, and the refresh lands when the answers do."""
+        task = self._refreshing
+        if task is None or task.done():
+            if time.monotonic() - self._refreshed < min_interval:
+                return
+            self._refreshed = time.monotonic()
+            task = self._refreshing = asyncio.ensure_future(self._pull_snapshots())
+        if self._views:
+            await asyncio.wait({task}, timeout=wait_s)
+        else:
+            await task  # nothing to place on yet
+
+    async def _pull_snapshots(self) -> None:
         named = [(f"prefill-{i}", "prefill", w) for i, w in enumerate(self.prefills)]
         named += [(f"decode-{i}", "decode", w) for i, w in enumerate(self.decodes)]
         snaps = await asyncio.gather(*[w.snapshot.remote() for *_, w in named], return_exceptions=True)

@@ -38,6 +38,7 @@ class DecodeWorker:
         if on_transfer_failure not in POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {POLICIES}, got {on_transfer_failure!r}")
         self.engine = Engine(config)
+        self.engine.warmup()  # before serving: no cold first request, and a first step-time fit
         self.loop = EngineLoop(self.engine)
         self.layout = layout_of(self.engine)
         self.host = host or socket.gethostname()

@@ -33,6 +33,7 @@ from splitserve.types import (
     FinishReason,
     PhaseTimes,
     Request,
+    SamplingParams,
     TokenChunk,
     WorkerStats,
     as_token_ids,
@@ -67,6 +68,25 @@ class Engine:
         self._order = itertools.count()
         self._steps = 0
         self.step_model = StepTimeModel()
+
+    def warmup(self, prompt_lens: tuple[int, ...] = (16, 64, 256), max_tokens: int = 4) -> None:
+        """Run synthetic requests through the real path before serving, one at a time and then
+        together: lazy initialisation (kernels, allocator) happens here rather than in the first
+        user's TTFT, and the step-time model has a first fit (prefill sizes, decode batches) for
+        admission. Leaves no trace: prefix cache emptied, its events and counters dropped."""
+        limit = max(1, min(self.max_model_len - max_tokens - 1, self.config.max_num_batched_tokens))
+        lens = sorted({min(n, limit) for n in prompt_lens})
+        vocab = self.model_config.vocab_size
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for group in [[n] for n in lens] + [lens]:
+            for n in group:
+                rid = f"warmup-{next(self._order)}"
+                self.add_request(Request(rid, [(31 * k + n) % vocab for k in range(n)], sp))
+            while self.scheduler.has_work():
+                self.step()
+        self.pool.reset_prefix_cache()
+        self.pool.drain_events()
+        self.scheduler.prefix_query_tokens = self.scheduler.prefix_hit_tokens = 0
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = ()) -> None:

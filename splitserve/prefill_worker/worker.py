@@ -38,6 +38,7 @@ class PrefillWorker:
     def __init__(self, config: EngineConfig, transports: Sequence[str], lease_s: float = 30.0,
                  host: str | None = None, transport_options: dict | None = None) -> None:
         self.engine = Engine(config)
+        self.engine.warmup()  # before serving: no cold first request, and a first step-time fit
         self.loop = EngineLoop(self.engine)
         self.layout = layout_of(self.engine)
         self.host = host or socket.gethostname()

@@ -21,8 +21,9 @@ the in-flight count is under its class's limit: sheddable requests go first (hal
 standard at the limit, critical only past twice the limit (the hard capacity bound).
 Rejections carry a Retry-After estimate: how long until the queue ahead drains.
 
-Worker stats arrive as snapshots; a burst arriving between two snapshots must not all see the
-same idle worker, so what was admitted to a worker since its last snapshot is added to it.
+Worker stats arrive as snapshots, late and at intervals; a burst arriving between two snapshots
+must not all see the same idle worker, so the queue ahead also counts what this router admitted
+to that worker and has not seen prefilled yet (`Outstanding`).
 """
 
 from __future__ import annotations
@@ -75,8 +76,11 @@ class Decision:
     admit: bool
     reason: str = ""  # capacity | ttft_slo | tpot_slo
     retry_after_s: float = 0.0
-    predicted_ttft_s: float = 0.0
+    predicted_ttft_s: float = 0.0  # calibrated
     predicted_tpot_s: float = 0.0
+    model_ttft_s: float = 0.0  # the cost model's TTFT before calibration
+    worker: str | None = None  # admitted: where its prompt is computed, and how many tokens
+    tokens: int = 0
 
 
 _LIMIT = {Priority.SHEDDABLE: 0.5, Priority.STANDARD: 1.0, Priority.CRITICAL: 2.0}
@@ -94,29 +98,30 @@ def predict(stats: WorkerStats, prompt_tokens: int, cached_tokens: int) -> tuple
     return ttft, tpot
 
 
-class LoadView:
-    """Worker snapshots plus what was admitted to each worker since its snapshot was taken."""
+class Outstanding:
+    """Requests this router admitted to each worker whose first token has not come back yet:
+    the queue it knows of at once, before any worker snapshot can show it. A worker's own
+    report also counts what other routers sent it, so the larger of the two is used."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, tuple[int, int, int]] = {}  # worker -> (steps_total, waiting, tokens) added
+        self._by_worker: dict[str, tuple[int, int]] = {}  # worker -> (requests, prompt tokens to compute)
+
+    def add(self, worker: str, tokens: int, sign: int = 1) -> None:
+        n, t = self._by_worker.get(worker, (0, 0))
+        self._by_worker[worker] = (n + sign, t + sign * tokens)
+
+    def remove(self, worker: str, tokens: int) -> None:
+        self.add(worker, tokens, -1)
 
     def adjusted(self, worker: str, stats: WorkerStats | None) -> WorkerStats | None:
         if stats is None:
             return None
-        steps, waiting, tokens = self._seen.get(worker, (stats.steps_total, 0, 0))
-        if steps != stats.steps_total:  # a newer snapshot: it has seen what was added before it
-            self._seen[worker] = (stats.steps_total, 0, 0)
-            return stats
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + waiting,
-                                   pending_prefill_tokens=stats.pending_prefill_tokens + tokens)
+        n, t = self._by_worker.get(worker, (0, 0))
+        return dataclasses.replace(stats, num_waiting=max(stats.num_waiting, n),
+                                   pending_prefill_tokens=max(stats.pending_prefill_tokens, t))
 
-    def add(self, worker: str, stats: WorkerStats | None, prompt_tokens: int) -> None:
-        if stats is None:
-            return
-        steps, waiting, tokens = self._seen.get(worker, (stats.steps_total, 0, 0))
-        if steps != stats.steps_total:
-            waiting, tokens = 0, 0
-        self._seen[worker] = (stats.steps_total, waiting + 1, tokens + prompt_tokens)
+    def __getitem__(self, worker: str) -> tuple[int, int]:
+        return self._by_worker.get(worker, (0, 0))
 
 
 class Calibration:
@@ -146,7 +151,7 @@ class Admission:
     def __init__(self, config: AdmissionConfig | None = None) -> None:
         self.config = config or AdmissionConfig()
         self.inflight = 0
-        self.load = LoadView()
+        self.outstanding = Outstanding()
         c = self.config
         self.calibration = Calibration(c.calibration_quantile, c.calibration_window, c.calibration_min_samples)
 
@@ -161,17 +166,27 @@ class Admission:
         if decision.admit:
             self.inflight += 1
             if plan is not None:
-                self.load.add(plan.first_worker, plan.first_stats, prompt_tokens - plan.cached_tokens)
+                decision = dataclasses.replace(decision, worker=plan.first_worker,
+                                               tokens=max(1, prompt_tokens - plan.cached_tokens))
+                self.outstanding.add(decision.worker, decision.tokens)
         return decision
 
+    def prefilled(self, decision: Decision) -> None:
+        """An admitted request's first token arrived: it no longer waits for its prefill."""
+        if decision.worker is not None:
+            self.outstanding.remove(decision.worker, decision.tokens)
+
     def finished(self, decision: Decision, observed_ttft_s: float | None, slo_ms: float | None = None) -> None:
-        """An admitted request ended; its TTFT (None: no token came) calibrates the predictor.
-        Only predictions that could have decided something count: those past a quarter of
-        the SLO (far below it, fixed per-request overheads dominate the ratio)."""
+        """An admitted request ended; its TTFT (None: no token came, so it was never
+        `prefilled`) calibrates the predictor. Only predictions that could have decided
+        something count: those past a quarter of the SLO (far below it, fixed per-request
+        overheads dominate the ratio)."""
         self.inflight -= 1
+        if observed_ttft_s is None:
+            self.prefilled(decision)
         slo = slo_ms if slo_ms is not None else self.config.ttft_slo_ms
         if observed_ttft_s is not None and (slo is None or decision.predicted_ttft_s * 1e3 >= slo / 4):
-            self.calibration.observe(decision.predicted_ttft_s, observed_ttft_s)
+            self.calibration.observe(decision.model_ttft_s, observed_ttft_s)
 
     def _decide(self, plan, priority, prompt_tokens, ttft_slo_ms, tpot_slo_ms) -> Decision:
         cfg = self.config
@@ -180,21 +195,22 @@ class Admission:
         limit = cfg.max_inflight * _LIMIT[priority]
         if self.inflight >= limit:
             return Decision(False, "capacity", retry_after_s=1.0)
-        first = None if plan is None else self.load.adjusted(plan.first_worker, plan.first_stats)
-        decode = None if plan is None else self.load.adjusted(plan.decode_worker, plan.decode_stats)
-        ttft = tpot = 0.0
+        first = None if plan is None else self.outstanding.adjusted(plan.first_worker, plan.first_stats)
+        decode = None if plan is None else plan.decode_stats
+        model = ttft = tpot = 0.0
         if first is not None:
-            ttft = predict(first, prompt_tokens, plan.cached_tokens)[0] * self.calibration.factor
+            model = predict(first, prompt_tokens, plan.cached_tokens)[0]
+            ttft = model * self.calibration.factor
         if decode is not None:
             tpot = predict(decode, prompt_tokens, 0)[1]
         if priority is Priority.CRITICAL:
-            return Decision(True, "", 0.0, ttft, tpot)  # critical requests are refused only at the hard limit
+            return Decision(True, "", 0.0, ttft, tpot, model)  # refused only at the hard limit
         ttft_slo = ttft_slo_ms if ttft_slo_ms is not None else cfg.ttft_slo_ms
         tpot_slo = tpot_slo_ms if tpot_slo_ms is not None else cfg.tpot_slo_ms
         if first is not None and ttft_slo is not None and ttft * 1e3 > ttft_slo:
             drain = max(1.0, ttft - ttft_slo / 1e3)
-            return Decision(False, "ttft_slo", drain, ttft, tpot)
+            return Decision(False, "ttft_slo", drain, ttft, tpot, model)
         if decode is not None and tpot_slo is not None and tpot * 1e3 > tpot_slo:
-            return Decision(False, "tpot_slo", 1.0, ttft, tpot)
-        return Decision(True, "", 0.0, ttft, tpot)
+            return Decision(False, "tpot_slo", 1.0, ttft, tpot, model)
+        return Decision(True, "", 0.0, ttft, tpot, model)
 

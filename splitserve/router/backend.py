@@ -38,6 +38,7 @@ LOCAL = "local"
 class LocalBackend:
     def __init__(self, config: EngineConfig, model_name: str | None = None) -> None:
         self.engine = Engine(config)
+        self.engine.warmup()  # before serving: no cold first request, and a first step-time fit
         self.loop = EngineLoop(self.engine)
         self.tokenizer = Tokenizer(config.model)
         self.model_name = model_name or config.model.rstrip("/").rsplit("/", 1)[-1]

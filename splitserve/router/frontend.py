@@ -124,6 +124,8 @@ class Frontend:
             async for chunk in gen:
                 if choice.first_at is None and chunk.token_ids:
                     choice.first_at = time.monotonic()
+                    if choice.decision is not None:
+                        self.admission.prefilled(choice.decision)
                 choice.phases = choice.phases.merged(chunk.phases)
                 if choice.text.add(chunk) or choice.text.finished:
                     choice.ended_at = time.monotonic()  # before the caller sees the end

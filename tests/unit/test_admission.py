@@ -1,6 +1,6 @@
 import pytest
 
-from splitserve.router.admission import Admission, AdmissionConfig, Calibration, LoadView, Plan, predict
+from splitserve.router.admission import Admission, AdmissionConfig, Calibration, Outstanding, Plan, predict
 from splitserve.types import Priority, WorkerStats
 
 
@@ -64,11 +64,18 @@ def test_a_burst_between_snapshots_sees_its_own_load():
     ttfts = [d.predicted_ttft_s for d in decisions if d.admit]
     assert ttfts == sorted(ttfts) and ttfts[-1] > ttfts[0]  # each one queued behind the ones before
     assert not decisions[-1].admit  # 10 × 400 tokens at 1 ms/token: past the SLO
-    # A newer snapshot (the engine stepped) replaces the local additions.
-    view = LoadView()
-    view.add("w", snap, 500)
-    assert view.adjusted("w", snap).pending_prefill_tokens == 500
-    assert view.adjusted("w", stats(steps=11)).pending_prefill_tokens == 0
+    admitted = [d for d in decisions if d.admit]
+    assert a.outstanding["p0"] == (len(admitted), 400 * len(admitted))
+    # First tokens back (or requests gone without one): the queue this router knows of empties.
+    a.prefilled(admitted[0])
+    for d in admitted[1:]:
+        a.finished(d, observed_ttft_s=None)
+    assert a.outstanding["p0"] == (0, 0) and a.decide(plan(snap), Priority.STANDARD, 400).admit
+    # A worker's own report (other routers' requests too) wins when it shows more.
+    o = Outstanding()
+    o.add("w", 500)
+    assert o.adjusted("w", stats()).pending_prefill_tokens == 500
+    assert o.adjusted("w", stats(waiting=4)).pending_prefill_tokens == 1024
 
 
 def test_calibration_scales_predictions_by_the_observed_ratio():
