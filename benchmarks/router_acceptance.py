@@ -106,6 +106,8 @@ def run_overload(args: argparse.Namespace) -> dict:
     out = {"workload": {"rate": args.rate, "num_requests": args.num_requests, "ttft_slo_ms": args.ttft_slo_ms,
                         "input_len": args.input_len, "output_len": args.output_len}}
     for mode, flags in (("admission", ()), ("no_admission", ("--no-admission",))):
+        if mode not in args.modes:
+            continue
         with server("--ttft-slo-ms", str(args.ttft_slo_ms), *flags) as url:
             res = bench(url, Path(args.out).with_name(f"router_overload_bench_{mode}.json"),
                         "--dataset", "random", "--rate", str(args.rate), "--num-requests", str(args.num_requests),
@@ -131,6 +133,7 @@ def main() -> None:
     p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     p.add_argument("--input-len", type=int, nargs=2, default=[128, 512])
     p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--modes", nargs="+", default=["admission", "no_admission"], help="overload: which runs")
     args = p.parse_args()
     args.out = args.out or f"results/router_{args.what}.json"
     result = run_prefix(args) if args.what == "prefix" else run_overload(args)

@@ -36,6 +36,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     retry_after_s: float | None = None
     error: str | None = None
+    server_timings_ms: dict[str, float] | None = None  # the server's breakdown (splitserve servers)
 
     @property
     def ok(self) -> bool:
@@ -137,4 +138,5 @@ def _finish(state: _StreamState, start_s: float, e2e_s: float) -> RequestResult:
     if state.ttft_s is None:
         return RequestResult(ERROR, start_s, e2e_s, output_tokens=out, error="stream carried no text")
     return RequestResult(OK, start_s, e2e_s, ttft_s=state.ttft_s, itl_s=tuple(state.itl),
-                         output_tokens=out, prompt_tokens=usage.get("prompt_tokens"))
+                         output_tokens=out, prompt_tokens=usage.get("prompt_tokens"),
+                         server_timings_ms=usage.get("splitserve_timings_ms"))

@@ -202,7 +202,8 @@ def result_row(r: RequestResult) -> dict[str, Any]:
     ms = lambda s: None if s is None else round(s * 1000.0, 3)  # noqa: E731
     return {"status": r.status, "start_s": round(r.start_s, 6), "ttft_ms": ms(r.ttft_s), "tpot_ms": ms(r.tpot_s),
             "e2e_ms": ms(r.e2e_s), "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
-            "num_itl": len(r.itl_s), "retry_after_s": r.retry_after_s, "error": r.error}
+            "num_itl": len(r.itl_s), "retry_after_s": r.retry_after_s, "error": r.error,
+            "server_timings_ms": r.server_timings_ms}
 
 
 def write_results(run: BenchRun, config: BenchConfig, out: str | Path,

@@ -44,7 +44,7 @@ class AdmissionConfig:
     enabled: bool = True
     calibration_quantile: float = 0.95  # of observed/predicted TTFT: the margin the SLO check keeps
     calibration_window: int = 200  # recent finished requests it is taken over
-    calibration_min_samples: int = 8
+    calibration_min_samples: int = 4
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:

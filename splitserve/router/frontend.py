@@ -24,7 +24,6 @@ from splitserve.router.backend import Backend
 from splitserve.router.protocol import APIError, RequestOptions
 from splitserve.types import ConfigError, PhaseTimes, Request, as_token_ids
 
-TIMING_PHASES = ("queue", "prefill", "transfer", "first_token", "decode")
 
 
 @dataclass
@@ -46,11 +45,13 @@ class Choice:
 
     def timings(self) -> dict[str, float]:
         """Seconds per phase (DESIGN.md §1): queue and prefill on the worker that computed the
-        prompt, the KV transfer, first token as the ingress saw it, and decode after it."""
+        prompt, the KV transfer, first token as the ingress saw it, and decode after it; and
+        the first-token time admission predicted for it."""
         p = self.phases
         out = {"queue": p.queue_s, "prefill": p.prefill_s, "transfer": p.transfer_s,
                "first_token": None if self.first_at is None else self.first_at - self.arrived,
-               "decode": None if self.first_at is None or self.ended_at is None else self.ended_at - self.first_at}
+               "decode": None if self.first_at is None or self.ended_at is None else self.ended_at - self.first_at,
+               "predicted_first_token": self.decision.predicted_ttft_s if self.decision is not None else None}
         return {k: v for k, v in out.items() if v is not None}
 
 
