@@ -12,9 +12,11 @@ c0 + c1·prefill tokens + c2·decode seqs + c3·decode context tokens) and its l
   TPOT ≈ c0 + c2·(running + 1) + c3·(context of the running batch + this prompt)
          (on the decode worker)
 The TTFT prediction is then calibrated online: the model sees the queue as it is now, not the
-steps that grow as the requests ahead start decoding, so it runs low under load. Each
-finished request reports observed vs predicted TTFT; the prediction is multiplied by a high
-quantile of that ratio over recent requests whose prediction mattered (near the SLO).
+steps that grow as the requests ahead start decoding, nor the ingress and RPC hops, nor other
+processes competing for the host, so it runs low under load. Each finished request reports
+observed vs predicted TTFT; the prediction is multiplied by a high quantile of that ratio over
+recent requests whose prediction mattered (near the SLO), and by a prior margin until a few
+such requests have been seen.
 
 A request is admitted if both predictions meet its SLOs (per request, else the server's), and
 the in-flight count is under its class's limit: sheddable requests go first (half the limit),
@@ -45,10 +47,13 @@ class AdmissionConfig:
     calibration_quantile: float = 0.95  # of observed/predicted TTFT: the margin the SLO check keeps
     calibration_window: int = 200  # recent finished requests it is taken over
     calibration_min_samples: int = 4
+    calibration_prior: float = 1.5  # the factor until then: the model runs low before it is checked
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if not 1.0 <= self.calibration_prior <= 8.0:
+            raise ValueError(f"calibration_prior must be in [1, 8], got {self.calibration_prior}")
         if not 0.5 <= self.calibration_quantile <= 1.0:
             raise ValueError(f"calibration_quantile must be in [0.5, 1], got {self.calibration_quantile}")
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
@@ -125,10 +130,10 @@ class Outstanding:
 
 
 class Calibration:
-    """A high quantile of observed / predicted TTFT over recent requests (1.0 until enough)."""
+    """A high quantile of observed / predicted TTFT over recent requests (`prior` until enough)."""
 
-    def __init__(self, quantile: float, window: int, min_samples: int) -> None:
-        self.quantile, self.min_samples = quantile, min_samples
+    def __init__(self, quantile: float, window: int, min_samples: int, prior: float = 1.0) -> None:
+        self.quantile, self.min_samples, self.prior = quantile, min_samples, prior
         self._recent: collections.deque[float] = collections.deque(maxlen=window)
 
     def observe(self, predicted_s: float, observed_s: float) -> None:
@@ -139,7 +144,7 @@ class Calibration:
     @property
     def factor(self) -> float:
         if len(self._recent) < self.min_samples:
-            return 1.0
+            return self.prior
         ordered = sorted(self._recent)
         return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
 
@@ -153,7 +158,8 @@ class Admission:
         self.inflight = 0
         self.outstanding = Outstanding()
         c = self.config
-        self.calibration = Calibration(c.calibration_quantile, c.calibration_window, c.calibration_min_samples)
+        self.calibration = Calibration(c.calibration_quantile, c.calibration_window, c.calibration_min_samples,
+                                       c.calibration_prior)
 
     def predict(self, stats: WorkerStats, prompt_tokens: int, cached_tokens: int) -> tuple[float, float]:
         return predict(stats, prompt_tokens, cached_tokens)

@@ -58,7 +58,7 @@ def test_capacity_limits_by_class():
 
 
 def test_a_burst_between_snapshots_sees_its_own_load():
-    a = Admission(AdmissionConfig(ttft_slo_ms=1000))
+    a = Admission(AdmissionConfig(ttft_slo_ms=1000, calibration_prior=1.0))
     snap = stats()  # idle, and the same snapshot for the whole burst
     decisions = [a.decide(plan(snap), Priority.STANDARD, 400) for _ in range(10)]
     ttfts = [d.predicted_ttft_s for d in decisions if d.admit]
@@ -79,12 +79,12 @@ def test_a_burst_between_snapshots_sees_its_own_load():
 
 
 def test_calibration_scales_predictions_by_the_observed_ratio():
-    cal = Calibration(quantile=0.9, window=100, min_samples=5)
-    assert cal.factor == 1.0
+    cal = Calibration(quantile=0.9, window=100, min_samples=5, prior=1.25)
+    assert cal.factor == 1.25  # a margin until it has seen enough
     for r in (1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 1.1, 1.3, 1.5, 1.7):
         cal.observe(1.0, r)
     assert cal.factor == pytest.approx(2.0)
-    a = Admission(AdmissionConfig(ttft_slo_ms=400, calibration_min_samples=3))
+    a = Admission(AdmissionConfig(ttft_slo_ms=400, calibration_min_samples=3, calibration_prior=1.0))
     d = a.decide(plan(stats(waiting=1)), Priority.STANDARD, 100)  # 0.001 * 356 + 0.01 ≈ 0.37 s
     assert d.admit
     for _ in range(3):  # the requests took twice as long as predicted
@@ -98,6 +98,6 @@ def test_calibration_scales_predictions_by_the_observed_ratio():
 
 
 def test_config_is_validated():
-    for bad in ({"max_inflight": 0}, {"ttft_slo_ms": -1}, {"calibration_quantile": 0.1}):
+    for bad in ({"max_inflight": 0}, {"ttft_slo_ms": -1}, {"calibration_quantile": 0.1}, {"calibration_prior": 0.5}):
         with pytest.raises(ValueError):
             AdmissionConfig(**bad)

@@ -112,6 +112,20 @@ def test_models_health_ready(server):
     ("/v1/chat/completions", b'{"model": "tiny", "messages": "hi"}', 400),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": 3}]}', 400),
     ("/v1/completions", b'{"model": "tiny", "prompt": "' + b"x" * (9 << 20) + b'"}', 413),
+    ("/v1/completions", b'[1, 2]', 400),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": "ten"}', 400),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "n": true}', 400),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stream": "yes"}', 400),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": 5}', 400),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "top_p": 0}', 400),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logprobs": 9}', 400),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "priority": "vip"}', 400),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "ttft_slo_ms": -1}', 400),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ""}', 400),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [[]]}', 400),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}', 400),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}',
+     400),
 ])
 def test_bad_requests_are_4xx_in_openai_shape(server, path, body, status):
     async def go():
