@@ -33,6 +33,14 @@ def run_serve(args: argparse.Namespace) -> int:
     return _serve_on_ray(args, model, admission)
 
 
+def _engine_options(args: argparse.Namespace) -> dict:
+    """Engine settings: the flags, then the config file's `engine:` section over them."""
+    engine = dict(args.engine or {})
+    if "model" in engine:
+        raise ValueError("set the model with --model (or `model:` at the top of the config file), not under engine:")
+    return {"dtype": args.dtype, "kv_cache_memory_gib": args.kv_cache_memory_gib, **engine}
+
+
 def _say(msg: str) -> None:
     print(f"splitserve: {msg}", flush=True)
 
@@ -48,11 +56,10 @@ def _serve_on_ray(args: argparse.Namespace, model: str, admission: AdmissionConf
 
     started = time.monotonic()
     cluster = Cluster.start(model=model, prefill=args.prefill, decode=max(1, args.decode), transport=args.transport,
-                            disagg_min_tokens=args.disagg_min_tokens, dtype=args.dtype, address=args.address,
-                            policy=args.policy, kv_cache_memory_gib=args.kv_cache_memory_gib,
+                            disagg_min_tokens=args.disagg_min_tokens, address=args.address, policy=args.policy,
                             on_ready=lambda done, total: _say(f"workers ready {done}/{total} "
                                                               f"({time.monotonic() - started:.0f} s)"),
-                            **args.engine)
+                            **_engine_options(args))
     try:
         _say("starting the Ray Serve ingress")
         run_serve_app(cluster, admission, args.served_model_name, args.host, args.port, args.grpc_port)
@@ -61,7 +68,7 @@ def _serve_on_ray(args: argparse.Namespace, model: str, admission: AdmissionConf
     finally:
         _say("shutting down")
         try:
-            stop_serve_app()
+            stop_serve_app(shutdown_serve=args.address is None)  # a joined cluster may serve other apps
         finally:
             cluster.shutdown()
     return 0
@@ -85,8 +92,7 @@ def _serve_in_process(args: argparse.Namespace, model: str, admission: Admission
     from splitserve.router.backend import LocalBackend
     from splitserve.router.http import OpenAIServer
 
-    ecfg = EngineConfig.from_dict({"model": model, "dtype": args.dtype, "kv_cache_memory_gib": args.kv_cache_memory_gib,
-                                   **args.engine})
+    ecfg = EngineConfig.from_dict({"model": model, **_engine_options(args)})
     http = OpenAIServer(LocalBackend(ecfg, args.served_model_name), admission=Admission(admission))
     _listening(args, http.backend.model_name)
     asyncio.run(_run_both(http, args))

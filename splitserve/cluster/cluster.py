@@ -142,7 +142,10 @@ class Cluster:
             reqs = [Request(f"{gid}-{i}", ids, sp.for_choice(i)) for i in range(sp.n)]
             groups.append((gid, p if isinstance(p, str) else None, ids, reqs))
         tasks = [[asyncio.ensure_future(self.run_request(r)) for r in reqs] for *_, reqs in groups]
-        return [request_output(gid, text, ids, [await t for t in ts]) for (gid, text, ids, _), ts in zip(groups, tasks)]
+        outs = [request_output(gid, text, ids, [await t for t in ts]) for (gid, text, ids, _), ts in zip(groups, tasks)]
+        if self._refreshing is not None:  # asyncio.run would cancel it, losing the KV events it drained
+            await asyncio.wait({self._refreshing})
+        return outs
 
     async def run_request(self, req: Request) -> RequestText:
         text = RequestText(self.tokenizer, req.params, req.prompt_token_ids)
@@ -232,10 +235,12 @@ class Cluster:
                 return
             self._refreshed = time.monotonic()
             task = self._refreshing = asyncio.ensure_future(self._pull_snapshots())
+        # A waiter that goes away must not cancel the refresh: its snapshots drain the workers'
+        # KV events, which would then be lost to the index.
         if self._views:
             await asyncio.wait({task}, timeout=wait_s)
         else:
-            await task  # nothing to place on yet
+            await asyncio.shield(task)  # nothing to place on yet
 
     async def _pull_snapshots(self) -> None:
         named = [(f"prefill-{i}", "prefill", w) for i, w in enumerate(self.prefills)]

@@ -62,6 +62,8 @@ def run_serve_app(cluster: Cluster, admission: AdmissionConfig, model_name: str 
     return serve.run(app, name=APP_NAME, route_prefix="/")
 
 
-def stop_serve_app() -> None:
+def stop_serve_app(shutdown_serve: bool = True) -> None:
+    """Delete the app; shut Serve down too unless it serves others (a joined cluster)."""
     serve.delete(APP_NAME)
-    serve.shutdown()
+    if shutdown_serve:
+        serve.shutdown()

@@ -42,6 +42,7 @@ class Choice:
     phases: PhaseTimes = field(default_factory=PhaseTimes)
     plan: Plan | None = None
     decision: Decision | None = None
+    released: bool = False
 
     def timings(self) -> dict[str, float]:
         """Seconds per phase (DESIGN.md §1): queue and prefill on the worker that computed the
@@ -101,25 +102,42 @@ class Frontend:
 
     # -- admission ------------------------------------------------------------------------------
     async def admit(self, opts: RequestOptions, reqs: list[Request], choices: list[Choice]) -> None:
-        """Plan and admit every request of one API request, or none (APIError 429)."""
+        """Plan and admit every request of one API request, or none (APIError 429; a failed
+        plan releases what was admitted before it too)."""
         admitted: list[Choice] = []
-        for req, c in zip(reqs, choices):
-            c.plan = await self.backend.plan(req)
-            d = self.admission.decide(c.plan, opts.priority, len(req.prompt_token_ids), opts.ttft_slo_ms,
-                                      opts.tpot_slo_ms)
-            if not d.admit:
-                for done in admitted:  # all or nothing: release the ones admitted before it
-                    self.admission.finished(done.decision, None)
-                self.metrics.rejections.labels(reason=d.reason).inc()
-                raise APIError(429, f"rejected ({d.reason}): the request cannot be served within its targets now; "
-                                    f"retry in {d.retry_after_s:.0f} s", code=d.reason, retry_after=d.retry_after_s)
-            c.decision = d
-            admitted.append(c)
+        try:
+            for req, c in zip(reqs, choices):
+                c.plan = await self.backend.plan(req)
+                d = self.admission.decide(c.plan, opts.priority, len(req.prompt_token_ids), opts.ttft_slo_ms,
+                                          opts.tpot_slo_ms)
+                if not d.admit:
+                    self.metrics.rejections.labels(reason=d.reason).inc()
+                    raise APIError(429, f"rejected ({d.reason}): the request cannot be served within its targets "
+                                        f"now; retry in {d.retry_after_s:.0f} s", code=d.reason,
+                                   retry_after=d.retry_after_s)
+                c.decision = d
+                admitted.append(c)
+        except BaseException:
+            for done in admitted:  # all or nothing
+                self.release(done)
+            raise
+
+    def release(self, c: Choice, ttft_slo_ms: float | None = None) -> None:
+        """An admitted choice is over, however it ended (also when its stream never started):
+        admission gets its slot and its TTFT back, metrics record it. Idempotent."""
+        if c.decision is None or c.released:
+            return
+        c.released = True
+        c.ended_at = c.ended_at or time.monotonic()
+        ttft = None if c.first_at is None else c.first_at - c.arrived
+        self.admission.finished(c.decision, ttft, ttft_slo_ms)
+        self._record(c)
 
     # -- running --------------------------------------------------------------------------------
     async def drive(self, req: Request, choice: Choice, ttft_slo_ms: float | None = None) -> AsyncIterator[None]:
         """Feed one request's chunks into its RequestText; yields after each chunk. Closing the
-        generator (client gone, stop string) aborts the request in the backend."""
+        generator (client gone, stop string) aborts the request in the backend. A generator
+        that never started runs no cleanup: its owner calls `release` for it."""
         gen = self.backend.generate(req, choice.plan)
         try:
             async for chunk in gen:
@@ -134,12 +152,10 @@ class Frontend:
                     return
                 yield None
         finally:
-            choice.ended_at = choice.ended_at or time.monotonic()
-            await gen.aclose()
-            if choice.decision is not None:
-                ttft = None if choice.first_at is None else choice.first_at - choice.arrived
-                self.admission.finished(choice.decision, ttft, ttft_slo_ms)
-            self._record(choice)
+            try:
+                await gen.aclose()
+            finally:
+                self.release(choice, ttft_slo_ms)
 
     def _record(self, c: Choice) -> None:
         m, t = self.metrics, c.text

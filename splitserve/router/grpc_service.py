@@ -92,20 +92,24 @@ class GenerationService:
                 raise APIError(503, "not ready: workers are still loading")
             parsed = parse_completion(completion_body(request, front.backend.model_name), [front.backend.model_name])
             prompt = front.encode(parsed.prompts[0])
-            rid, choices, reqs = front.requests(parsed.options, [prompt], request.request_id or None)
+            # Engine ids are always fresh: a client reusing its request_id (a retry while the
+            # first call still runs) must not collide with it on the workers.
+            rid, choices, reqs = front.requests(parsed.options, [prompt])
             await front.admit(parsed.options, reqs, choices)
         except APIError as e:
             raise RpcFailure.of(e) from None
+        echo_id = request.request_id or rid
         stream, choice = front.drive(reqs[0], choices[0], parsed.options.ttft_slo_ms), choices[0]
         try:
             async for _ in stream:
-                msg = _delta(choice, rid)
+                msg = _delta(choice, echo_id)
                 if msg is not None:
                     yield msg
         except ConfigError as e:  # the engine refused what validation let through
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         finally:
             await stream.aclose()
+            front.release(choice, parsed.options.ttft_slo_ms)
 
 
 def _delta(c: Choice, rid: str) -> pb.GenerateResponse | None:

@@ -118,6 +118,11 @@ class OpenAIServer:
             await asyncio.gather(*[_drain(s) for s in streams])
         except ConfigError as e:
             return error_response(APIError(400, str(e)))
+        finally:  # one failed or we were cancelled: stop the others, and account for every choice
+            for s in streams:
+                await s.aclose()
+            for c in choices:
+                self.front.release(c, opts.ttft_slo_ms)
         timings = worst_timings(choices)
         headers = {f"x-splitserve-{k.replace('_', '-')}-ms": f"{v * 1e3:.1f}" for k, v in timings.items()}
         return JSONResponse(self._full_body(kind, rid, opts, choices, echo), headers=headers)
@@ -157,6 +162,8 @@ class OpenAIServer:
             await asyncio.gather(*tasks, return_exceptions=True)
             for s in streams:
                 await s.aclose()
+            for c in choices:
+                self.front.release(c, opts.ttft_slo_ms)
 
     def _delta(self, kind: str, rid: str, created: int, c: Choice) -> dict | None:
         t = c.text

@@ -151,3 +151,20 @@ def test_server_reflection_lists_the_service(http_server):
             await server.stop(None)
 
     assert SERVICE_NAME in asyncio.run(go())
+
+
+def test_a_reused_request_id_does_not_collide(http_server):
+    async def go(stub):
+        req = pb.GenerateRequest(text="same id twice", request_id="client-1",
+                                 sampling=pb.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+
+        async def one():
+            return [m async for m in stub.Generate(req)]
+
+        return await asyncio.gather(one(), one())
+
+    a, b = run(http_server, go)
+    assert [m.text for m in a] and "".join(m.text for m in a) == "".join(m.text for m in b)
+    assert {m.request_id for m in a + b} == {"client-1"}  # echoed, while the engine ids differ
+    assert a[-1].finish_reason == b[-1].finish_reason == "length"
+    assert http_server.admission.inflight == 0

@@ -1,0 +1,38 @@
+"""`splitserve serve --config FILE.yaml`: the file's options become defaults, flags on the command
+line win, unknown keys are refused with the list of known ones."""
+
+import pytest
+
+from splitserve.cli import build_parser, main
+
+
+def parse(argv):
+    from splitserve.cli import _with_config_file
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return _with_config_file(parser, argv, args.config) if args.config else args
+
+
+def test_file_sets_defaults_and_flags_win(tmp_path):
+    f = tmp_path / "serve.yaml"
+    f.write_text("prefill: 2\ndecode: 3\nport: 8001\npolicy: round_robin\nttft_slo_ms: 1500\n"
+                 "engine: {max_num_batched_tokens: 1024}\n")
+    args = parse(["serve", "--config", str(f), "--port", "9000"])
+    assert (args.prefill, args.decode, args.policy, args.ttft_slo_ms) == (2, 3, "round_robin", 1500)
+    assert args.port == 9000  # the command line wins
+    assert args.engine == {"max_num_batched_tokens": 1024}
+    assert parse(["serve"]).prefill == 1 and parse(["serve"]).engine == {}  # defaults: 1 prefill + 1 decode
+
+
+def test_unknown_keys_are_refused(tmp_path, capsys):
+    f = tmp_path / "serve.yaml"
+    f.write_text("prefil: 2\n")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--config", str(f)])
+    assert "prefil" in str(e.value) and "prefill" in str(e.value)
+
+
+def test_negative_pools_are_an_error(capsys):
+    assert main(["serve", "--prefill", "-1"]) == 1
+    assert "--prefill and --decode must be >= 0" in capsys.readouterr().err
