@@ -68,7 +68,8 @@ def _serve_on_ray(args: argparse.Namespace, model: str, admission: AdmissionConf
     finally:
         _say("shutting down")
         try:
-            stop_serve_app(shutdown_serve=args.address is None)  # a joined cluster may serve other apps
+            if args.address is not None:
+                stop_serve_app()
         finally:
             cluster.shutdown()
     return 0

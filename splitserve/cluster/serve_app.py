@@ -62,8 +62,8 @@ def run_serve_app(cluster: Cluster, admission: AdmissionConfig, model_name: str 
     return serve.run(app, name=APP_NAME, route_prefix="/")
 
 
-def stop_serve_app(shutdown_serve: bool = True) -> None:
-    """Delete the app; shut Serve down too unless it serves others (a joined cluster)."""
-    serve.delete(APP_NAME)
-    if shutdown_serve:
-        serve.shutdown()
+def stop_serve_app() -> None:
+    """Delete the app from a cluster we joined (Serve and its other apps stay). On a cluster we
+    started there is nothing to do here: shutting Ray down takes Serve with it, and waiting on
+    Serve's controller could hang if a signal already reached Ray's worker processes."""
+    serve.delete(APP_NAME, _blocking=False)

@@ -40,6 +40,9 @@ def deployed(ray_session, tiny_checkpoint):
             yield model, cluster, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
         finally:
             serve_app.stop_serve_app()
+            from ray import serve
+
+            serve.shutdown()  # the test session's Ray lives on
 
 
 def reference(model: str, n: int) -> str:
