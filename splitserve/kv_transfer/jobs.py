@@ -33,6 +33,31 @@ class AsyncHandle(TransferHandle):
             raise TransferError("aborted", f"transfer for {self.request_id} was released")
 
 
+class PooledTransport:
+    """poll / release / abort-all for the transports whose moves run in a TransferPool (shm,
+    tcp). Subclasses keep their live handles in `_handles` and may stop a released move harder
+    (e.g. shut its sockets) in `_stop`."""
+
+    _handles: set[AsyncHandle]
+
+    def poll(self, handle: TransferHandle) -> TransferStatus:
+        return TransferPool.poll(handle)  # type: ignore[arg-type]
+
+    def release(self, handle: TransferHandle) -> None:
+        if isinstance(handle, AsyncHandle):
+            handle.aborted.set()
+            self._handles.discard(handle)
+            self._stop(handle)
+
+    def _stop(self, handle: AsyncHandle) -> None:
+        """Beyond the abort flag the mover checks between segments: nothing by default."""
+
+    def _abort_all(self) -> None:
+        for h in list(self._handles):
+            h.aborted.set()
+        self._handles.clear()
+
+
 def start_read(name: str, local_layout, src, dst_blocks, layers, plan):
     """The checks every CPU-copy transport's read() makes before moving a byte. Returns the
     handle and the plan, or a handle that is FAILED from the start (and None)."""

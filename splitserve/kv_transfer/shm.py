@@ -24,8 +24,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransferHandle, TransferStatus, TransportEndpoint
-from splitserve.kv_transfer.jobs import AsyncHandle, TransferPool, start_read
+from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransferHandle, TransportEndpoint
+from splitserve.kv_transfer.jobs import AsyncHandle, PooledTransport, TransferPool, start_read
 from splitserve.kv_transfer.regions import block_runs, check_transfer, storage_tensor
 
 _HOW_TO = ("ShmTransport needs KV storage backed by a shared-memory file: allocate it with "
@@ -43,7 +43,7 @@ class _Mapping:
     data: torch.Tensor  # uint8 view of mm; read-only memory, never written
 
 
-class ShmTransport:
+class ShmTransport(PooledTransport):
     name = "shm"
 
     def __init__(self, max_workers: int = 2) -> None:
@@ -112,18 +112,8 @@ class ShmTransport:
                 cached = self._maps[path] = _open_mapping(path, ident)
             return cached.data
 
-    def poll(self, handle: TransferHandle) -> TransferStatus:
-        return TransferPool.poll(handle)  # type: ignore[arg-type]
-
-    def release(self, handle: TransferHandle) -> None:
-        if isinstance(handle, AsyncHandle):
-            handle.aborted.set()
-            self._handles.discard(handle)
-
     def close(self) -> None:
-        for h in list(self._handles):
-            h.aborted.set()
-        self._handles.clear()
+        self._abort_all()
         self._pool.close()
         with self._maps_lock:
             maps, self._maps = list(self._maps.values()), {}

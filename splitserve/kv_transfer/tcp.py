@@ -28,8 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
-from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransferHandle, TransferStatus, TransportEndpoint
-from splitserve.kv_transfer.jobs import AsyncHandle, TransferPool, start_read
+from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransferHandle, TransportEndpoint
+from splitserve.kv_transfer.jobs import AsyncHandle, PooledTransport, TransferPool, start_read
 from splitserve.kv_transfer.regions import Segment, byte_view, plan_transfer, storage_tensor
 from splitserve.kv_transfer.tcp_server import KVServer
 from splitserve.kv_transfer.tcp_wire import (
@@ -113,7 +113,7 @@ class _Stale(Exception):
     """A pooled connection turned out dead before any response byte: retry on a fresh one."""
 
 
-class TcpTransport:
+class TcpTransport(PooledTransport):
     name = "tcp"
 
     def __init__(self, bind_host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
@@ -258,22 +258,15 @@ class TcpTransport:
         except OSError as e:  # includes timeouts: a stalled source must not hang the reader
             raise TransferError("truncated", f"payload of {total} bytes stopped: {e}") from None
 
-    def poll(self, handle: TransferHandle) -> TransferStatus:
-        return TransferPool.poll(handle)  # type: ignore[arg-type]
-
-    def release(self, handle: TransferHandle) -> None:
-        if isinstance(handle, AsyncHandle):
-            handle.aborted.set()
-            self._handles.discard(handle)
-            with self._active_lock:
-                socks = list(self._active.get(handle, ()))
-            for sock in socks:
-                shutdown(sock)
+    def _stop(self, handle: AsyncHandle) -> None:
+        # A reader blocked in recv on a slow source only notices when its sockets go.
+        with self._active_lock:
+            socks = list(self._active.get(handle, ()))
+        for sock in socks:
+            shutdown(sock)
 
     def close(self) -> None:
-        for h in list(self._handles):
-            h.aborted.set()
-        self._handles.clear()
+        self._abort_all()
         if self._server is not None:
             self._server.close()
             self._server = None
