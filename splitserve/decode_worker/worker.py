@@ -14,37 +14,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import socket
 import time
 from typing import Any, AsyncIterator, Sequence
 
 from splitserve.config import EngineConfig
-from splitserve.engine.engine import Engine
+from splitserve.kv_worker import KVWorker
 from splitserve.engine.kv_cache import OutOfBlocks
-from splitserve.engine_loop import EngineLoop
-from splitserve.kv_transfer import make_transport
 from splitserve.kv_transfer.base import KVHandoff, TransferError, TransferState
-from splitserve.kv_transfer.layout import layout_of
 from splitserve.kv_transfer.verify import check_header, verify_landed
-from splitserve.types import PhaseTimes, Request, TokenChunk, WorkerStats
+from splitserve.types import PhaseTimes, Request, TokenChunk
 
 log = logging.getLogger(__name__)
 POLICIES = ("recompute", "fail")
 
 
-class DecodeWorker:
+class DecodeWorker(KVWorker):
     def __init__(self, config: EngineConfig, transports: Sequence[str], on_transfer_failure: str = "recompute",
                  transport_options: dict | None = None, fault: str | None = None, host: str | None = None) -> None:
         if on_transfer_failure not in POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {POLICIES}, got {on_transfer_failure!r}")
-        self.engine = Engine(config)
-        self.engine.warmup()  # before serving: no cold first request, and a first step-time fit
-        self.loop = EngineLoop(self.engine)
-        self.layout = layout_of(self.engine)
-        self.host = host or socket.gethostname()
-        self.transports = {t: make_transport(t, **(transport_options or {}).get(t, {})) for t in transports}
-        for tr in self.transports.values():
-            tr.register(self.engine.kv.storage, self.layout, self.host)
+        super().__init__(config, transports, transport_options, host)
         self.transfers_by_transport: dict[str, int] = {}
         self.policy = on_transfer_failure
         # Test hooks: "flip" corrupts landed data, "slow" starts the read after the lease lapsed,
@@ -174,13 +163,6 @@ class DecodeWorker:
         else:
             await self.loop.abort(request_id)
 
-    async def stats(self) -> WorkerStats:
-        return await self.loop.call(self.engine.stats)
-
-    async def snapshot(self) -> tuple[WorkerStats, list]:
-        """Load and the KV events since the last call, in one round trip, for the router."""
-        return await self.loop.call(lambda: (self.engine.stats(), self.engine.drain_kv_events()))
-
     async def check_invariants(self) -> dict:
         counts = await self.loop.call(self.engine.block_counts)
         return {**counts, "transfer_failures": dict(self.transfer_failures),
@@ -189,9 +171,3 @@ class DecodeWorker:
     async def reader_info(self) -> tuple[str, list[str]]:
         """(host, transports): what a prefill worker needs to pick an endpoint for this reader."""
         return self.host, list(self.transports)
-
-    def close(self) -> None:
-        self.loop.close()
-        for tr in self.transports.values():
-            tr.close()
-        self.engine.close()

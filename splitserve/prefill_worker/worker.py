@@ -11,20 +11,17 @@ Ray actor.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from splitserve.config import EngineConfig
-from splitserve.engine.engine import Engine
-from splitserve.engine_loop import EngineLoop
-from splitserve.kv_transfer import choose_transport, make_transport
+from splitserve.kv_worker import KVWorker
+from splitserve.kv_transfer import choose_transport
 from splitserve.kv_transfer.base import KVHandoff, TransferHeader, TransportEndpoint
-from splitserve.kv_transfer.layout import layout_of
 from splitserve.kv_transfer.regions import kv_checksum
 from splitserve.prefill_worker.leases import LeaseTable
-from splitserve.types import Request, TokenChunk, WorkerStats
+from splitserve.types import Request, TokenChunk
 
 
 @dataclass(frozen=True)
@@ -34,18 +31,11 @@ class PrefillResult:
     done_at: float  # time.time() when the first token was sampled, to measure its delivery
 
 
-class PrefillWorker:
+class PrefillWorker(KVWorker):
     def __init__(self, config: EngineConfig, transports: Sequence[str], lease_s: float = 30.0,
                  host: str | None = None, transport_options: dict | None = None) -> None:
-        self.engine = Engine(config)
-        self.engine.warmup()  # before serving: no cold first request, and a first step-time fit
-        self.loop = EngineLoop(self.engine)
-        self.layout = layout_of(self.engine)
-        self.host = host or socket.gethostname()
         # Every transport this worker offers; each reader gets the endpoint that suits the pair.
-        self.transports = {t: make_transport(t, **(transport_options or {}).get(t, {})) for t in transports}
-        self.endpoints = {t: tr.register(self.engine.kv.storage, self.layout, self.host)
-                          for t, tr in self.transports.items()}
+        super().__init__(config, transports, transport_options, host)
         self.leases = LeaseTable(lease_s)
         self._reaper: asyncio.Task | None = None
 
@@ -114,19 +104,6 @@ class PrefillWorker:
         for lease in self.leases.expire():
             await self.loop.call(self.engine.release_detached, lease.request_id)
 
-    async def stats(self) -> WorkerStats:
-        return await self.loop.call(self.engine.stats)
-
-    async def snapshot(self) -> tuple[WorkerStats, list]:
-        """Load and the KV events since the last call, in one round trip, for the router."""
-        return await self.loop.call(lambda: (self.engine.stats(), self.engine.drain_kv_events()))
-
     async def check_invariants(self) -> dict:
         """Raises if the block invariant is broken; returns the counts for the caller's checks."""
         return {**await self.loop.call(self.engine.block_counts), "leases": len(self.leases)}
-
-    def close(self) -> None:
-        self.loop.close()
-        for tr in self.transports.values():
-            tr.close()
-        self.engine.close()

@@ -1,0 +1,43 @@
+"""What both worker roles are (DESIGN.md §1 steps 5–6): an Engine on its own thread inside the
+actor's event loop, warmed up before it serves, with its KV cache registered with every
+transport the worker offers. `PrefillWorker` adds handoffs and leases, `DecodeWorker` pulls.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Sequence
+
+from splitserve.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine_loop import EngineLoop
+from splitserve.kv_transfer import make_transport
+from splitserve.kv_transfer.base import TransportEndpoint
+from splitserve.kv_transfer.layout import layout_of
+from splitserve.types import WorkerStats
+
+
+class KVWorker:
+    def __init__(self, config: EngineConfig, transports: Sequence[str], transport_options: dict | None = None,
+                 host: str | None = None) -> None:
+        self.engine = Engine(config)
+        self.engine.warmup()  # before serving: no cold first request, and a first step-time fit
+        self.loop = EngineLoop(self.engine)
+        self.layout = layout_of(self.engine)
+        self.host = host or socket.gethostname()
+        self.transports = {t: make_transport(t, **(transport_options or {}).get(t, {})) for t in transports}
+        self.endpoints: dict[str, TransportEndpoint] = {
+            t: tr.register(self.engine.kv.storage, self.layout, self.host) for t, tr in self.transports.items()}
+
+    async def stats(self) -> WorkerStats:
+        return await self.loop.call(self.engine.stats)
+
+    async def snapshot(self) -> tuple[WorkerStats, list]:
+        """Load and the KV events since the last call, in one round trip, for the router."""
+        return await self.loop.call(lambda: (self.engine.stats(), self.engine.drain_kv_events()))
+
+    def close(self) -> None:
+        self.loop.close()
+        for tr in self.transports.values():
+            tr.close()
+        self.engine.close()
