@@ -84,6 +84,7 @@ class Decision:
     predicted_ttft_s: float = 0.0  # calibrated
     predicted_tpot_s: float = 0.0
     model_ttft_s: float = 0.0  # the cost model's TTFT before calibration
+    ttft_slo_ms: float | None = None  # the target it was judged against
     worker: str | None = None  # admitted: where its prompt is computed, and how many tokens
     tokens: int = 0
 
@@ -161,9 +162,6 @@ class Admission:
         self.calibration = Calibration(c.calibration_quantile, c.calibration_window, c.calibration_min_samples,
                                        c.calibration_prior)
 
-    def predict(self, stats: WorkerStats, prompt_tokens: int, cached_tokens: int) -> tuple[float, float]:
-        return predict(stats, prompt_tokens, cached_tokens)
-
     def decide(self, plan: Plan | None, priority: Priority, prompt_tokens: int,
                ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None) -> Decision:
         """Admit or refuse one request placed by `plan`; an admitted one counts as in flight
@@ -182,7 +180,7 @@ class Admission:
         if decision.worker is not None:
             self.outstanding.remove(decision.worker, decision.tokens)
 
-    def finished(self, decision: Decision, observed_ttft_s: float | None, slo_ms: float | None = None) -> None:
+    def finished(self, decision: Decision, observed_ttft_s: float | None) -> None:
         """An admitted request ended; its TTFT (None: no token came, so it was never
         `prefilled`) calibrates the predictor. Only predictions that could have decided
         something count: those past a quarter of the SLO (far below it, fixed per-request
@@ -190,7 +188,7 @@ class Admission:
         self.inflight -= 1
         if observed_ttft_s is None:
             self.prefilled(decision)
-        slo = slo_ms if slo_ms is not None else self.config.ttft_slo_ms
+        slo = decision.ttft_slo_ms
         if observed_ttft_s is not None and (slo is None or decision.predicted_ttft_s * 1e3 >= slo / 4):
             self.calibration.observe(decision.model_ttft_s, observed_ttft_s)
 
@@ -201,6 +199,8 @@ class Admission:
         limit = cfg.max_inflight * _LIMIT[priority]
         if self.inflight >= limit:
             return Decision(False, "capacity", retry_after_s=1.0)
+        ttft_slo = ttft_slo_ms if ttft_slo_ms is not None else cfg.ttft_slo_ms
+        tpot_slo = tpot_slo_ms if tpot_slo_ms is not None else cfg.tpot_slo_ms
         first = None if plan is None else self.outstanding.adjusted(plan.first_worker, plan.first_stats)
         decode = None if plan is None else plan.decode_stats
         model = ttft = tpot = 0.0
@@ -209,14 +209,10 @@ class Admission:
             ttft = model * self.calibration.factor
         if decode is not None:
             tpot = predict(decode, prompt_tokens, 0)[1]
-        if priority is Priority.CRITICAL:
-            return Decision(True, "", 0.0, ttft, tpot, model)  # refused only at the hard limit
-        ttft_slo = ttft_slo_ms if ttft_slo_ms is not None else cfg.ttft_slo_ms
-        tpot_slo = tpot_slo_ms if tpot_slo_ms is not None else cfg.tpot_slo_ms
-        if first is not None and ttft_slo is not None and ttft * 1e3 > ttft_slo:
-            drain = max(1.0, ttft - ttft_slo / 1e3)
-            return Decision(False, "ttft_slo", drain, ttft, tpot, model)
-        if decode is not None and tpot_slo is not None and tpot * 1e3 > tpot_slo:
-            return Decision(False, "tpot_slo", 1.0, ttft, tpot, model)
-        return Decision(True, "", 0.0, ttft, tpot, model)
+        if priority is not Priority.CRITICAL:  # critical requests are refused only at the hard limit
+            if first is not None and ttft_slo is not None and ttft * 1e3 > ttft_slo:
+                return Decision(False, "ttft_slo", max(1.0, ttft - ttft_slo / 1e3), ttft, tpot, model, ttft_slo)
+            if decode is not None and tpot_slo is not None and tpot * 1e3 > tpot_slo:
+                return Decision(False, "tpot_slo", 1.0, ttft, tpot, model, ttft_slo)
+        return Decision(True, "", 0.0, ttft, tpot, model, ttft_slo)
 

@@ -25,7 +25,6 @@ from splitserve.router.protocol import APIError, RequestOptions
 from splitserve.types import ConfigError, PhaseTimes, Request, as_token_ids
 
 
-
 @dataclass
 class Choice:
     """One engine request of an API request: a sample `index` continuing prompt `prompt_index`."""
@@ -43,6 +42,15 @@ class Choice:
     plan: Plan | None = None
     decision: Decision | None = None
     released: bool = False
+
+    def take_text(self) -> str:
+        """The text not streamed yet, holding back what a stop string might still claim until
+        the request is done."""
+        t = self.text
+        hold = 0 if t.finished else max((len(s) - 1 for s in t.params.stop), default=0)
+        upto = max(self.emitted, len(t.text) - hold)
+        new, self.emitted = t.text[self.emitted:upto], upto
+        return new
 
     def timings(self) -> dict[str, float]:
         """Seconds per phase (DESIGN.md §1): queue and prefill on the worker that computed the
@@ -88,9 +96,8 @@ class Frontend:
                                 f"{self.backend.max_model_len}", param, code="context_length_exceeded")
         return ids
 
-    def requests(self, opts: RequestOptions, prompts: list[tuple[int, ...]],
-                 request_id: str | None = None) -> tuple[str, list[Choice], list[Request]]:
-        rid = request_id or f"cmpl-{uuid.uuid4().hex}"
+    def requests(self, opts: RequestOptions, prompts: list[tuple[int, ...]]) -> tuple[str, list[Choice], list[Request]]:
+        rid = f"cmpl-{uuid.uuid4().hex}"  # always fresh: engine ids must never collide
         choices, reqs = [], []
         for i, ids in enumerate(prompts):
             for j in range(opts.params.n):
@@ -122,7 +129,7 @@ class Frontend:
                 self.release(done)
             raise
 
-    def release(self, c: Choice, ttft_slo_ms: float | None = None) -> None:
+    def release(self, c: Choice) -> None:
         """An admitted choice is over, however it ended (also when its stream never started):
         admission gets its slot and its TTFT back, metrics record it. Idempotent."""
         if c.decision is None or c.released:
@@ -130,11 +137,11 @@ class Frontend:
         c.released = True
         c.ended_at = c.ended_at or time.monotonic()
         ttft = None if c.first_at is None else c.first_at - c.arrived
-        self.admission.finished(c.decision, ttft, ttft_slo_ms)
+        self.admission.finished(c.decision, ttft)
         self._record(c)
 
     # -- running --------------------------------------------------------------------------------
-    async def drive(self, req: Request, choice: Choice, ttft_slo_ms: float | None = None) -> AsyncIterator[None]:
+    async def drive(self, req: Request, choice: Choice) -> AsyncIterator[None]:
         """Feed one request's chunks into its RequestText; yields after each chunk. Closing the
         generator (client gone, stop string) aborts the request in the backend. A generator
         that never started runs no cleanup: its owner calls `release` for it."""
@@ -155,7 +162,7 @@ class Frontend:
             try:
                 await gen.aclose()
             finally:
-                self.release(choice, ttft_slo_ms)
+                self.release(choice)
 
     def _record(self, c: Choice) -> None:
         m, t = self.metrics, c.text

@@ -92,14 +92,14 @@ class GenerationService:
                 raise APIError(503, "not ready: workers are still loading")
             parsed = parse_completion(completion_body(request, front.backend.model_name), [front.backend.model_name])
             prompt = front.encode(parsed.prompts[0])
-            # Engine ids are always fresh: a client reusing its request_id (a retry while the
-            # first call still runs) must not collide with it on the workers.
+            # Engine ids are always fresh (a client reusing its request_id while the first call
+            # runs must not collide with it on the workers); the client's id is only echoed.
             rid, choices, reqs = front.requests(parsed.options, [prompt])
             await front.admit(parsed.options, reqs, choices)
         except APIError as e:
             raise RpcFailure.of(e) from None
         echo_id = request.request_id or rid
-        stream, choice = front.drive(reqs[0], choices[0], parsed.options.ttft_slo_ms), choices[0]
+        stream, choice = front.drive(reqs[0], choices[0]), choices[0]
         try:
             async for _ in stream:
                 msg = _delta(choice, echo_id)
@@ -109,16 +109,14 @@ class GenerationService:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         finally:
             await stream.aclose()
-            front.release(choice, parsed.options.ttft_slo_ms)
+            front.release(choice)
 
 
 def _delta(c: Choice, rid: str) -> pb.GenerateResponse | None:
     """What the choice added since the last message: new token ids, logprobs and text (holding
     back what a stop string might still claim); on the last one, finish reason, usage, timings."""
     t = c.text
-    hold = 0 if t.finished else max((len(s) - 1 for s in t.params.stop), default=0)
-    upto = max(c.emitted, len(t.text) - hold)
-    text, c.emitted = t.text[c.emitted:upto], upto
+    text = c.take_text()
     sent = c.ids_sent
     ids, c.ids_sent = t.token_ids[sent:], len(t.token_ids)
     if not ids and not text and not t.finished:

@@ -111,7 +111,7 @@ class OpenAIServer:
             await self.front.admit(opts, reqs, choices)
         except APIError as e:
             return error_response(e)
-        streams = [self.front.drive(r, c, opts.ttft_slo_ms) for r, c in zip(reqs, choices)]
+        streams = [self.front.drive(r, c) for r, c in zip(reqs, choices)]
         if opts.stream:
             return StreamingResponse(self._sse(kind, rid, opts, choices, streams), media_type="text/event-stream")
         try:
@@ -122,7 +122,7 @@ class OpenAIServer:
             for s in streams:
                 await s.aclose()
             for c in choices:
-                self.front.release(c, opts.ttft_slo_ms)
+                self.front.release(c)
         timings = worst_timings(choices)
         headers = {f"x-splitserve-{k.replace('_', '-')}-ms": f"{v * 1e3:.1f}" for k, v in timings.items()}
         return JSONResponse(self._full_body(kind, rid, opts, choices, echo), headers=headers)
@@ -163,14 +163,11 @@ class OpenAIServer:
             for s in streams:
                 await s.aclose()
             for c in choices:
-                self.front.release(c, opts.ttft_slo_ms)
+                self.front.release(c)
 
     def _delta(self, kind: str, rid: str, created: int, c: Choice) -> dict | None:
         t = c.text
-        # Hold back what a stop string might still claim, until the request is done.
-        hold = 0 if t.finished else max((len(s) - 1 for s in t.params.stop), default=0)
-        upto = max(c.emitted, len(t.text) - hold)
-        new, c.emitted = t.text[c.emitted:upto], upto
+        new = c.take_text()
         reason = t.finish_reason.value if t.finished else None
         if not new and reason is None:
             return None
