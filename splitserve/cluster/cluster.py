@@ -12,6 +12,7 @@ round robin here; placement policy is the router's job.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import os
 import socket
@@ -95,7 +96,8 @@ class Cluster:
         self._refreshed = 0.0
         self._refreshing: asyncio.Future | None = None
         self._ids = itertools.count()
-        self.timings: list[Timing] = []
+        # Recent requests only: the Serve ingress keeps one Cluster for as long as it serves.
+        self.timings: collections.deque[Timing] = collections.deque(maxlen=4096)
         self.prefill_failures = 0
 
     @classmethod

@@ -54,8 +54,6 @@ class LocalBackend:
 
     def worker_views(self) -> list[WorkerView]:
         s = self.loop.latest_stats
-        if s is None:
-            return []
         return [WorkerView(LOCAL, "decode", "localhost", s.num_waiting, s.num_running, s.kv_usage)]
 
     async def generate(self, req: Request, plan: Plan | None = None) -> AsyncIterator[TokenChunk]:

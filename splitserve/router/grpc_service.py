@@ -13,7 +13,6 @@ in-process server) and the Ray Serve ingress deployment (Serve's gRPC proxy, ref
 
 from __future__ import annotations
 
-import math
 from typing import Any, AsyncIterator
 
 import grpc
@@ -42,8 +41,7 @@ class RpcFailure(Exception):
 
     @classmethod
     def of(cls, e: APIError) -> "RpcFailure":
-        return cls(_STATUS.get(e.status, grpc.StatusCode.INTERNAL), e.message,
-                   max(1, math.ceil(e.retry_after or 1)) if e.status == 429 else None)
+        return cls(_STATUS.get(e.status, grpc.StatusCode.INTERNAL), e.message, e.retry_after_s)
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         return () if self.retry_after_s is None else (("retry-after", str(int(self.retry_after_s))),)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from typing import Any, AsyncIterator
 
@@ -34,7 +33,7 @@ MAX_BODY_BYTES = 8 << 20
 
 
 def error_response(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, math.ceil(e.retry_after or 1)))} if e.status == 429 else None
+    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 

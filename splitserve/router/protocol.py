@@ -30,6 +30,11 @@ class APIError(Exception):
                               429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
         self.code = code
 
+    @property
+    def retry_after_s(self) -> int | None:
+        """For a 429: whole seconds to wait, at least 1 (HTTP Retry-After, gRPC retry-after)."""
+        return max(1, math.ceil(self.retry_after or 1)) if self.status == 429 else None
+
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

@@ -139,7 +139,7 @@ def test_prefill_killed_during_transfer(ray_session, model, expected):
         assert sum(failures.values()) == 3, failures
         outs = c.generate(prompts()[3:5], SP)  # no prefill worker left: prefilled on decode
         assert [o.outputs[0].token_ids for o in outs] == expected[3:5]
-        assert all(t.prefill_done_to_first_token_s is None for t in c.timings[-2:])
+        assert all(t.prefill_done_to_first_token_s is None for t in list(c.timings)[-2:])
         assert_drained(c)  # the decode worker (the prefill worker is gone)
 
 
