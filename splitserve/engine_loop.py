@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from splitserve.engine.engine import Engine
-from splitserve.types import FinishReason, Request, TokenChunk
+from splitserve.types import ConfigError, FinishReason, Request, TokenChunk
 
 
 class EngineLoop:
@@ -45,6 +45,8 @@ class EngineLoop:
     async def submit(self, req: Request, **kwargs: Any) -> asyncio.Queue:
         """Add a request; its chunks arrive on the returned queue."""
         self._ensure_running()
+        if req.request_id in self._queues:  # replacing its queue would strand the running one
+            raise ConfigError(f"request id {req.request_id!r} is already running")
         self.engine.check_request(req, tuple(kwargs.get("outputs", ())))  # bad input fails here, now
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.request_id] = q

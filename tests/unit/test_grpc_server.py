@@ -168,3 +168,25 @@ def test_a_reused_request_id_does_not_collide(http_server):
     assert {m.request_id for m in a + b} == {"client-1"}  # echoed, while the engine ids differ
     assert a[-1].finish_reason == b[-1].finish_reason == "length"
     assert http_server.admission.inflight == 0
+
+
+def test_engine_loop_refuses_an_id_already_running(http_server):
+    """The mechanism under every ingress: a second submit with a live id fails at once and the
+    first request still completes (its queue is not replaced)."""
+    from splitserve.types import ConfigError, Request, SamplingParams
+
+    loop = http_server.backend.loop
+
+    async def go():
+        req = Request("dup-1", (5, 6, 7), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        q = await loop.submit(req)
+        with pytest.raises(ConfigError, match="already running"):
+            await loop.submit(req)
+        chunks = []
+        while not (chunks and chunks[-1].finished):
+            chunks.append(await q.get())
+        return chunks
+
+    chunks = asyncio.run(go())
+    assert sum(len(c.token_ids) for c in chunks) == 5 and chunks[-1].finish_reason.value == "length"
+    http_server.backend.engine.check_invariants()
