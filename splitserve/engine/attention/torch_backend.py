@@ -64,10 +64,17 @@ class TorchBackend:
         blocks = torch.tensor(table, dtype=torch.int64, device=device).reshape(-1)
         ctx = torch.tensor([s.ctx_len for s in batch.decodes], dtype=torch.int64, device=device)
         max_ctx = int(ctx.max())
+        if not self.gathers_decodes():
+            return blocks, max_ctx, None, ctx
         mask = torch.zeros(len(batch.decodes), 1, 1, max_ctx, dtype=self.dtype, device=device)
         mask.masked_fill_((torch.arange(max_ctx, device=device)[None, :] >= ctx[:, None])[:, None, None, :],
                           float("-inf"))
         return blocks, max_ctx, mask, ctx
+
+    def gathers_decodes(self) -> bool:
+        """Whether `_decode` gathers the context and attends with a length mask (built once per
+        step in `prepare`, for every layer)."""
+        return True
 
     @staticmethod
     def _prepare_prefill(seq: SeqSlice) -> _PrefillMeta:
@@ -133,8 +140,11 @@ class CpuBackend(TorchBackend):
 
     name = "cpu"
 
+    def gathers_decodes(self) -> bool:
+        return self.dtype != torch.float32  # the native kernel is fp32 only
+
     def _decode(self, q, k_cache, v_cache, meta: TorchMeta, scale: float) -> torch.Tensor:
-        if q.dtype != torch.float32:
+        if self.gathers_decodes():
             return super()._decode(q, k_cache, v_cache, meta, scale)
         table = meta.decode_blocks.view(meta.num_decodes, -1)
         return paged_decode_cpu.paged_decode(q.contiguous(), k_cache, v_cache, table, meta.decode_ctx, scale)
