@@ -1,0 +1,125 @@
+"""Paged attention kernels (Triton; the interpreter on CPU) against the gather + softmax torch
+reference in fp32, over the full grid: fp32 / fp16 / bf16 × head_dim 64 / 128 × GQA ratios
+1 / 4 / 8 × block sizes 16 / 32, with contexts that are not block multiples in scattered blocks,
+a batch mixing short and long sequences; decode with split-K off (1) and on (3); prefill with
+chunks that start the sequence, follow a cached prefix, are one token long, and span several
+query tiles. The kernel's context step (`block_n`) is smaller than the page in some cases and
+larger in others.
+
+Tolerances, max abs error on outputs of magnitude ~1: fp32 1e-4; fp16 2e-3; bf16 2e-2. The
+kernels accumulate in fp32; what differs is the rounding of the softmax weights to the input
+dtype for the second matmul, and of the output."""
+
+import itertools
+
+import pytest
+import torch
+
+att = pytest.importorskip("splitserve.engine.kernels.triton_attention")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+GRID = list(itertools.product(DTYPES, [64, 128], [1, 4, 8], [16, 32]))
+# (new tokens, context) per sequence: a whole prompt, a chunk after a cached prefix, a one-token
+# chunk, a long chunk over a prefix (several query tiles)
+CHUNKS = ((5, 5), (7, 40), (1, 33), (37, 97))
+
+
+def _ids(cases):
+    return ["-".join(f"{str(x)[6:]}" if isinstance(x, torch.dtype) else str(x) for x in c) for c in cases]
+
+
+def _cache(dtype, d, ratio, bs, lens, hkv, num_q, seed):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max(lens) // bs) + 1
+    nb = len(lens) * max_blocks + 3
+    k = torch.randn(nb, bs, hkv, d, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(nb, bs, hkv, d, generator=g).to(dtype).to(DEVICE)
+    q = torch.randn(num_q, hkv * ratio, d, generator=g).to(dtype).to(DEVICE)
+    perm = torch.randperm(nb, generator=g)[: len(lens) * max_blocks]  # scattered blocks
+    tables = perm.view(len(lens), max_blocks).to(torch.int32).to(DEVICE)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+
+
+def _err(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == dtype
+    return (out.float() - ref.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype,d,ratio,bs", GRID, ids=_ids(GRID))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_matches_reference(dtype, d, ratio, bs, splits):
+    lens = (1, 17, 40, 97)
+    q, k, v, tables, ctx = _cache(dtype, d, ratio, bs, lens, hkv=2, num_q=len(lens), seed=splits)
+    out = att.paged_attention_decode(q, k, v, tables, ctx, d ** -0.5, num_splits=splits, block_n=48 - bs)
+    ref = att.paged_attention_decode_reference(q, k, v, tables, ctx, d ** -0.5)
+    assert _err(out, ref, dtype) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype,d,ratio,bs", GRID, ids=_ids(GRID))
+def test_prefill_matches_reference(dtype, d, ratio, bs):
+    cu = torch.tensor([0, *itertools.accumulate(n for n, _ in CHUNKS)], dtype=torch.int32, device=DEVICE)
+    q, k, v, tables, ctx = _cache(dtype, d, ratio, bs, [c for _, c in CHUNKS], hkv=2, num_q=int(cu[-1]), seed=1)
+    gp = 1 << (ratio - 1).bit_length()
+    out = att.paged_attention_prefill(q, k, v, tables, cu, ctx, d ** -0.5, block_m=max(1, 16 // gp), block_n=48 - bs)
+    ref = att.paged_attention_prefill_reference(q, k, v, tables, cu, ctx, d ** -0.5)
+    assert _err(out, ref, dtype) <= TOL[dtype]
+
+
+def test_default_launch_strided_q_and_out_buffer():
+    """The engine's call: q a strided view of a fused qkv, default tile sizes, an `out` buffer."""
+    cu = torch.tensor([0, 5, 12, 13, 50], dtype=torch.int32, device=DEVICE)
+    q, k, v, tables, ctx = _cache(torch.float16, 64, 4, 16, [c for _, c in CHUNKS], hkv=2, num_q=50, seed=3)
+    qkv = torch.cat([q.flatten(1), torch.zeros(50, 256, dtype=q.dtype, device=DEVICE)], dim=1)
+    qs = qkv[:, :512].view(50, 8, 64)
+    out = torch.full_like(q, float("nan"))
+    att.paged_attention_prefill(qs, k, v, tables, cu, ctx, 0.125, out=out, max_seqlen_q=37)
+    ref = att.paged_attention_prefill_reference(q, k, v, tables, cu, ctx, 0.125)
+    assert _err(out, ref, torch.float16) <= TOL[torch.float16]
+    dec = att.paged_attention_decode(qs[:4], k, v, tables, ctx, 0.125)  # default splits and step
+    assert _err(dec, att.paged_attention_decode_reference(q[:4], k, v, tables, ctx, 0.125), torch.float16) <= 2e-3
+
+
+def test_the_check_can_fail():
+    """A context one token short moves the output by far more than the tolerance."""
+    q, k, v, tables, ctx = _cache(torch.float32, 64, 1, 16, (40, 97), hkv=2, num_q=2, seed=4)
+    ref = att.paged_attention_decode_reference(q, k, v, tables, ctx, 0.125)
+    short = att.paged_attention_decode(q, k, v, tables, ctx - 1, 0.125, num_splits=2)
+    assert _err(short, ref, torch.float32) > 100 * TOL[torch.float32]
+
+
+def test_more_splits_than_context_and_decode_splits_policy():
+    q, k, v, tables, ctx = _cache(torch.float32, 64, 2, 16, (5, 20), hkv=2, num_q=2, seed=5)
+    out = att.paged_attention_decode(q, k, v, tables, ctx, 0.125, num_splits=8, block_n=16)  # most splits empty
+    assert _err(out, att.paged_attention_decode_reference(q, k, v, tables, ctx, 0.125), torch.float32) <= 1e-4
+    assert att.decode_splits(1, 8, 2048) == 8  # a lone sequence: split so ~256 programs run
+    assert att.decode_splits(64, 8, 2048) == 1  # 512 programs already: no merge pass
+    assert att.decode_splits(1, 1, 100_000) == 16 and att.decode_splits(4, 8, 200) == 1
+
+
+def test_bad_arguments_name_the_problem():
+    q, k, v, tables, ctx = _cache(torch.float32, 64, 2, 16, (5, 20), hkv=2, num_q=2, seed=6)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    dec, pre = att.paged_attention_decode, att.paged_attention_prefill
+    bad = [
+        (lambda: dec(q, k, v, tables.long(), ctx, 0.1), "block_tables must be int32"),
+        (lambda: dec(q, k, v, tables, ctx.long(), 0.1), "context_lens must be int32"),
+        (lambda: dec(q[:, :3], k, v, tables, ctx, 0.1), "multiple of num_kv_heads"),
+        (lambda: dec(q.half(), k, v, tables, ctx, 0.1), "dtypes differ"),
+        (lambda: dec(q, k, v, tables, ctx * 0, 0.1), "at least 1 token"),
+        (lambda: dec(q, k, v, tables, ctx + 1000, 0.1), "does not fit"),
+        (lambda: dec(q, k, v, tables, ctx, 0.1, num_splits=0), "num_splits"),
+        (lambda: dec(q, k, v, tables, ctx, 0.1, block_n=24), "block_n"),
+        (lambda: dec(q, k, v, tables, ctx, 0.1, out=q.half()), "out must match q"),
+        (lambda: dec(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, tables, ctx, 0.1), "last dimension"),
+        (lambda: pre(q, k, v, tables, cu.long(), ctx, 0.1), "cu_seqlens_q must be contiguous int32"),
+        (lambda: pre(q, k, v, tables, torch.tensor([0, 1, 3], dtype=torch.int32), ctx, 0.1), "rise from 0 to 2"),
+        (lambda: pre(q, k, v, tables, cu, torch.tensor([0, 20], dtype=torch.int32), 0.1), "count the new tokens"),
+        (lambda: pre(q, k, v, tables[:1], cu, ctx, 0.1), r"block_tables must be int32 \[2"),
+        (lambda: pre(q, k, v, tables, cu, ctx, 0.1, block_m=3), "block_m"),
+        (lambda: pre(q, k, v[:, :8].contiguous(), tables, cu, ctx, 0.1), "k_cache / v_cache"),
+    ]
+    for call, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            call()
