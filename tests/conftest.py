@@ -1,7 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run under the interpreter; it must be chosen before triton
+# is first imported (this conftest loads before any test module).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

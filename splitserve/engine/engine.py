@@ -59,8 +59,9 @@ class Engine:
                                           mc.head_dim, self.dtype, self.device, shm_path=shm)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv, get_backend(config.attention_backend, self.dtype, self.device), config.block_size,
-                                  self.device)
+        backend = get_backend(config.attention_backend, self.dtype, self.device, block_size=config.block_size,
+                              head_dim=mc.head_dim)
+        self.runner = ModelRunner(model, self.kv, backend, config.block_size, self.device)
         self.sampler = Sampler()
         self._seqs: dict[str, Sequence] = {}
         self._pulling: dict[str, Sequence] = {}  # blocks allocated, KV arriving from a peer

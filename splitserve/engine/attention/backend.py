@@ -54,19 +54,42 @@ class AttentionBackend(Protocol):
         """Store k/v at the batch's slots, then attend."""
 
 
-def get_backend(name: str, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> AttentionBackend:
-    """`torch`: pure PyTorch (the reference); `cpu`: PyTorch plus native CPU kernels; `auto`:
-    `cpu` on a CPU device where its kernels build, else `torch`."""
+BACKENDS = ("torch", "cpu", "triton", "flash_attn")
+
+
+def get_backend(name: str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, *,
+                block_size: int = 16, head_dim: int | None = None) -> AttentionBackend:
+    """`torch`: pure PyTorch (the reference); `cpu`: PyTorch plus native CPU kernels; `triton`:
+    our Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1); `flash_attn`: flash-attn 2
+    on CUDA. `auto`: on CUDA flash_attn where it can run (installed, fp16/bf16, pages of a
+    multiple of 256 tokens), else triton, else torch; on CPU `cpu` where its kernel builds, else
+    `torch`. A backend named but unable to run here raises ValueError saying why."""
+    from splitserve.engine.attention import paged_backends as paged
     from splitserve.engine.attention.torch_backend import CpuBackend, TorchBackend
     from splitserve.engine.kernels import paged_decode_cpu
 
-    backends = {"torch": TorchBackend, "cpu": CpuBackend}
+    device = torch.device(device or "cpu")
+    why_not = {
+        "torch": lambda: None,
+        "cpu": lambda: None if paged_decode_cpu.available() else
+        "its native kernel could not be built here (no C compiler?)",
+        "triton": lambda: paged.triton_unavailable(device) or _head_dim_problem(head_dim),
+        "flash_attn": lambda: paged.flash_attn_unavailable(device, dtype, block_size),
+    }
     if name == "auto":
-        on_cpu = device is None or torch.device(device).type == "cpu"
-        name = "cpu" if on_cpu and paged_decode_cpu.available() else "torch"
-    if name == "cpu" and not paged_decode_cpu.available():
-        raise ValueError("attention backend 'cpu' needs its native kernel, which could not be built here "
-                         "(no C compiler?); use 'torch'")
-    if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(backends)}")
-    return backends[name](dtype)
+        order = ("flash_attn", "triton", "torch") if device.type == "cuda" else ("cpu", "torch")
+        name = next(n for n in order if why_not[n]() is None)
+    if name not in why_not:
+        raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(BACKENDS)}")
+    problem = why_not[name]()
+    if problem:
+        raise ValueError(f"attention backend {name!r} cannot run here: {problem}; use 'auto' or 'torch'")
+    if name in ("torch", "cpu"):
+        return {"torch": TorchBackend, "cpu": CpuBackend}[name](dtype)
+    return {"triton": paged.TritonBackend, "flash_attn": paged.FlashAttnBackend}[name](dtype, device)
+
+
+def _head_dim_problem(head_dim: int | None) -> str | None:
+    if head_dim is not None and (head_dim % 16 or head_dim > 256):
+        return f"its kernels need head_dim a multiple of 16 up to 256, the model has {head_dim}"
+    return None

@@ -1,0 +1,137 @@
+"""GPU attention backends over the paged cache: `triton` (our kernels, splitserve.engine.kernels)
+and `flash_attn` (flash-attn 2's varlen kernel with a block table, when it imports on CUDA).
+
+Both turn a step's `AttentionBatch` into one `PagedMeta` (block tables, context lengths, query
+offsets as int32 device tensors, built on the host and copied once per step), shared by every
+layer. Decodes come first in the flat batch, then prefill chunks (backend.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.attention.backend import AttentionBatch, SeqSlice
+
+
+@dataclass
+class PagedMeta:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decodes: int
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, decodes first (padding: block 0)
+    context_lens: torch.Tensor  # [num_seqs] int32
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32 over the whole flat batch
+    prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32, rows of the prefill part
+    max_seqlen_q: int
+    max_context: int
+    decode_splits: int | None = None  # None: the kernel's choice
+
+
+def build_paged_meta(batch: AttentionBatch, device: torch.device, max_blocks: int | None = None) -> PagedMeta:
+    """`max_blocks`: a fixed table width (graph capture); None: the widest sequence's."""
+    seqs: tuple[SeqSlice, ...] = batch.decodes + batch.prefills
+    width = max_blocks or max((len(s.block_ids) for s in seqs), default=1)
+    table = [list(s.block_ids) + [0] * (width - len(s.block_ids)) for s in seqs]
+    cu = [0]
+    for s in seqs:
+        cu.append(cu[-1] + s.q_len)
+    nd = len(batch.decodes)
+    ints = torch.tensor([*cu, *[c - cu[nd] for c in cu[nd:]], *(s.ctx_len for s in seqs)], dtype=torch.int32)
+    ints = ints.to(device, non_blocking=True)
+    n = len(seqs)
+    return PagedMeta(
+        slot_mapping=batch.slot_mapping,
+        num_decodes=nd,
+        block_tables=torch.tensor(table, dtype=torch.int32).view(n, width).to(device, non_blocking=True),
+        cu_seqlens_q=ints[: n + 1],
+        prefill_cu_seqlens_q=ints[n + 1: 2 * n + 2 - nd],
+        context_lens=ints[2 * n + 2 - nd:],
+        max_seqlen_q=max((s.q_len for s in batch.prefills), default=1),
+        max_context=max((s.ctx_len for s in seqs), default=1),
+    )
+
+
+class TritonBackend:
+    """store_kv, then decode rows through the split-K decode kernel and prefill rows through the
+    prefill kernel, each reading the cache in place."""
+
+    name = "triton"
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        from splitserve.engine.kernels import triton_attention, triton_kv
+
+        self._att, self._kv = triton_attention, triton_kv
+        self.dtype, self.device = dtype, device
+        self.validate = True  # graph replays switch the device-reading checks off
+
+    def prepare(self, batch: AttentionBatch) -> PagedMeta:
+        return build_paged_meta(batch, self.device)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: PagedMeta, scale: float) -> torch.Tensor:
+        self._kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            self._att.paged_attention_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
+                                             scale, num_splits=meta.decode_splits, out=out[:nd],
+                                             validate=self.validate)
+        if q.shape[0] > nd:
+            self._att.paged_attention_prefill(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_cu_seqlens_q,
+                                              meta.context_lens[nd:], scale, max_seqlen_q=meta.max_seqlen_q,
+                                              out=out[nd:], validate=self.validate)
+        return out
+
+
+class FlashAttnBackend:
+    """flash-attn 2: `store_kv` (ours), then one `flash_attn_varlen_func` over every sequence with
+    the block table; its causal mask aligns bottom-right, so a chunk sees its cached prefix.
+    flash-attn 2 pages KV only in blocks of a multiple of 256 tokens and only in fp16 / bf16."""
+
+    name = "flash_attn"
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        from flash_attn import flash_attn_varlen_func
+
+        from splitserve.engine.kernels import triton_kv
+
+        self._varlen, self._kv = flash_attn_varlen_func, triton_kv
+        self.dtype, self.device = dtype, device
+
+    def prepare(self, batch: AttentionBatch) -> PagedMeta:
+        meta = build_paged_meta(batch, self.device)
+        meta.cu_seqlens_k = torch.nn.functional.pad(meta.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return meta
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: PagedMeta, scale: float) -> torch.Tensor:
+        self._kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._varlen(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                            meta.max_context, softmax_scale=scale, causal=True, block_table=meta.block_tables)
+
+
+def triton_unavailable(device: torch.device) -> str | None:
+    """Why the triton backend cannot run here, or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install 'triton>=3.7', or the [gpu] extra)"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"the triton backend runs on CUDA; on {device.type} only under the Triton interpreter "
+                "(TRITON_INTERPRET=1, for tests: very slow)")
+    return None
+
+
+def flash_attn_unavailable(device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:
+    """Why the flash_attn backend cannot run here, or None."""
+    if device.type != "cuda":
+        return f"flash-attn runs only on CUDA, the device is {device.type}"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "flash-attn is not installed (pip install 'splitserve[gpu]')"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn needs float16 or bfloat16, the engine runs {dtype}"
+    if block_size % 256:
+        return f"flash-attn 2 pages KV only in blocks of a multiple of 256 tokens, block_size is {block_size}"
+    return triton_unavailable(device)  # our store_kv writes the cache
