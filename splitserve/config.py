@@ -34,6 +34,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA with the triton backend)
     seed: int = 0
     kv_shared_memory: bool = False  # KV storage in a /dev/shm file, readable by same-host peers
 
@@ -45,6 +46,9 @@ class EngineConfig:
 
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             positive(name)
+        for name in ("enable_prefix_caching", "cuda_graphs", "kv_shared_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not self.kv_cache_memory_gib > 0:

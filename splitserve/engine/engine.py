@@ -9,6 +9,7 @@ blocks stay in the prefix cache). Text and stop strings are the caller's (`detok
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -19,6 +20,7 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.engine.attention import get_backend
+from splitserve.engine.decode_graphs import cuda_graph_capture
 from splitserve.engine.kv_cache import BlockPool, KVCacheTensors, KVEvent
 from splitserve.engine.kv_cache.tensors import SHM_PREFIX, sweep_stale_shm
 from splitserve.engine.model.config import ModelConfig
@@ -62,6 +64,9 @@ class Engine:
         backend = get_backend(config.attention_backend, self.dtype, self.device, block_size=config.block_size,
                               head_dim=mc.head_dim)
         self.runner = ModelRunner(model, self.kv, backend, config.block_size, self.device)
+        if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len,
+                                              functools.partial(cuda_graph_capture, pool=torch.cuda.graph_pool_handle()))
         self.sampler = Sampler()
         self._seqs: dict[str, Sequence] = {}
         self._pulling: dict[str, Sequence] = {}  # blocks allocated, KV arriving from a peer

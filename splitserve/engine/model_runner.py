@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.attention import AttentionBackend, AttentionBatch, SeqSlice
+from splitserve.engine.decode_graphs import Capture, DecodeGraphs, default_buckets
 from splitserve.engine.kv_cache import KVCacheTensors
 from splitserve.engine.model.llama import LlamaModel
 from splitserve.engine.scheduler import SchedulerOutput
@@ -29,6 +30,28 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int, capture: Capture) -> None:
+        """Capture decode steps of up to `max_batch` sequences (triton backend only: its step
+        metadata is plain tensors the graph can read in place)."""
+        from splitserve.engine.attention.paged_backends import TritonBackend
+
+        if self.backend.name != "triton":
+            raise ValueError(f"decode graphs need the triton attention backend, not {self.backend.name!r}")
+        backend = TritonBackend(self.backend.dtype, self.device)
+        backend.validate = False  # no device-to-host reads inside a graph
+
+        def forward(ids: torch.Tensor, pos: torch.Tensor, meta) -> torch.Tensor:
+            return self.model(ids, pos, self.kv_layers, backend, meta)
+
+        cfg = self.model.cfg
+        graphs = DecodeGraphs(forward, num_kv_heads=cfg.num_kv_heads, block_size=self.block_size,
+                              max_blocks_per_seq=-(-max_model_len // self.block_size), device=self.device,
+                              buckets=default_buckets(max_batch))
+        with torch.inference_mode():
+            graphs.capture(capture)
+        self.graphs = graphs
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> StepResult:
@@ -41,7 +64,12 @@ class ModelRunner:
             block_size=self.block_size,
         )
         meta = self.backend.prepare(batch)
-        hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_layers, self.backend, meta)
+        ids_t, pos_t = self._tensor(ids), self._tensor(pos)
+        hidden = None
+        if self.graphs is not None and not batch.prefills:
+            hidden = self.graphs.run(ids_t, pos_t, meta)
+        if hidden is None:
+            hidden = self.model(ids_t, pos_t, self.kv_layers, self.backend, meta)
         if not sample_rows:
             return StepResult(None, ())
         logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])

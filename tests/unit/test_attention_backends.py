@@ -59,3 +59,29 @@ def test_backend_choice_says_why(tiny_checkpoint, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="runs on CUDA; on cpu only under the Triton interpreter"):
         get_backend("triton", torch.float32, cpu)
+
+
+def test_decode_graphs_replay_equals_eager(tiny_checkpoint):
+    """Decode steps replayed through captured graphs (here `eager_capture`: the CPU stand-in
+    for a CUDA graph, same static buffers, bucketing and padding) give the torch backend's
+    tokens; steps of more sequences than the largest bucket, and prefill steps, run eagerly."""
+    from splitserve.engine.decode_graphs import default_buckets, eager_capture
+
+    assert default_buckets(256)[:6] == (1, 2, 4, 8, 16, 24) and default_buckets(256)[-2:] == (224, 256)
+    assert default_buckets(5) == (1, 2, 4, 5) and default_buckets(100)[-2:] == (96, 100)
+    prompts = _prompts(seed=7)
+    ref = _greedy(tiny_checkpoint("qwen3"), "torch", prompts)
+    llm = LLM(str(tiny_checkpoint("qwen3")), attention_backend="triton", num_kv_blocks=64, dtype="float32")
+    runner = llm.engine.runner
+    runner.capture_decode_graphs(max_batch=4, max_model_len=llm.engine.max_model_len, capture=eager_capture)
+    assert runner.graphs.buckets == (1, 2, 4)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    # 5 sequences decode eagerly (over the largest bucket); 3 replay bucket 4 with a padding row
+    outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
+    subset = [list(o.outputs[0].token_ids) for o in llm.generate(prompts[:3], sp)]
+    assert outs == ref and subset == ref[:3]
+    assert runner.graphs.replays >= 5
+    llm.engine.check_invariants()
+    with pytest.raises(ValueError, match="need the triton attention backend"):
+        LLM(str(tiny_checkpoint("qwen3")), attention_backend="torch", num_kv_blocks=8).engine.runner \
+            .capture_decode_graphs(4, 64, eager_capture)
