@@ -1,0 +1,501 @@
+"""One-shot GPU measurement of the engine's kernels and of a Llama-3-8B-shaped model (random
+bf16 weights), for a machine with torch + Triton but no Ray and no network: run once, read
+the JSON.
+
+  env       GPU, versions, peak bf16 FLOP/s (from the name, or --peak-tflops)
+  copy      device copy bandwidth (bytes read + written / s): the denominator of "utilization"
+  kernels   each Triton kernel on the GPU: max error against its torch reference (the same
+            references the CPU tests use), time, and the torch path's time at the same shape
+  decode    model decode step (forward + logits) at batch 1 / 16 / 64 / 256 × context 512 /
+            2K / 8K: step time and bandwidth utilization = (weight bytes + KV bytes read) /
+            step time / copy bandwidth; backends: triton replayed from a CUDA graph, triton
+            eager, torch (gather + SDPA), flash_attn when it imports
+  prefill   one prompt of 512 / 2K / 8K tokens: time and MFU = (2 × non-embedding params ×
+            tokens + causal attention FLOPs) / time / peak; triton vs torch SDPA (vs flash_attn)
+
+Every measurement is guarded: an error is recorded in the JSON and the run goes on, and a
+section is skipped once --budget-s is spent, so one shot always leaves a result.
+
+    python benchmarks/gpu/bench_gpu.py [--out results/gpu_bench.json] [--budget-s 480]
+    python benchmarks/gpu/bench_gpu.py --smoke   # tiny shapes on CPU under TRITON_INTERPRET=1 (the test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # runs from a checkout: no install on the GPU machine
+
+# name fragment -> dense bf16 TFLOP/s (vendor figures for the SXM parts)
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
+
+LLAMA3_8B = dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256)
+SMOKE = dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=256)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        self.args = args
+        self.torch = torch
+        self.smoke = args.smoke
+        self.device = torch.device("cpu" if self.smoke else "cuda")
+        self.dtype = torch.float32 if self.smoke else torch.bfloat16
+        self.shape = SMOKE if self.smoke else LLAMA3_8B
+        self.block_size = 16
+        self.deadline = time.monotonic() + args.budget_s
+        self.result: dict[str, Any] = {"smoke": self.smoke, "shape": self.shape, "errors": []}
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def guarded(self, where: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as e:  # one shot: record, go on
+            self.result["errors"].append({"where": where, "error": f"{type(e).__name__}: {e}",
+                                          "trace": traceback.format_exc(limit=6)})
+            print(f"[error] {where}: {type(e).__name__}: {e}", flush=True)
+            return None
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def timeit(self, fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
+        """Median seconds per call."""
+        torch = self.torch
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            if self.device.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) / 1e3)
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+        return sorted(times)[len(times) // 2]
+
+    # -- sections -----------------------------------------------------------------------------
+    def env(self) -> None:
+        torch = self.torch
+        import triton
+
+        info: dict[str, Any] = {"torch": torch.__version__, "triton": triton.__version__,
+                                "python": platform.python_version(), "device": str(self.device)}
+        peak = self.args.peak_tflops
+        if self.device.type == "cuda":
+            p = torch.cuda.get_device_properties(0)
+            info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))
+            peak = peak or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in p.name), None)
+        info["peak_bf16_tflops"] = peak
+        self.peak_flops = peak * 1e12 if peak else None
+        self.result["env"] = info
+        print("env:", json.dumps(info), flush=True)
+
+    def copy_bandwidth(self) -> None:
+        torch = self.torch
+        n = (1 << 20) if self.smoke else (2 << 30)  # elements of bf16: 4 GiB each way on the GPU
+        src = torch.empty(n, dtype=self.dtype, device=self.device).normal_()
+        dst = torch.empty_like(src)
+        t = self.timeit(lambda: dst.copy_(src), iters=3 if self.smoke else 20)
+        bw = 2 * src.numel() * src.element_size() / t
+        self.copy_bw = bw
+        self.result["copy"] = {"bytes_each_way": src.numel() * src.element_size(), "seconds": t, "gb_per_s": bw / 1e9}
+        print(f"copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)", flush=True)
+        del src, dst
+
+    def kernels(self) -> None:
+        from splitserve.engine.kernels import triton_attention as att
+        from splitserve.engine.kernels import triton_kv as kv
+        from splitserve.engine.kernels import triton_norm as norm
+
+        out: dict[str, Any] = {}
+        self.result["kernels"] = out
+        torch = self.torch
+        s = self.shape
+        hkv, d, h = s["kv_heads"], s["head_dim"], s["heads"]
+        dev, dt, bs = self.device, self.dtype, self.block_size
+        g = torch.Generator(device=dev).manual_seed(0)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32).to(dt)
+
+        batch, ctx = (4, 40) if self.smoke else (64, 2048)
+        nblk = -(-ctx // bs)
+        k_cache, v_cache = rand(batch * nblk + 1, bs, hkv, d), rand(batch * nblk + 1, bs, hkv, d)
+        tables = torch.randperm(batch * nblk, device=dev, generator=g).to(torch.int32).view(batch, nblk)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        q = rand(batch, h, d)
+        kv_bytes = 2 * batch * ctx * hkv * d * k_cache.element_size()
+        iters = 2 if self.smoke else 50
+
+        def decode():
+            ref = att.paged_attention_decode_reference(q, k_cache, v_cache, tables, lens, d ** -0.5)
+            res = att.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5)
+            t = self.timeit(lambda: att.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5,
+                                                                validate=False), iters)
+            t_torch = self.timeit(lambda: _gather_sdpa_decode(torch, q, k_cache, v_cache, tables, ctx, d ** -0.5), iters)
+            return {"batch": batch, "context": ctx, "max_abs_err": _err(res, ref), "seconds": t,
+                    "bandwidth_util": kv_bytes / t / self.copy_bw, "torch_gather_sdpa_seconds": t_torch}
+
+        def prefill():
+            T = 32 if self.smoke else 4096
+            blocks = -(-T // bs)
+            kc, vc = rand(blocks, bs, hkv, d), rand(blocks, bs, hkv, d)
+            tab = torch.arange(blocks, dtype=torch.int32, device=dev)[None]
+            cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
+            ln = torch.tensor([T], dtype=torch.int32, device=dev)
+            qq = rand(T, h, d)
+            res = att.paged_attention_prefill(qq, kc, vc, tab, cu, ln, d ** -0.5)
+            ref = (att.paged_attention_prefill_reference(qq, kc, vc, tab, cu, ln, d ** -0.5) if T <= 4096 else None)
+            t = self.timeit(lambda: att.paged_attention_prefill(qq, kc, vc, tab, cu, ln, d ** -0.5, max_seqlen_q=T,
+                                                                 validate=False), iters)
+            kk = kc.view(-1, hkv, d)[:T].transpose(0, 1)[None].repeat_interleave(h // hkv, dim=1)
+            vv = vc.view(-1, hkv, d)[:T].transpose(0, 1)[None].repeat_interleave(h // hkv, dim=1)
+            qt = qq.transpose(0, 1)[None]
+            t_sdpa = self.timeit(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kk, vv, is_causal=True),
+                                 iters)
+            flops = 2 * T * T * h * d  # QK^T and PV, causal half of 2 * 2 * T^2 * h * d
+            r = {"tokens": T, "max_abs_err": _err(res, ref) if ref is not None else None, "seconds": t,
+                 "tflops": flops / t / 1e12, "torch_sdpa_seconds": t_sdpa, "torch_sdpa_tflops": flops / t_sdpa / 1e12}
+            return r
+
+        def store():
+            n = 64 if self.smoke else 8192
+            key, val = rand(n, hkv, d), rand(n, hkv, d)
+            slots = torch.randperm(k_cache.shape[0] * bs, device=dev, generator=g)[:n]
+            kc, vc, kr, vr = (k_cache.clone() for _ in range(4))
+            kv.store_kv(key, val, kc, vc, slots)
+            kv.store_kv_reference(key, val, kr, vr, slots)
+            t = self.timeit(lambda: kv.store_kv(key, val, kc, vc, slots), iters)
+            t_torch = self.timeit(lambda: kv.store_kv_reference(key, val, kr, vr, slots), iters)
+            return {"tokens": n, "exact": bool(torch.equal(kc, kr) and torch.equal(vc, vr)), "seconds": t,
+                    "gb_per_s": 4 * key.numel() * key.element_size() / t / 1e9, "torch_seconds": t_torch}
+
+        def pack():
+            layers = 2 if self.smoke else 32
+            ks = [k_cache] * layers
+            vs = [v_cache] * layers
+            ids = tables[0].long()
+            buf = kv.pack_blocks(ks, vs, ids)
+            exact = bool(torch.equal(buf, kv.pack_blocks_reference(ks, vs, ids)))
+            t = self.timeit(lambda: kv.pack_blocks(ks, vs, ids), iters)
+            t_torch = self.timeit(lambda: kv.pack_blocks_reference(ks, vs, ids), iters)
+            return {"layers": layers, "blocks": int(ids.numel()), "exact": exact, "seconds": t,
+                    "gb_per_s": 2 * buf.numel() * buf.element_size() / t / 1e9, "torch_seconds": t_torch}
+
+        def rms():
+            n = 8 if self.smoke else 256
+            x, r, w = rand(n, s["hidden"]), rand(n, s["hidden"]), rand(s["hidden"])
+            o, nr = norm.rms_norm(x, w, 1e-5, residual=r)
+            ro, rr = norm.rms_norm_reference(x, w, 1e-5, residual=r)
+            t = self.timeit(lambda: norm.rms_norm(x, w, 1e-5, residual=r), iters)
+            t_torch = self.timeit(lambda: norm.rms_norm_reference(x, w, 1e-5, residual=r), iters)
+            return {"tokens": n, "max_abs_err": max(_err(o, ro), _err(nr, rr)), "seconds": t, "torch_seconds": t_torch}
+
+        def rope():
+            n = 8 if self.smoke else 256
+            qk, cos, sin = rand(n, h + hkv, d), rand(n, 1, d), rand(n, 1, d)
+            res = norm.apply_rotary(qk, cos, sin)
+            t = self.timeit(lambda: norm.apply_rotary(qk, cos, sin), iters)
+            t_torch = self.timeit(lambda: norm.apply_rotary_reference(qk, cos, sin), iters)
+            return {"tokens": n, "max_abs_err": _err(res, norm.apply_rotary_reference(qk, cos, sin)),
+                    "seconds": t, "torch_seconds": t_torch}
+
+        for name, fn in [("decode", decode), ("prefill", prefill), ("store_kv", store), ("pack_blocks", pack),
+                         ("rms_norm_residual", rms), ("rotary", rope)]:
+            out[name] = self.guarded(f"kernels.{name}", fn)
+            print(f"kernel {name}: {out[name]}", flush=True)
+
+    # -- the model ----------------------------------------------------------------------------
+    def build_model(self) -> None:
+        torch = self.torch
+        from splitserve.engine.model.config import ModelConfig, RopeConfig
+        from splitserve.engine.model.llama import LlamaModel
+
+        s = self.shape
+        self.cfg = ModelConfig(
+            architecture="LlamaForCausalLM", vocab_size=s["vocab"], hidden_size=s["hidden"],
+            intermediate_size=s["inter"], num_layers=s["layers"], num_heads=s["heads"], num_kv_heads=s["kv_heads"],
+            head_dim=s["head_dim"], rms_norm_eps=1e-5, max_position_embeddings=8192 + 64,
+            rope=RopeConfig(theta=500000.0), qkv_bias=False, o_bias=False, qk_norm=False, tie_word_embeddings=False,
+            sliding_window=None, bos_token_id=None, eos_token_ids=(), torch_dtype="bfloat16")
+        t = time.perf_counter()
+        torch.manual_seed(0)
+        with torch.device(self.device):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                model = LlamaModel(self.cfg, self.cfg.max_position_embeddings).eval()
+            finally:
+                torch.set_default_dtype(prev)
+        with torch.no_grad():
+            for p in model.parameters():  # small weights keep bf16 activations finite over 32 layers
+                p.normal_(0.0, 0.02)
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+        self.model = model
+        params = sum(p.numel() for p in model.parameters())
+        embed = model.embed_tokens.weight.numel()
+        self.weight_bytes = (params - embed) * model.lm_head.weight.element_size()  # what a decode step reads
+        self.nonembed_params = params - embed
+        self.result["model"] = {"params": params, "weight_bytes_read_per_step": self.weight_bytes,
+                                "build_seconds": round(time.perf_counter() - t, 1)}
+        print(f"model: {params / 1e9:.2f} B params, built in {time.perf_counter() - t:.1f} s", flush=True)
+
+    def allocate_kv(self, want_tokens: int) -> None:
+        torch = self.torch
+        c = self.cfg
+        per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        tokens = want_tokens
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            tokens = min(want_tokens, int((free - (24 << 30)) // per_token))  # room for activations, gathers
+        blocks = tokens // 256 * 256 // self.block_size  # a multiple of 256 tokens: flash_attn views it in 256-pages
+        self.kv_storage = torch.zeros((c.num_layers, 2, blocks, self.block_size, c.num_kv_heads, c.head_dim),
+                                      dtype=self.dtype, device=self.device)
+        self.kv_bytes_per_token = per_token
+        self.result["kv_pool"] = {"tokens": blocks * self.block_size, "bytes": self.kv_storage.numel() * 2,
+                                  "wanted_tokens": want_tokens}
+        print(f"kv pool: {blocks * self.block_size} tokens ({self.kv_storage.numel() * self.kv_storage.element_size() / 2**30:.1f} GiB)",
+              flush=True)
+
+    def layers(self, page: int):
+        st = self.kv_storage
+        if page == self.block_size:
+            return [(st[i, 0], st[i, 1]) for i in range(st.shape[0])]
+        # the same memory in larger pages (flash_attn)
+        return [(st[i, 0].view(-1, page, *st.shape[4:]), st[i, 1].view(-1, page, *st.shape[4:]))
+                for i in range(st.shape[0])]
+
+    def batch(self, num_seqs: int, ctx: int, q_len: int, page: int):
+        """An AttentionBatch of `num_seqs` sequences each with `ctx` tokens of which the last
+        `q_len` are new, blocks drawn from a permutation of the pool (reused when the pool is
+        smaller than the batch: then `shared` is set)."""
+        torch = self.torch
+        from splitserve.engine.attention.backend import AttentionBatch, SeqSlice
+
+        pool = self.kv_storage.shape[2] * self.block_size // page
+        per_seq = -(-ctx // page)
+        g = torch.Generator().manual_seed(num_seqs * 7919 + ctx)
+        perm = torch.randperm(pool, generator=g).tolist()
+        slices, slots = [], []
+        for s in range(num_seqs):
+            blocks = tuple(perm[(s * per_seq + j) % pool] for j in range(per_seq))
+            slices.append(SeqSlice(q_start=s * q_len, q_len=q_len, ctx_len=ctx, block_ids=blocks))
+            slots += [blocks[p // page] * page + p % page for p in range(ctx - q_len, ctx)]
+        decodes = tuple(slices) if q_len == 1 else ()
+        prefills = () if q_len == 1 else tuple(slices)
+        b = AttentionBatch(num_tokens=num_seqs * q_len, slot_mapping=torch.tensor(slots, device=self.device),
+                           decodes=decodes, prefills=prefills, block_size=page)
+        return b, num_seqs * per_seq > pool
+
+    def backends(self):
+        from splitserve.engine.attention.backend import get_backend
+
+        names = ["triton", "torch"]
+        if not self.smoke:
+            try:
+                import flash_attn  # noqa: F401
+                names.append("flash_attn")
+            except ImportError:
+                self.result["flash_attn"] = "not installed"
+        out = {}
+        for n in names:
+            page = 256 if n == "flash_attn" else self.block_size
+            be = self.guarded(f"backend.{n}", lambda n=n, page=page: get_backend(
+                n, self.dtype, self.device, block_size=page, head_dim=self.cfg.head_dim))
+            if be is not None:
+                out[n] = (be, page)
+        return out
+
+    def decode(self) -> None:
+        torch = self.torch
+        from splitserve.engine.decode_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
+
+        batches = (1, 2) if self.smoke else (1, 16, 64, 256)
+        contexts = (16, 40) if self.smoke else (512, 2048, 8192)
+        rows: list[dict] = []
+        self.result["decode"] = rows
+        iters = 2 if self.smoke else 10
+        backends = self.backends()
+        for b in batches:
+            graphs = None
+            if "triton" in backends:
+                graphs = self.guarded(f"decode.capture.b{b}", lambda: self._capture(b, max(contexts), DecodeGraphs,
+                                      eager_capture if self.smoke else cuda_graph_capture))
+            for c in contexts:
+                for name, (be, page) in backends.items():
+                    modes = ["graph", "eager"] if name == "triton" else ["eager"]
+                    for mode in modes:
+                        if self.time_left() < 60:
+                            rows.append({"batch": b, "context": c, "backend": name, "mode": mode, "skipped": "budget"})
+                            continue
+                        if mode == "graph" and graphs is None:
+                            continue
+                        r = self.guarded(f"decode.{name}.{mode}.b{b}.c{c}",
+                                         lambda: self._decode_row(b, c, be, page, graphs if mode == "graph" else None, iters))
+                        if r:
+                            r.update(backend=name, mode=mode)
+                            rows.append(r)
+                            print(f"decode b={b:3d} ctx={c:5d} {name:10s} {mode:5s} {r['step_ms']:8.2f} ms "
+                                  f"util {r['bandwidth_util']:.2f}", flush=True)
+            del graphs
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _capture(self, b: int, max_ctx: int, DecodeGraphs, capture):
+        torch = self.torch
+        from splitserve.engine.attention.paged_backends import TritonBackend
+
+        be = TritonBackend(self.dtype, self.device)
+        be.validate = False
+        kv = self.layers(self.block_size)
+
+        def forward(ids, pos, meta):
+            return self.model(ids, pos, kv, be, meta)
+
+        graphs = DecodeGraphs(forward, num_kv_heads=self.cfg.num_kv_heads, block_size=self.block_size,
+                              max_blocks_per_seq=-(-(max_ctx + 1) // self.block_size), device=self.device, buckets=(b,))
+        with torch.inference_mode():
+            graphs.capture(capture)
+        return graphs
+
+    def _decode_row(self, b: int, c: int, be, page: int, graphs, iters: int) -> dict:
+        torch = self.torch
+        batch, shared = self.batch(b, c + 1, 1, page)  # c cached tokens + the new one
+        kv = self.layers(page)
+        ids = torch.randint(0, self.cfg.vocab_size, (b,), device=self.device)
+        pos = torch.full((b,), c, dtype=torch.int64, device=self.device)
+
+        def step():
+            meta = be.prepare(batch)
+            hidden = graphs.run(ids, pos, meta) if graphs is not None else None
+            if hidden is None:
+                hidden = self.model(ids, pos, kv, be, meta)
+            return self.model.compute_logits(hidden)
+
+        with torch.inference_mode():
+            t = self.timeit(step, iters)
+        read = self.weight_bytes + b * (c + 1) * self.kv_bytes_per_token
+        return {"batch": b, "context": c, "step_ms": t * 1e3, "bytes_read": read,
+                "bandwidth_util": read / t / self.copy_bw, "tokens_per_s": b / t, "kv_blocks_shared": shared}
+
+    def prefill(self) -> None:
+        torch = self.torch
+        lengths = (16, 32) if self.smoke else (512, 2048, 8192)
+        rows: list[dict] = []
+        self.result["prefill"] = rows
+        iters = 2 if self.smoke else 5
+        c = self.cfg
+        for T in lengths:
+            for name, (be, page) in self.backends().items():
+                if self.time_left() < 30:
+                    rows.append({"tokens": T, "backend": name, "skipped": "budget"})
+                    continue
+
+                def run(T=T, be=be, page=page):
+                    batch, _ = self.batch(1, T, T, page)
+                    kv = self.layers(page)
+                    ids = torch.randint(0, c.vocab_size, (T,), device=self.device)
+                    pos = torch.arange(T, device=self.device)
+
+                    def step():
+                        hidden = self.model(ids, pos, kv, be, be.prepare(batch))
+                        return self.model.compute_logits(hidden[-1:])
+
+                    with torch.inference_mode():
+                        t = self.timeit(step, iters)
+                    attn = 2 * T * T * c.num_heads * c.head_dim * c.num_layers  # causal QK^T + PV
+                    flops = 2 * self.nonembed_params * T + attn
+                    return {"tokens": T, "seconds": t, "tflops": flops / t / 1e12,
+                            "mfu": flops / t / self.peak_flops if self.peak_flops else None}
+
+                r = self.guarded(f"prefill.{name}.{T}", run)
+                if r:
+                    r["backend"] = name
+                    rows.append(r)
+                    print(f"prefill T={T:5d} {name:10s} {r['seconds'] * 1e3:8.1f} ms {r['tflops']:.1f} TFLOP/s "
+                          f"MFU {r['mfu']}", flush=True)
+
+    def summary(self) -> dict:
+        """The issue's two goals, read off the rows."""
+        out: dict[str, Any] = {}
+        for r in self.result.get("decode", []):
+            if (r.get("batch"), r.get("context"), r.get("backend"), r.get("mode")) == (64, 2048, "triton", "graph"):
+                out["decode_util_b64_ctx2k"] = r["bandwidth_util"]
+        for r in self.result.get("prefill", []):
+            if (r.get("tokens"), r.get("backend")) == (8192, "triton"):
+                out["prefill_mfu_8k"] = r.get("mfu")
+        return out
+
+
+def _err(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def _gather_sdpa_decode(torch, q, k_cache, v_cache, tables, ctx, scale):
+    """The torch path: gather every sequence's blocks, SDPA with GQA groups (as TorchBackend)."""
+    n, h, d = q.shape
+    hkv = k_cache.shape[2]
+    idx = tables.long().reshape(-1)
+    k = k_cache.index_select(0, idx).view(n, -1, hkv, d)[:, :ctx].transpose(1, 2)
+    v = v_cache.index_select(0, idx).view(n, -1, hkv, d)[:, :ctx].transpose(1, 2)
+    qg = q.view(n, hkv, h // hkv, d)
+    return torch.nn.functional.scaled_dot_product_attention(qg, k, v, scale=scale)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="JSON path (default: $OUT/gpu_bench.json or results/gpu_bench.json)")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, if the GPU name is not known")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
+    ap.add_argument("--sections", default="kernels,decode,prefill")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    out = Path(args.out or (Path(os.environ["OUT"]) / "gpu_bench.json" if os.environ.get("OUT")
+                            else ROOT / "results" / "gpu_bench.json"))
+    t0 = time.monotonic()
+    bench = Bench(args)
+    sections = args.sections.split(",")
+    bench.env()
+    bench.copy_bandwidth()
+    if "kernels" in sections:
+        bench.guarded("kernels", bench.kernels)
+    if {"decode", "prefill"} & set(sections):
+        bench.guarded("model", bench.build_model)
+        need = 512 if args.smoke else 256 * (8192 + 16)  # the largest batch x context (capped by memory)
+        if hasattr(bench, "model"):
+            bench.guarded("kv", lambda: bench.allocate_kv(need))
+        for name in ("decode", "prefill"):
+            if name in sections and hasattr(bench, "kv_storage"):
+                bench.guarded(name, getattr(bench, name))
+    bench.result["summary"] = bench.summary()
+    bench.result["wall_s"] = round(time.monotonic() - t0, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(bench.result, indent=1, default=str))
+    print("summary:", json.dumps(bench.result["summary"]), f"errors: {len(bench.result['errors'])}",
+          f"wall {bench.result['wall_s']} s -> {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
