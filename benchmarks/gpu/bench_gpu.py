@@ -251,6 +251,8 @@ class Bench:
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
         self.model = model
+        if self.device.type == "cuda":  # as the engine does on CUDA, unless the kernels fail here
+            self.result["fused_norm_rotary"] = self.guarded("model.fused", lambda: self._fuse(model)) or False
         params = sum(p.numel() for p in model.parameters())
         embed = model.embed_tokens.weight.numel()
         self.weight_bytes = (params - embed) * model.lm_head.weight.element_size()  # what a decode step reads
@@ -258,6 +260,16 @@ class Bench:
         self.result["model"] = {"params": params, "weight_bytes_read_per_step": self.weight_bytes,
                                 "build_seconds": round(time.perf_counter() - t, 1)}
         print(f"model: {params / 1e9:.2f} B params, built in {time.perf_counter() - t:.1f} s", flush=True)
+
+    def _fuse(self, model) -> bool:
+        from splitserve.engine.kernels import triton_norm
+
+        x = self.torch.randn(4, self.cfg.hidden_size, device=self.device, dtype=self.dtype)
+        triton_norm.rms_norm(x, model.norm.weight, 1e-5, residual=x)
+        triton_norm.apply_rotary(x.view(4, -1, self.cfg.head_dim), *model.rotary(self.torch.arange(4, device=self.device),
+                                                                                  self.dtype))
+        model.use_triton_kernels()
+        return True
 
     def allocate_kv(self, want_tokens: int) -> None:
         torch = self.torch

@@ -20,6 +20,7 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.engine.attention import get_backend
+from splitserve.engine.attention.paged_backends import triton_unavailable
 from splitserve.engine.decode_graphs import cuda_graph_capture
 from splitserve.engine.kv_cache import BlockPool, KVCacheTensors, KVEvent
 from splitserve.engine.kv_cache.tensors import SHM_PREFIX, sweep_stale_shm
@@ -61,6 +62,8 @@ class Engine:
                                           mc.head_dim, self.dtype, self.device, shm_path=shm)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        if self.device.type == "cuda" and triton_unavailable(self.device) is None:
+            model.use_triton_kernels()  # fused residual + RMSNorm and rotary: fewer passes, same rounding
         backend = get_backend(config.attention_backend, self.dtype, self.device, block_size=config.block_size,
                               head_dim=mc.head_dim)
         self.runner = ModelRunner(model, self.kv, backend, config.block_size, self.device)

@@ -27,6 +27,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        self.rope = apply_rope  # or the fused Triton kernel (LlamaModel.use_triton_kernels)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: Any):
         c = self.cfg
@@ -37,7 +38,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k rotated in one pass
+        qk = self.rope(qk, cos, sin)  # q and k rotated in one pass
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         o = backend.forward(q, k, v.contiguous(), kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.reshape(n, c.q_size))
@@ -67,6 +68,20 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, backend, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, residual, delta, cos, sin, kv, backend, meta):
+        """The same arithmetic with each residual add fused into the RMSNorm after it (one
+        kernel instead of ~7). `residual + delta` is the stream entering the layer (delta None
+        for the first layer); returns the pair leaving it."""
+        from splitserve.engine.kernels.triton_norm import rms_norm
+
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        if delta is None:
+            h = rms_norm(residual, n1.weight, n1.eps)
+        else:
+            h, residual = rms_norm(delta, n1.weight, n1.eps, residual=residual)
+        h, residual = rms_norm(self.self_attn(h, cos, sin, kv, backend, meta), n2.weight, n2.eps, residual=residual)
+        return residual, self.mlp(h)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
@@ -77,6 +92,16 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.fused = False
+
+    def use_triton_kernels(self) -> None:
+        """Residual add + RMSNorm and rotary through the fused Triton kernels (same results:
+        they round as the torch ops do). Needs CUDA, or the Triton interpreter."""
+        from splitserve.engine.kernels.triton_norm import apply_rotary
+
+        self.fused = True
+        for layer in self.layers:
+            layer.self_attn.rope = apply_rotary
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
@@ -92,6 +117,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        if self.fused:
+            delta = None
+            for layer, kv in zip(self.layers, kv_caches):
+                x, delta = layer.forward_fused(x, delta, cos, sin, kv, backend, meta)
+            return x + delta
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv, backend, meta)
         return x
