@@ -84,6 +84,7 @@ class DecodeGraphs:
             block_tables=torch.zeros((b, self.width), **i32),
             context_lens=torch.ones((b,), **i32),
             cu_seqlens_q=torch.arange(b + 1, **i32),
+            cu_seqlens_k=torch.zeros((b + 1,), **i32),  # unused by the triton decode path
             prefill_cu_seqlens_q=torch.zeros((1,), **i32),
             max_seqlen_q=1,
             max_context=self.width * self.block_size,

@@ -23,6 +23,7 @@ class PagedMeta:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, decodes first (padding: block 0)
     context_lens: torch.Tensor  # [num_seqs] int32
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32 over the whole flat batch
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32: running sum of context_lens
     prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32, rows of the prefill part
     max_seqlen_q: int
     max_context: int
@@ -34,20 +35,24 @@ def build_paged_meta(batch: AttentionBatch, device: torch.device, max_blocks: in
     seqs: tuple[SeqSlice, ...] = batch.decodes + batch.prefills
     width = max_blocks or max((len(s.block_ids) for s in seqs), default=1)
     table = [list(s.block_ids) + [0] * (width - len(s.block_ids)) for s in seqs]
-    cu = [0]
+    cu_q, cu_k = [0], [0]
     for s in seqs:
-        cu.append(cu[-1] + s.q_len)
+        cu_q.append(cu_q[-1] + s.q_len)
+        cu_k.append(cu_k[-1] + s.ctx_len)
     nd = len(batch.decodes)
-    ints = torch.tensor([*cu, *[c - cu[nd] for c in cu[nd:]], *(s.ctx_len for s in seqs)], dtype=torch.int32)
-    ints = ints.to(device, non_blocking=True)
     n = len(seqs)
+    # one host-to-device copy for the small int vectors, sliced apart on the device
+    parts = [cu_q, [c - cu_q[nd] for c in cu_q[nd:]], cu_k, [s.ctx_len for s in seqs]]
+    ints = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(device, non_blocking=True)
+    cu_seqlens_q, prefill_cu, cu_seqlens_k, context_lens = ints.split([len(p) for p in parts])
     return PagedMeta(
         slot_mapping=batch.slot_mapping,
         num_decodes=nd,
         block_tables=torch.tensor(table, dtype=torch.int32).view(n, width).to(device, non_blocking=True),
-        cu_seqlens_q=ints[: n + 1],
-        prefill_cu_seqlens_q=ints[n + 1: 2 * n + 2 - nd],
-        context_lens=ints[2 * n + 2 - nd:],
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        prefill_cu_seqlens_q=prefill_cu,
+        context_lens=context_lens,
         max_seqlen_q=max((s.q_len for s in batch.prefills), default=1),
         max_context=max((s.ctx_len for s in seqs), default=1),
     )
@@ -100,9 +105,7 @@ class FlashAttnBackend:
         self.dtype, self.device = dtype, device
 
     def prepare(self, batch: AttentionBatch) -> PagedMeta:
-        meta = build_paged_meta(batch, self.device)
-        meta.cu_seqlens_k = torch.nn.functional.pad(meta.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
-        return meta
+        return build_paged_meta(batch, self.device)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: PagedMeta, scale: float) -> torch.Tensor:
         self._kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
