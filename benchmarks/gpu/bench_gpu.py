@@ -377,7 +377,6 @@ class Bench:
         from splitserve.engine.attention.paged_backends import TritonBackend
 
         be = TritonBackend(self.dtype, self.device)
-        be.validate = False
         kv = self.layers(self.block_size)
 
         def forward(ids, pos, meta):

@@ -62,7 +62,7 @@ class DecodeGraphs:
                  num_kv_heads: int, block_size: int, max_blocks_per_seq: int, device: torch.device,
                  buckets: tuple[int, ...]) -> None:
         """`forward(ids, positions, meta) -> hidden [bucket, hidden_size]`: the model over the
-        paged cache (it must not read host values, e.g. `validate=False` kernels)."""
+        paged cache; it must not read device values from the host (no `.item()`, no `.cpu()`)."""
         self.forward = forward
         self.block_size = block_size
         self.width = max_blocks_per_seq

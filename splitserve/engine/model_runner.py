@@ -34,16 +34,13 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int, capture: Capture) -> None:
         """Capture decode steps of up to `max_batch` sequences (triton backend only: its step
-        metadata is plain tensors the graph can read in place)."""
-        from splitserve.engine.attention.paged_backends import TritonBackend
-
+        metadata is plain tensors the graph can read in place, and it never reads the device
+        from the host)."""
         if self.backend.name != "triton":
             raise ValueError(f"decode graphs need the triton attention backend, not {self.backend.name!r}")
-        backend = TritonBackend(self.backend.dtype, self.device)
-        backend.validate = False  # no device-to-host reads inside a graph
 
         def forward(ids: torch.Tensor, pos: torch.Tensor, meta) -> torch.Tensor:
-            return self.model(ids, pos, self.kv_layers, backend, meta)
+            return self.model(ids, pos, self.kv_layers, self.backend, meta)
 
         cfg = self.model.cfg
         graphs = DecodeGraphs(forward, num_kv_heads=cfg.num_kv_heads, block_size=self.block_size,
