@@ -64,7 +64,7 @@ def _attend(qv, m, l, acc, k_cache, v_cache, table_row, n0, kv_end, qpos, kvh, q
 # -- decode ---------------------------------------------------------------------------------------
 @triton.jit
 def _decode_partial(q, k_cache, v_cache, block_tables, context_lens, part_o, part_m, part_l, qk_scale,
-                    stride_qs, stride_qh, stride_bt, tokens_per_split,
+                    stride_qs, stride_qh, stride_bt,
                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HKV: tl.constexpr,
                     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     s, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -77,8 +77,11 @@ def _decode_partial(q, k_cache, v_cache, block_tables, context_lens, part_o, par
     m = tl.full((GP,), float("-inf"), tl.float32)
     l = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
-    first = split * tokens_per_split
-    last = tl.minimum(first + tokens_per_split, ctx)
+    # each sequence's own context is cut into SPLITS even, BLOCK_N-aligned parts: balanced work
+    # whatever the table's width (a captured graph's table is as wide as the longest context)
+    per_split = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    first = split * per_split
+    last = tl.minimum(first + per_split, ctx)
     for n0 in range(first, last, BLOCK_N):  # an empty split keeps m = -inf: it weighs nothing
         m, l, acc = _attend(qv, m, l, acc, k_cache, v_cache, block_tables + s * stride_bt, n0, last, g, kvh,
                             qk_scale, HKV, D, BS, BLOCK_N, PREC, DOT_F32, False)
@@ -139,7 +142,6 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = _out_like(q, out)
     if n == 0:
         return out
-    per_split = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
     g = h // hkv
     gp = max(16, triton.next_power_of_2(g))
     rows = n * hkv * num_splits
@@ -148,7 +150,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_l = torch.empty((rows, gp), dtype=torch.float32, device=q.device)
     _decode_partial[(n, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, part_o, part_m, part_l, float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), block_tables.stride(0), per_split,
+        q.stride(0), q.stride(1), block_tables.stride(0),
         G=g, GP=gp, D=d, BS=bs, HKV=hkv, SPLITS=num_splits, BLOCK_N=block_n, **_dot_args(q.dtype))
     _decode_merge[(n, hkv)](part_o, part_m, part_l, out, out.stride(0), out.stride(1),
                             G=g, GP=gp, D=d, HKV=hkv, SPLITS=num_splits)
