@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from splitserve.types import ConfigError
+
 
 @dataclass(frozen=True)
 class SeqSlice:
@@ -63,7 +65,7 @@ def get_backend(name: str, dtype: torch.dtype = torch.float32, device: torch.dev
     our Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1); `flash_attn`: flash-attn 2
     on CUDA. `auto`: on CUDA flash_attn where it can run (installed, fp16/bf16, pages of a
     multiple of 256 tokens), else triton, else torch; on CPU `cpu` where its kernel builds, else
-    `torch`. A backend named but unable to run here raises ValueError saying why."""
+    `torch`. A backend named but unable to run here raises ConfigError saying why."""
     from splitserve.engine.attention import paged_backends as paged
     from splitserve.engine.attention.torch_backend import CpuBackend, TorchBackend
     from splitserve.engine.kernels import paged_decode_cpu
@@ -80,10 +82,10 @@ def get_backend(name: str, dtype: torch.dtype = torch.float32, device: torch.dev
         order = ("flash_attn", "triton", "torch") if device.type == "cuda" else ("cpu", "torch")
         name = next(n for n in order if why_not[n]() is None)
     if name not in why_not:
-        raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(BACKENDS)}")
+        raise ConfigError(f"unknown attention backend {name!r}; known: auto, {', '.join(BACKENDS)}")
     problem = why_not[name]()
     if problem:
-        raise ValueError(f"attention backend {name!r} cannot run here: {problem}; use 'auto' or 'torch'")
+        raise ConfigError(f"attention backend {name!r} cannot run here: {problem}; use 'auto' or 'torch'")
     if name in ("torch", "cpu"):
         return {"torch": TorchBackend, "cpu": CpuBackend}[name](dtype)
     return {"triton": paged.TritonBackend, "flash_attn": paged.FlashAttnBackend}[name](dtype, device)
