@@ -35,6 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA with the triton backend)
+    fused_kernels: bool = True  # residual + RMSNorm and rotary as fused Triton kernels (CUDA)
     seed: int = 0
     kv_shared_memory: bool = False  # KV storage in a /dev/shm file, readable by same-host peers
 
@@ -46,7 +47,7 @@ class EngineConfig:
 
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             positive(name)
-        for name in ("enable_prefix_caching", "cuda_graphs", "kv_shared_memory"):
+        for name in ("enable_prefix_caching", "cuda_graphs", "fused_kernels", "kv_shared_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.block_size & (self.block_size - 1):

@@ -62,7 +62,7 @@ class Engine:
                                           mc.head_dim, self.dtype, self.device, shm_path=shm)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        if self.device.type == "cuda" and triton_unavailable(self.device) is None:
+        if config.fused_kernels and self.device.type == "cuda" and triton_unavailable(self.device) is None:
             model.use_triton_kernels()  # fused residual + RMSNorm and rotary: fewer passes, same rounding
         backend = get_backend(config.attention_backend, self.dtype, self.device, block_size=config.block_size,
                               head_dim=mc.head_dim)

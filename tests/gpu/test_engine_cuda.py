@@ -1,6 +1,6 @@
 """On a CUDA machine only (skipped elsewhere): the engine with the triton backend, its decode
 steps replayed from real CUDA graphs and fused RMSNorm/rotary, gives the torch backend's greedy
-tokens on the tiny models; the GPU script's kernels section finds every kernel within tolerance."""
+tokens on the tiny models."""
 
 import pytest
 import torch

@@ -21,6 +21,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 GRID = list(itertools.product(DTYPES, [64, 128], [1, 4, 8], [16, 32]))
+# head dims that are not powers of two (padded to one inside the kernels, masked)
+ODD_D = [(torch.float16, 80, 4, 16), (torch.bfloat16, 8, 4, 32), (torch.float32, 96, 1, 16)]
 # (new tokens, context) per sequence: a whole prompt, a chunk after a cached prefix, a one-token
 # chunk, a long chunk over a prefix (several query tiles)
 CHUNKS = ((5, 5), (7, 40), (1, 33), (37, 97))
@@ -47,7 +49,7 @@ def _err(out, ref, dtype):
     return (out.float() - ref.float()).abs().max().item()
 
 
-@pytest.mark.parametrize("dtype,d,ratio,bs", GRID, ids=_ids(GRID))
+@pytest.mark.parametrize("dtype,d,ratio,bs", GRID + ODD_D, ids=_ids(GRID + ODD_D))
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_matches_reference(dtype, d, ratio, bs, splits):
     lens = (1, 17, 40, 97)
@@ -57,7 +59,7 @@ def test_decode_matches_reference(dtype, d, ratio, bs, splits):
     assert _err(out, ref, dtype) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype,d,ratio,bs", GRID, ids=_ids(GRID))
+@pytest.mark.parametrize("dtype,d,ratio,bs", GRID + ODD_D, ids=_ids(GRID + ODD_D))
 def test_prefill_matches_reference(dtype, d, ratio, bs):
     cu = torch.tensor([0, *itertools.accumulate(n for n, _ in CHUNKS)], dtype=torch.int32, device=DEVICE)
     q, k, v, tables, ctx = _cache(dtype, d, ratio, bs, [c for _, c in CHUNKS], hkv=2, num_q=int(cu[-1]), seed=1)
@@ -114,8 +116,12 @@ def test_bad_arguments_name_the_problem():
         (lambda: dec(q, k, v, tables, ctx, 0.1, out=q.half()), "out must match q"),
         (lambda: dec(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, tables, ctx, 0.1), "last dimension"),
         (lambda: pre(q, k, v, tables, cu.long(), ctx, 0.1), "cu_seqlens_q must be contiguous int32"),
-        (lambda: pre(q, k, v, tables, torch.tensor([0, 1, 3], dtype=torch.int32), ctx, 0.1), "rise from 0 to 2"),
-        (lambda: pre(q, k, v, tables, cu, torch.tensor([0, 20], dtype=torch.int32), 0.1), "count the new tokens"),
+        (lambda: pre(q, k, v, tables, torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE), ctx, 0.1),
+         "rise from 0 to 2"),
+        (lambda: pre(q, k, v, tables, cu, torch.tensor([0, 20], dtype=torch.int32, device=DEVICE), 0.1),
+         "count the new tokens"),
+        (lambda: dec(q.new_zeros(2, 4, 320), k.new_zeros(4, 16, 2, 320), k.new_zeros(4, 16, 2, 320), tables, ctx, 0.1),
+         "head_dim must be at most 256"),
         (lambda: pre(q, k, v, tables[:1], cu, ctx, 0.1), r"block_tables must be int32 \[2"),
         (lambda: pre(q, k, v, tables, cu, ctx, 0.1, block_m=3), "block_m"),
         (lambda: pre(q, k, v[:, :8].contiguous(), tables, cu, ctx, 0.1), "k_cache / v_cache"),

@@ -8,11 +8,13 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.attention import get_backend
+from splitserve.types import ConfigError
 
 pytest.importorskip("triton")
 
-# (shape, head_dim, GQA ratio): qwen3 32 / 4 (q/k norm), qwen2 16 / 2 (biases), mistral 16 / 1
-SHAPES = ["qwen3", "qwen2", "mistral"]
+# head_dim / GQA ratio: llama 8 / 4 (head_dim padded inside the kernels), qwen3 32 / 4 (q/k norm),
+# qwen2 16 / 2 (biases), mistral 16 / 1
+SHAPES = ["llama", "qwen3", "qwen2", "mistral"]
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -23,6 +25,8 @@ def _prompts(seed: int) -> list[list[int]]:
 
 
 def _greedy(ckpt, backend: str, prompts, **kw) -> list[list[int]]:
+    if backend == "torch":
+        kw.setdefault("fused_kernels", False)  # the reference: torch ops only, on a GPU too
     llm = LLM(str(ckpt), attention_backend=backend, num_kv_blocks=64, dtype="float32", **kw)
     assert llm.engine.runner.backend.name == backend
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -47,17 +51,18 @@ def test_triton_greedy_equals_torch(tiny_checkpoint, shape):
 def test_backend_choice_says_why(tiny_checkpoint, monkeypatch):
     cpu = torch.device("cpu")
     assert get_backend("auto", torch.float32, cpu).name in ("cpu", "torch")
-    assert get_backend("triton", torch.float32, cpu, head_dim=32).name == "triton"  # the interpreter is on
-    with pytest.raises(ValueError, match="multiple of 16 up to 256, the model has 8"):
-        get_backend("triton", torch.float32, cpu, head_dim=8)
-    with pytest.raises(ValueError, match="flash-attn runs only on CUDA"):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (read per call, so this holds on a GPU box too)
+    assert get_backend("triton", torch.float32, cpu, head_dim=32).name == "triton"
+    with pytest.raises(ConfigError, match="head_dim up to 256, the model has 320"):
+        get_backend("triton", torch.float32, cpu, head_dim=320)
+    with pytest.raises(ConfigError, match="flash-attn runs only on CUDA"):
         get_backend("flash_attn", torch.bfloat16, cpu)
-    with pytest.raises(ValueError, match="known: auto, torch, cpu, triton, flash_attn"):
+    with pytest.raises(ConfigError, match="known: auto, torch, cpu, triton, flash_attn"):
         get_backend("flash-magic")
-    with pytest.raises(ValueError, match="'triton' cannot run here.*head_dim"):  # the llama shape: head_dim 8
-        LLM(str(tiny_checkpoint("llama")), attention_backend="triton", num_kv_blocks=8)
+    with pytest.raises(ConfigError, match="'flash_attn' cannot run here"):
+        LLM(str(tiny_checkpoint("llama")), attention_backend="flash_attn", device="cpu", num_kv_blocks=8)
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(ValueError, match="runs on CUDA; on cpu only under the Triton interpreter"):
+    with pytest.raises(ConfigError, match="runs on CUDA; on cpu only under the Triton interpreter"):
         get_backend("triton", torch.float32, cpu)
 
 
@@ -94,16 +99,19 @@ def test_fused_norm_and_rotary_give_the_same_tokens(tiny_checkpoint, shape):
     embeddings: qwen2), and the same hidden states up to fp32 rounding noise."""
     prompts = _prompts(seed=11)
     ref = _greedy(tiny_checkpoint(shape), "torch", prompts)
-    llm = LLM(str(tiny_checkpoint(shape)), attention_backend="torch", num_kv_blocks=64, dtype="float32")
+    llm = LLM(str(tiny_checkpoint(shape)), attention_backend="torch", num_kv_blocks=64, dtype="float32",
+              fused_kernels=False)
     model = llm.engine.runner.model
-    ids = torch.tensor(prompts[3][:20])
-    pos = torch.arange(20)
+    assert not model.fused
+    dev = llm.engine.device
+    ids = torch.tensor(prompts[3][:20], device=dev)
+    pos = torch.arange(20, device=dev)
     backend = llm.engine.runner.backend
 
     def hidden():
         from splitserve.engine.attention import AttentionBatch, SeqSlice
 
-        batch = AttentionBatch(20, torch.arange(20), (), (SeqSlice(0, 20, 20, (0, 1)),), 16)
+        batch = AttentionBatch(20, torch.arange(20, device=dev), (), (SeqSlice(0, 20, 20, (0, 1)),), 16)
         with torch.inference_mode():
             return model(ids, pos, llm.engine.kv.layers, backend, backend.prepare(batch))
 

@@ -76,7 +76,7 @@ def get_backend(name: str, dtype: torch.dtype = torch.float32, device: torch.dev
         "cpu": lambda: None if paged_decode_cpu.available() else
         "its native kernel could not be built here (no C compiler?)",
         "triton": lambda: paged.triton_unavailable(device) or _head_dim_problem(head_dim),
-        "flash_attn": lambda: paged.flash_attn_unavailable(device, dtype, block_size),
+        "flash_attn": lambda: paged.flash_attn_unavailable(device, dtype, block_size, head_dim),
     }
     if name == "auto":
         order = ("flash_attn", "triton", "torch") if device.type == "cuda" else ("cpu", "torch")
@@ -92,6 +92,6 @@ def get_backend(name: str, dtype: torch.dtype = torch.float32, device: torch.dev
 
 
 def _head_dim_problem(head_dim: int | None) -> str | None:
-    if head_dim is not None and (head_dim % 16 or head_dim > 256):
-        return f"its kernels need head_dim a multiple of 16 up to 256, the model has {head_dim}"
+    if head_dim is not None and head_dim > 256:
+        return f"its kernels take head_dim up to 256, the model has {head_dim}"
     return None

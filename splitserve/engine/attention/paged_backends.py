@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from splitserve.engine.attention.backend import AttentionBatch, SeqSlice
@@ -30,11 +31,12 @@ class PagedMeta:
     decode_splits: int | None = None  # None: the kernel's choice
 
 
-def build_paged_meta(batch: AttentionBatch, device: torch.device, max_blocks: int | None = None) -> PagedMeta:
-    """`max_blocks`: a fixed table width (graph capture); None: the widest sequence's."""
+def build_paged_meta(batch: AttentionBatch, device: torch.device) -> PagedMeta:
     seqs: tuple[SeqSlice, ...] = batch.decodes + batch.prefills
-    width = max_blocks or max((len(s.block_ids) for s in seqs), default=1)
-    table = [list(s.block_ids) + [0] * (width - len(s.block_ids)) for s in seqs]
+    width = max((len(s.block_ids) for s in seqs), default=1)
+    table = np.zeros((len(seqs), width), dtype=np.int32)  # row by row at C speed: 256 x 8K contexts
+    for i, s in enumerate(seqs):
+        table[i, : len(s.block_ids)] = s.block_ids
     cu_q, cu_k = [0], [0]
     for s in seqs:
         cu_q.append(cu_q[-1] + s.q_len)
@@ -43,12 +45,12 @@ def build_paged_meta(batch: AttentionBatch, device: torch.device, max_blocks: in
     n = len(seqs)
     # one host-to-device copy for the small int vectors, sliced apart on the device
     parts = [cu_q, [c - cu_q[nd] for c in cu_q[nd:]], cu_k, [s.ctx_len for s in seqs]]
-    ints = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(device, non_blocking=True)
+    ints = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(device)
     cu_seqlens_q, prefill_cu, cu_seqlens_k, context_lens = ints.split([len(p) for p in parts])
     return PagedMeta(
         slot_mapping=batch.slot_mapping,
         num_decodes=nd,
-        block_tables=torch.tensor(table, dtype=torch.int32).view(n, width).to(device, non_blocking=True),
+        block_tables=torch.from_numpy(table).to(device),
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         prefill_cu_seqlens_q=prefill_cu,
@@ -118,14 +120,15 @@ def triton_unavailable(device: torch.device) -> str | None:
     try:
         import triton  # noqa: F401
     except ImportError:
-        return "triton is not installed (pip install 'triton>=3.7', or the [gpu] extra)"
+        return "triton is not installed (pip install 'splitserve[gpu]')"
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return (f"the triton backend runs on CUDA; on {device.type} only under the Triton interpreter "
                 "(TRITON_INTERPRET=1, for tests: very slow)")
     return None
 
 
-def flash_attn_unavailable(device: torch.device, dtype: torch.dtype, block_size: int) -> str | None:
+def flash_attn_unavailable(device: torch.device, dtype: torch.dtype, block_size: int,
+                           head_dim: int | None = None) -> str | None:
     """Why the flash_attn backend cannot run here, or None."""
     if device.type != "cuda":
         return f"flash-attn runs only on CUDA, the device is {device.type}"
@@ -135,6 +138,8 @@ def flash_attn_unavailable(device: torch.device, dtype: torch.dtype, block_size:
         return "flash-attn is not installed (pip install 'splitserve[gpu]')"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"flash-attn needs float16 or bfloat16, the engine runs {dtype}"
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        return f"flash-attn takes head_dim a multiple of 8 up to 256, the model has {head_dim}"
     if block_size % 256:
         return f"flash-attn 2 pages KV only in blocks of a multiple of 256 tokens, block_size is {block_size}"
     return triton_unavailable(device)  # our store_kv writes the cache

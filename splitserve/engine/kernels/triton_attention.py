@@ -11,8 +11,9 @@ cache (`triton_kv.store_kv` ran first).
 Both kernels give each program the whole GQA group of query heads that share one KV head, so K/V
 are read once per group, and walk the context BLOCK_N tokens at a time, looking each token's
 slot up through the block table (BLOCK_N need not be the page size). Each step is two `tl.dot`s
-and an online softmax in fp32 (`_attend`); decode pads the group to 16 rows, since `tl.dot` needs
-16 — decode is bandwidth-bound, the padding costs no bytes. Scores are in the log2 domain
+and an online softmax in fp32 (`_attend`); decode pads the group to 16 rows and every kernel the
+head dim to a power of two ≥ 16, since `tl.dot` needs 16 and `tl.arange` powers of two — masked
+lanes load nothing, so the padding costs no bytes. Scores are in the log2 domain
 (scale folded with log2 e, `exp2`).
 
 Launchers check shapes, dtypes, devices and strides and raise ValueError naming the argument;
@@ -28,20 +29,26 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.kernels.checks import need
+
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _attend(qv, m, l, acc, k_cache, v_cache, table_row, n0, kv_end, qpos, kvh, qk_scale,
-            HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+            HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
             PREC: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr):
-    """One online-softmax step over context tokens [n0, n0 + BLOCK_N) ∩ [0, kv_end)."""
+    """One online-softmax step over context tokens [n0, n0 + BLOCK_N) ∩ [0, kv_end). Head
+    dims run to DP (a power of two, as tl.arange needs); lanes past D load zeros."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < kv_end
     slot = tl.load(table_row + n // BS, mask=n_ok, other=0).to(tl.int64) * BS + n % BS
-    d = tl.arange(0, D)
-    kt = tl.load(k_cache + slot[None, :] * (HKV * D) + kvh * D + d[:, None], mask=n_ok[None, :], other=0.0)
-    v = tl.load(v_cache + slot[:, None] * (HKV * D) + kvh * D + d[None, :], mask=n_ok[:, None], other=0.0)
+    d = tl.arange(0, DP)
+    d_ok = d < D
+    kt = tl.load(k_cache + slot[None, :] * (HKV * D) + kvh * D + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
+                 other=0.0)
+    v = tl.load(v_cache + slot[:, None] * (HKV * D) + kvh * D + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0)
     if DOT_F32:
         kt = kt.to(tl.float32)
     scores = tl.dot(qv, kt, input_precision=PREC) * qk_scale
@@ -62,55 +69,65 @@ def _attend(qv, m, l, acc, k_cache, v_cache, table_row, n0, kv_end, qpos, kvh, q
 
 
 # -- decode ---------------------------------------------------------------------------------------
-@triton.jit
-def _decode_partial(q, k_cache, v_cache, block_tables, context_lens, part_o, part_m, part_l, qk_scale,
-                    stride_qs, stride_qh, stride_bt,
-                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HKV: tl.constexpr,
-                    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+def _decode_partial(q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_m, part_l, qk_scale,
+                    stride_qs, stride_qh, stride_os, stride_oh, stride_bt, num_splits,
+                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+                    HKV: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
+                    DOT_F32: tl.constexpr):
     s, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens + s)
     g = tl.arange(0, GP)
-    d = tl.arange(0, D)
-    qv = tl.load(q + s * stride_qs + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+    d = tl.arange(0, DP)
+    rows_ok = (g < G)[:, None] & (d < D)[None, :]
+    qv = tl.load(q + s * stride_qs + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=rows_ok, other=0.0)
     if DOT_F32:
         qv = qv.to(tl.float32)
     m = tl.full((GP,), float("-inf"), tl.float32)
     l = tl.zeros((GP,), tl.float32)
-    acc = tl.zeros((GP, D), tl.float32)
-    # each sequence's own context is cut into SPLITS even, BLOCK_N-aligned parts: balanced work
-    # whatever the table's width (a captured graph's table is as wide as the longest context)
-    per_split = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    acc = tl.zeros((GP, DP), tl.float32)
+    # each sequence's own context is cut into num_splits even, BLOCK_N-aligned parts: balanced
+    # work whatever the table's width (a captured graph's table is as wide as the longest context)
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     first = split * per_split
     last = tl.minimum(first + per_split, ctx)
     for n0 in range(first, last, BLOCK_N):  # an empty split keeps m = -inf: it weighs nothing
         m, l, acc = _attend(qv, m, l, acc, k_cache, v_cache, block_tables + s * stride_bt, n0, last, g, kvh,
-                            qk_scale, HKV, D, BS, BLOCK_N, PREC, DOT_F32, False)
-    row = (s * HKV + kvh) * SPLITS + split
-    tl.store(part_o + (row * GP + g)[:, None] * D + d[None, :], acc)
-    tl.store(part_m + row * GP + g, m)
-    tl.store(part_l + row * GP + g, l)
+                            qk_scale, HKV, D, DP, BS, BLOCK_N, PREC, DOT_F32, False)
+    if SINGLE:  # one split: the result is final, no partials and no merge pass
+        o = acc / l[:, None]
+        tl.store(out + s * stride_os + (kvh * G + g)[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
+                 mask=rows_ok)
+    else:
+        row = (s * HKV + kvh) * num_splits + split
+        tl.store(part_o + (row * GP + g)[:, None] * DP + d[None, :], acc, mask=rows_ok)
+        tl.store(part_m + row * GP + g, m, mask=g < G)
+        tl.store(part_l + row * GP + g, l, mask=g < G)
 
 
-@triton.jit
-def _decode_merge(part_o, part_m, part_l, out, stride_os, stride_oh,
-                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr, SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_merge(part_o, part_m, part_l, out, stride_os, stride_oh, num_splits,
+                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, HKV: tl.constexpr):
     s, kvh = tl.program_id(0), tl.program_id(1)
     g = tl.arange(0, GP)
-    d = tl.arange(0, D)
-    base = (s * HKV + kvh) * SPLITS
+    d = tl.arange(0, DP)
+    g_ok = g < G
+    rows_ok = g_ok[:, None] & (d < D)[None, :]
+    base = (s * HKV + kvh) * num_splits
+    # padding rows (g >= G) have no partials: they read 0 and stay finite, their output is masked
     m_all = tl.full((GP,), float("-inf"), tl.float32)
-    for i in range(SPLITS):
-        m_all = tl.maximum(m_all, tl.load(part_m + (base + i) * GP + g))
+    for i in range(num_splits):
+        m_all = tl.maximum(m_all, tl.load(part_m + (base + i) * GP + g, mask=g_ok, other=0.0))
     l_all = tl.zeros((GP,), tl.float32)
-    acc = tl.zeros((GP, D), tl.float32)
-    for i in range(SPLITS):
-        m_i = tl.load(part_m + (base + i) * GP + g)
+    acc = tl.zeros((GP, DP), tl.float32)
+    for i in range(num_splits):
+        m_i = tl.load(part_m + (base + i) * GP + g, mask=g_ok, other=0.0)
         w = tl.where(m_i == float("-inf"), 0.0, tl.exp2(m_i - m_all))
-        l_all += w * tl.load(part_l + (base + i) * GP + g)
-        acc += w[:, None] * tl.load(part_o + ((base + i) * GP + g)[:, None] * D + d[None, :])
-    o = acc / l_all[:, None]
+        l_all += w * tl.load(part_l + (base + i) * GP + g, mask=g_ok, other=0.0)
+        acc += w[:, None] * tl.load(part_o + ((base + i) * GP + g)[:, None] * DP + d[None, :], mask=rows_ok, other=0.0)
+    o = acc / tl.where(g_ok, l_all, 1.0)[:, None]
     tl.store(out + s * stride_os + (kvh * G + g)[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
-             mask=(g < G)[:, None])
+             mask=rows_ok)
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int) -> int:
@@ -132,28 +149,31 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     n, h = q.shape[0], q.shape[1]
     if validate and n:
         ctx = context_lens.cpu()
-        _need(int(ctx.min()) >= 1, "every sequence needs a context of at least 1 token")
-        _need(int(ctx.max()) <= block_tables.shape[1] * bs,
+        need(int(ctx.min()) >= 1, "every sequence needs a context of at least 1 token")
+        need(int(ctx.max()) <= block_tables.shape[1] * bs,
               f"a context of {int(ctx.max())} tokens does not fit {block_tables.shape[1]} blocks of {bs}")
     capacity = block_tables.shape[1] * bs
     num_splits = decode_splits(n, hkv, capacity) if num_splits is None else num_splits
-    _need(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+    need(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
     _check_block_n(block_n)
     out = _out_like(q, out)
     if n == 0:
         return out
     g = h // hkv
     gp = max(16, triton.next_power_of_2(g))
-    rows = n * hkv * num_splits
-    part_o = torch.empty((rows, gp, d), dtype=torch.float32, device=q.device)
+    dp = max(16, triton.next_power_of_2(d))  # tl.arange wants a power of two, tl.dot >= 16
+    single = num_splits == 1
+    rows = 0 if single else n * hkv * num_splits
+    part_o = torch.empty((rows, gp, dp), dtype=torch.float32, device=q.device)
     part_m = torch.empty((rows, gp), dtype=torch.float32, device=q.device)
     part_l = torch.empty((rows, gp), dtype=torch.float32, device=q.device)
     _decode_partial[(n, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_o, part_m, part_l, float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), block_tables.stride(0),
-        G=g, GP=gp, D=d, BS=bs, HKV=hkv, SPLITS=num_splits, BLOCK_N=block_n, **_dot_args(q.dtype))
-    _decode_merge[(n, hkv)](part_o, part_m, part_l, out, out.stride(0), out.stride(1),
-                            G=g, GP=gp, D=d, HKV=hkv, SPLITS=num_splits)
+        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_m, part_l, float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), num_splits,
+        G=g, GP=gp, D=d, DP=dp, BS=bs, HKV=hkv, BLOCK_N=block_n, SINGLE=single, **_dot_args(q.dtype))
+    if not single:
+        _decode_merge[(n, hkv)](part_o, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
+                                G=g, GP=gp, D=d, DP=dp, HKV=hkv)
     return out
 
 
@@ -163,11 +183,12 @@ def paged_attention_decode_reference(q, k_cache, v_cache, block_tables, context_
 
 
 # -- prefill --------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HKV: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+                    HKV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                    DOT_F32: tl.constexpr):
     s, tile, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + s)
     q_len = tl.load(cu_seqlens_q + s + 1) - q_start
@@ -177,23 +198,23 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, contex
         r = tl.arange(0, BLOCK_M * GP)  # rows: BLOCK_M new tokens x the group's heads, token major
         t = tile * BLOCK_M + r // GP
         g = r % GP
-        rows_ok = (t < q_len) & (g < G)
-        d = tl.arange(0, D)
+        d = tl.arange(0, DP)
+        rows_ok = ((t < q_len) & (g < G))[:, None] & (d < D)[None, :]
         q_off = (q_start + t).to(tl.int64)[:, None] * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :]
-        qv = tl.load(q + q_off, mask=rows_ok[:, None], other=0.0)
+        qv = tl.load(q + q_off, mask=rows_ok, other=0.0)
         if DOT_F32:
             qv = qv.to(tl.float32)
         qpos = past + t  # rows past the chunk's end see every key: no row is all -inf
         m = tl.full((BLOCK_M * GP,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_M * GP,), tl.float32)
-        acc = tl.zeros((BLOCK_M * GP, D), tl.float32)
+        acc = tl.zeros((BLOCK_M * GP, DP), tl.float32)
         kv_end = past + tl.minimum((tile + 1) * BLOCK_M, q_len)  # one past the tile's last query
         for n0 in range(0, kv_end, BLOCK_N):
             m, l, acc = _attend(qv, m, l, acc, k_cache, v_cache, block_tables + s * stride_bt, n0, kv_end, qpos,
-                                kvh, qk_scale, HKV, D, BS, BLOCK_N, PREC, DOT_F32, True)
+                                kvh, qk_scale, HKV, D, DP, BS, BLOCK_N, PREC, DOT_F32, True)
         o = acc / l[:, None]
         o_off = (q_start + t).to(tl.int64)[:, None] * stride_ot + (kvh * G + g)[:, None] * stride_oh + d[None, :]
-        tl.store(out + o_off, o.to(out.dtype.element_ty), mask=rows_ok[:, None])
+        tl.store(out + o_off, o.to(out.dtype.element_ty), mask=rows_ok)
 
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -205,7 +226,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     `cu_seqlens_q[i]:cu_seqlens_q[i+1]` (int32 `[num_seqs + 1]`); `context_lens` (int32
     `[num_seqs]`) counts all its tokens, the new ones included; `block_tables` int32
     `[num_seqs, max_blocks]`. `max_seqlen_q` saves a device→host read of the longest chunk."""
-    _need(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] >= 1 and cu_seqlens_q.dtype == torch.int32
+    need(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] >= 1 and cu_seqlens_q.dtype == torch.int32
           and cu_seqlens_q.is_contiguous(), f"cu_seqlens_q must be contiguous int32 [num_seqs + 1], "
           f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
     n = cu_seqlens_q.shape[0] - 1
@@ -214,9 +235,10 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         _check_chunks(q.shape[0], cu_seqlens_q.cpu(), context_lens.cpu(), block_tables.shape[1] * bs)
     g = q.shape[1] // hkv
     gp = triton.next_power_of_2(g)
+    dp = max(16, triton.next_power_of_2(d))  # tl.arange wants a power of two, tl.dot >= 16
     # tl.dot needs >= 16 rows (new tokens x group heads) per tile; ~128 keeps K/V reuse high.
-    block_m = block_m or max(1, 16 // gp, (128 if d <= 128 else 64) // gp)
-    _need(block_m & (block_m - 1) == 0 and block_m * gp >= 16,
+    block_m = block_m or max(1, 16 // gp, (128 if dp <= 128 else 64) // gp)
+    need(block_m & (block_m - 1) == 0 and block_m * gp >= 16,
           f"block_m must be a power of two with block_m * {gp} (the padded GQA group) >= 16, got {block_m}")
     _check_block_n(block_n)
     out = _out_like(q, out)
@@ -227,8 +249,10 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (n, triton.cdiv(max_seqlen_q, block_m), hkv)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, float(scale) * _LOG2E,
                           q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-                          G=g, GP=gp, D=d, BS=bs, HKV=hkv, BLOCK_M=block_m, BLOCK_N=block_n,
-                          num_warps=4 if block_m * gp * d <= 64 * 128 else 8, **_dot_args(q.dtype))
+                          G=g, GP=gp, D=d, DP=dp, BS=bs, HKV=hkv, BLOCK_M=block_m, BLOCK_N=block_n,
+                          num_warps=4 if block_m * gp * dp <= 64 * 128 else 8,
+                          num_stages=2 if dp > 128 else 3,  # K+V tiles of d 256 in 3 stages overflow shared memory
+                          **_dot_args(q.dtype))
     return out
 
 
@@ -263,48 +287,44 @@ def _dot_args(dtype: torch.dtype) -> dict:
 def _out_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return torch.empty_like(q)
-    _need(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device and out.stride(2) == 1,
+    need(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device and out.stride(2) == 1,
           f"out must match q {tuple(q.shape)} {q.dtype} with a contiguous last dim, "
           f"got {tuple(out.shape)} {out.dtype}")
     return out
 
 
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
 
 def _check_block_n(block_n: int) -> None:
-    _need(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}")
+    need(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}")
 
 
 def _check_common(q, k_cache, v_cache, block_tables, num_seqs: int, context_lens, *extra) -> tuple[int, int, int, int]:
-    _need(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
+    need(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
           f"k_cache / v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
           f"got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
     nb, bs, hkv, d = k_cache.shape
-    _need(k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache and v_cache must be contiguous")
-    _need(q.dim() == 3 and q.shape[2] == d, f"q must be [num_tokens, num_heads, {d}], got {tuple(q.shape)}")
-    _need(q.stride(2) == 1, f"q's last dimension must be contiguous, strides {q.stride()}")
-    _need(q.shape[1] % hkv == 0, f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({hkv})")
-    _need(d % 16 == 0 and d <= 256, f"head_dim must be a multiple of 16 up to 256, got {d}")
-    _need(bs & (bs - 1) == 0, f"block_size must be a power of two, got {bs}")
-    _need(q.dtype == k_cache.dtype == v_cache.dtype, f"dtypes differ: q {q.dtype}, cache {k_cache.dtype}")
-    _need(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}")
-    _need(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32
+    need(k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache and v_cache must be contiguous")
+    need(q.dim() == 3 and q.shape[2] == d, f"q must be [num_tokens, num_heads, {d}], got {tuple(q.shape)}")
+    need(q.stride(2) == 1, f"q's last dimension must be contiguous, strides {q.stride()}")
+    need(q.shape[1] % hkv == 0, f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({hkv})")
+    need(1 <= d <= 256, f"head_dim must be at most 256, got {d}")
+    need(bs & (bs - 1) == 0, f"block_size must be a power of two, got {bs}")
+    need(q.dtype == k_cache.dtype == v_cache.dtype, f"dtypes differ: q {q.dtype}, cache {k_cache.dtype}")
+    need(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}")
+    need(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32
           and block_tables.stride(1) == 1, f"block_tables must be int32 [{num_seqs}, max_blocks] with contiguous "
           f"rows, got {block_tables.dtype} {tuple(block_tables.shape)}")
-    _need(context_lens.shape == (num_seqs,) and context_lens.dtype == torch.int32 and context_lens.is_contiguous(),
+    need(context_lens.shape == (num_seqs,) and context_lens.dtype == torch.int32 and context_lens.is_contiguous(),
           f"context_lens must be int32 [{num_seqs}], got {context_lens.dtype} {tuple(context_lens.shape)}")
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens, *extra)}
-    _need(len(devices) == 1, f"tensors on different devices: {devices}")
+    need(len(devices) == 1, f"tensors on different devices: {devices}")
     return nb, bs, hkv, d
 
 
 def _check_chunks(num_rows: int, cu: torch.Tensor, ctx: torch.Tensor, capacity: int) -> None:
     lens = cu[1:] - cu[:-1]
-    _need(int(cu[0]) == 0 and bool((lens >= 0).all()) and int(cu[-1]) == num_rows,
+    need(int(cu[0]) == 0 and bool((lens >= 0).all()) and int(cu[-1]) == num_rows,
           f"cu_seqlens_q must rise from 0 to {num_rows} (the rows of q), got {cu.tolist()}")
-    _need(bool((ctx >= lens).all()) and bool((ctx >= 1).all()),
+    need(bool((ctx >= lens).all()) and bool((ctx >= 1).all()),
           "context_lens must count the new tokens too (each >= its chunk length, and >= 1)")
-    _need(int(ctx.max()) <= capacity, f"a context of {int(ctx.max())} tokens does not fit the block table ({capacity})")
+    need(int(ctx.max()) <= capacity, f"a context of {int(ctx.max())} tokens does not fit the block table ({capacity})")

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.kernels.checks import need
+
 
 @triton.jit
 def _store_kv_kernel(key, value, k_cache, v_cache, slots, k_stride_t, v_stride_t, HD: tl.constexpr,
@@ -45,16 +47,16 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     _check_cache_pair(k_cache, v_cache)
     nb, bs, h, d = k_cache.shape
     for name, x in (("key", key), ("value", value)):
-        _check(x.dim() == 3 and tuple(x.shape[1:]) == (h, d),
+        need(x.dim() == 3 and tuple(x.shape[1:]) == (h, d),
                f"{name} must be [num_tokens, {h}, {d}] to match the cache, got {tuple(x.shape)}")
-        _check(x.dtype == k_cache.dtype, f"{name} is {x.dtype}, the cache is {k_cache.dtype}")
-        _check(x.device == k_cache.device, f"{name} is on {x.device}, the cache on {k_cache.device}")
-        _check(x.stride(2) == 1 and x.stride(1) == d, f"{name} must be contiguous per token, strides {x.stride()}")
-    _check(key.shape[0] == value.shape[0], f"key has {key.shape[0]} tokens, value {value.shape[0]}")
-    _check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0],
+        need(x.dtype == k_cache.dtype, f"{name} is {x.dtype}, the cache is {k_cache.dtype}")
+        need(x.device == k_cache.device, f"{name} is on {x.device}, the cache on {k_cache.device}")
+        need(x.stride(2) == 1 and x.stride(1) == d, f"{name} must be contiguous per token, strides {x.stride()}")
+    need(key.shape[0] == value.shape[0], f"key has {key.shape[0]} tokens, value {value.shape[0]}")
+    need(slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0],
            f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
-    _check(slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got {slot_mapping.dtype}")
-    _check(slot_mapping.device == k_cache.device, f"slot_mapping is on {slot_mapping.device}")
+    need(slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    need(slot_mapping.device == k_cache.device, f"slot_mapping is on {slot_mapping.device}")
     if key.shape[0] == 0:
         return
     slots = slot_mapping.contiguous()
@@ -112,10 +114,10 @@ def unpack_blocks(buffer: torch.Tensor, k_caches: Sequence[torch.Tensor], v_cach
     ids = _check_layers_and_ids(k_caches, v_caches, block_ids)
     nb, bs, h, d = k_caches[0].shape
     want = (len(k_caches), 2, ids.shape[0], bs, h, d)
-    _check(tuple(buffer.shape) == want, f"buffer must be {want}, got {tuple(buffer.shape)}")
-    _check(buffer.dtype == k_caches[0].dtype, f"buffer is {buffer.dtype}, the caches {k_caches[0].dtype}")
-    _check(buffer.device == k_caches[0].device, f"buffer is on {buffer.device}, the caches on {k_caches[0].device}")
-    _check(buffer.is_contiguous(), "buffer must be contiguous")
+    need(tuple(buffer.shape) == want, f"buffer must be {want}, got {tuple(buffer.shape)}")
+    need(buffer.dtype == k_caches[0].dtype, f"buffer is {buffer.dtype}, the caches {k_caches[0].dtype}")
+    need(buffer.device == k_caches[0].device, f"buffer is on {buffer.device}, the caches on {k_caches[0].device}")
+    need(buffer.is_contiguous(), "buffer must be contiguous")
     if ids.shape[0] == 0:
         return
     seq = torch.arange(ids.shape[0], dtype=torch.int64, device=ids.device)
@@ -137,26 +139,22 @@ def unpack_blocks_reference(buffer, k_caches, v_caches, block_ids) -> None:
 
 
 # -- checks ---------------------------------------------------------------------------------------
-def _check(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
 
 def _check_cache_pair(k: torch.Tensor, v: torch.Tensor, what: str = "cache") -> None:
-    _check(k.dim() == 4, f"k_{what} must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k.shape)}")
-    _check(v.shape == k.shape, f"v_{what} is {tuple(v.shape)}, k_{what} {tuple(k.shape)}")
-    _check(v.dtype == k.dtype and v.device == k.device, f"k_{what} and v_{what} differ in dtype or device")
-    _check(k.is_contiguous() and v.is_contiguous(), f"k_{what} and v_{what} must be contiguous")
+    need(k.dim() == 4, f"k_{what} must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k.shape)}")
+    need(v.shape == k.shape, f"v_{what} is {tuple(v.shape)}, k_{what} {tuple(k.shape)}")
+    need(v.dtype == k.dtype and v.device == k.device, f"k_{what} and v_{what} differ in dtype or device")
+    need(k.is_contiguous() and v.is_contiguous(), f"k_{what} and v_{what} must be contiguous")
 
 
 def _check_layers_and_ids(k_caches, v_caches, block_ids) -> torch.Tensor:
-    _check(len(k_caches) > 0 and len(k_caches) == len(v_caches),
+    need(len(k_caches) > 0 and len(k_caches) == len(v_caches),
            f"need one K and one V cache per layer, got {len(k_caches)} and {len(v_caches)}")
     for i, (k, v) in enumerate(zip(k_caches, v_caches)):
         _check_cache_pair(k, v, f"caches[{i}]")
-        _check(k.shape == k_caches[0].shape and k.dtype == k_caches[0].dtype,
+        need(k.shape == k_caches[0].shape and k.dtype == k_caches[0].dtype,
                f"layer {i}'s cache {tuple(k.shape)} {k.dtype} differs from layer 0's")
     ids = torch.as_tensor(block_ids, dtype=torch.int64, device=k_caches[0].device).reshape(-1)
     nb = k_caches[0].shape[0]
-    _check(bool(((ids >= 0) & (ids < nb)).all()), f"block_ids must be in [0, {nb}), got {ids.tolist()}")
+    need(bool(((ids >= 0) & (ids < nb)).all()), f"block_ids must be in [0, {nb}), got {ids.tolist()}")
     return ids.contiguous()

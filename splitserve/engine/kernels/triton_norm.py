@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.kernels.checks import need
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HIDDEN = 32768  # one program holds the whole row in registers
 _MAX_HEAD_DIM = 256
@@ -55,22 +57,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     `weight` `[hidden]`. With `residual` (same shape as x) returns `(out, new_residual)` where
     `new_residual = x + residual` in x's dtype and `out = RMSNorm(new_residual)`; else `out`.
     Outputs are new contiguous tensors."""
-    _check(x.dim() == 2, f"x must be [num_tokens, hidden], got {tuple(x.shape)}")
+    need(x.dim() == 2, f"x must be [num_tokens, hidden], got {tuple(x.shape)}")
     n, hidden = x.shape
-    _check(x.dtype in _DTYPES, f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    _check(0 < hidden <= _MAX_HIDDEN, f"x's hidden size must be in [1, {_MAX_HIDDEN}], got {hidden}")
-    _check(x.stride(1) == 1 or hidden == 1, f"x's last dim must be contiguous, strides {x.stride()}")
-    _check(weight.dim() == 1 and weight.shape[0] == hidden, f"weight must be [{hidden}], got {tuple(weight.shape)}")
+    need(x.dtype in _DTYPES, f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    need(0 < hidden <= _MAX_HIDDEN, f"x's hidden size must be in [1, {_MAX_HIDDEN}], got {hidden}")
+    need(x.stride(1) == 1 or hidden == 1, f"x's last dim must be contiguous, strides {x.stride()}")
+    need(weight.dim() == 1 and weight.shape[0] == hidden, f"weight must be [{hidden}], got {tuple(weight.shape)}")
     # layers.RMSNorm would promote a float32 weight's product to float32; the kernel writes x's dtype.
-    _check(weight.dtype == x.dtype, f"weight is {weight.dtype}, x {x.dtype}: weight must have x's dtype")
-    _check(weight.device == x.device, f"weight is on {weight.device}, x on {x.device}")
-    _check(weight.stride(0) == 1 or hidden == 1, f"weight must be contiguous, stride {weight.stride()}")
-    _check(eps >= 0, f"eps must be >= 0, got {eps}")
+    need(weight.dtype == x.dtype, f"weight is {weight.dtype}, x {x.dtype}: weight must have x's dtype")
+    need(weight.device == x.device, f"weight is on {weight.device}, x on {x.device}")
+    need(weight.stride(0) == 1 or hidden == 1, f"weight must be contiguous, stride {weight.stride()}")
+    need(eps >= 0, f"eps must be >= 0, got {eps}")
     if residual is not None:
-        _check(residual.shape == x.shape, f"residual must be {tuple(x.shape)} like x, got {tuple(residual.shape)}")
-        _check(residual.dtype == x.dtype, f"residual is {residual.dtype}, x {x.dtype}")
-        _check(residual.device == x.device, f"residual is on {residual.device}, x on {x.device}")
-        _check(residual.stride(1) == 1 or hidden == 1,
+        need(residual.shape == x.shape, f"residual must be {tuple(x.shape)} like x, got {tuple(residual.shape)}")
+        need(residual.dtype == x.dtype, f"residual is {residual.dtype}, x {x.dtype}")
+        need(residual.device == x.device, f"residual is on {residual.device}, x on {x.device}")
+        need(residual.stride(1) == 1 or hidden == 1,
                f"residual's last dim must be contiguous, strides {residual.stride()}")
     out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     new_res = torch.empty_like(out) if residual is not None else out  # `out` is an unused placeholder
@@ -138,25 +140,25 @@ def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
     `[num_tokens, 1, head_dim]` or `[num_tokens, head_dim]` in qk's dtype, as
     RotaryEmbedding returns them. Writes `out` (a new contiguous tensor by default; may be qk
     itself, for in place) and returns it."""
-    _check(qk.dim() == 3, f"qk must be [num_tokens, heads, head_dim], got {tuple(qk.shape)}")
+    need(qk.dim() == 3, f"qk must be [num_tokens, heads, head_dim], got {tuple(qk.shape)}")
     n, h, d = qk.shape
-    _check(qk.dtype in _DTYPES, f"qk must be float32, float16 or bfloat16, got {qk.dtype}")
-    _check(d % 2 == 0 and 0 < d <= _MAX_HEAD_DIM, f"qk's head_dim must be even and in [2, {_MAX_HEAD_DIM}], got {d}")
-    _check(_heads_contiguous(qk), f"qk's heads must be contiguous per token (strides (*, {d}, 1)), got {qk.stride()}")
+    need(qk.dtype in _DTYPES, f"qk must be float32, float16 or bfloat16, got {qk.dtype}")
+    need(d % 2 == 0 and 0 < d <= _MAX_HEAD_DIM, f"qk's head_dim must be even and in [2, {_MAX_HEAD_DIM}], got {d}")
+    need(_heads_contiguous(qk), f"qk's heads must be contiguous per token (strides (*, {d}, 1)), got {qk.stride()}")
     strides = []
     for name, tab in (("cos", cos), ("signed_sin", signed_sin)):
-        _check(tuple(tab.shape) in ((n, 1, d), (n, d)),
+        need(tuple(tab.shape) in ((n, 1, d), (n, d)),
                f"{name} must be [{n}, 1, {d}] or [{n}, {d}] to match qk, got {tuple(tab.shape)}")
-        _check(tab.dtype == qk.dtype, f"{name} is {tab.dtype}, qk {qk.dtype}: the tables must be in qk's dtype")
-        _check(tab.device == qk.device, f"{name} is on {tab.device}, qk on {qk.device}")
-        _check(tab.stride(-1) == 1, f"{name}'s last dim must be contiguous, strides {tab.stride()}")
+        need(tab.dtype == qk.dtype, f"{name} is {tab.dtype}, qk {qk.dtype}: the tables must be in qk's dtype")
+        need(tab.device == qk.device, f"{name} is on {tab.device}, qk on {qk.device}")
+        need(tab.stride(-1) == 1, f"{name}'s last dim must be contiguous, strides {tab.stride()}")
         strides.append(tab.stride(0))
     if out is None:
         out = torch.empty((n, h, d), dtype=qk.dtype, device=qk.device)
-    _check(out.shape == qk.shape, f"out must be {tuple(qk.shape)} like qk, got {tuple(out.shape)}")
-    _check(out.dtype == qk.dtype and out.device == qk.device,
+    need(out.shape == qk.shape, f"out must be {tuple(qk.shape)} like qk, got {tuple(out.shape)}")
+    need(out.dtype == qk.dtype and out.device == qk.device,
            f"out is {out.dtype} on {out.device}, qk {qk.dtype} on {qk.device}")
-    _check(_heads_contiguous(out),
+    need(_heads_contiguous(out),
            f"out's heads must be contiguous per token (strides (*, {d}, 1)), got {out.stride()}")
     if n > 0 and h > 0:
         block_h = min(triton.next_power_of_2(h), 16)
@@ -176,10 +178,6 @@ def apply_rotary_reference(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torc
 
 
 # -- checks ---------------------------------------------------------------------------------------
-def _check(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
 
 def _heads_contiguous(t: torch.Tensor) -> bool:
     n, h, d = t.shape

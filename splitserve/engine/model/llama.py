@@ -63,6 +63,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.fused_rms_norm = None  # the Triton kernel, set by LlamaModel.use_triton_kernels
 
     def forward(self, x, cos, sin, kv, backend, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, backend, meta)
@@ -72,8 +73,7 @@ class DecoderLayer(nn.Module):
         """The same arithmetic with each residual add fused into the RMSNorm after it (one
         kernel instead of ~7). `residual + delta` is the stream entering the layer (delta None
         for the first layer); returns the pair leaving it."""
-        from splitserve.engine.kernels.triton_norm import rms_norm
-
+        rms_norm = self.fused_rms_norm
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         if delta is None:
             h = rms_norm(residual, n1.weight, n1.eps)
@@ -97,10 +97,11 @@ class LlamaModel(nn.Module):
     def use_triton_kernels(self) -> None:
         """Residual add + RMSNorm and rotary through the fused Triton kernels (same results:
         they round as the torch ops do). Needs CUDA, or the Triton interpreter."""
-        from splitserve.engine.kernels.triton_norm import apply_rotary
+        from splitserve.engine.kernels.triton_norm import apply_rotary, rms_norm  # triton: a GPU extra
 
         self.fused = True
         for layer in self.layers:
+            layer.fused_rms_norm = rms_norm
             layer.self_attn.rope = apply_rotary
 
     def tie_weights(self) -> None:
