@@ -162,7 +162,7 @@ class Bench:
             ln = torch.tensor([T], dtype=torch.int32, device=dev)
             qq = rand(T, h, d)
             res = att.paged_attention_prefill(qq, kc, vc, tab, cu, ln, d ** -0.5)
-            ref = (att.paged_attention_prefill_reference(qq, kc, vc, tab, cu, ln, d ** -0.5) if T <= 4096 else None)
+            ref = att.paged_attention_prefill_reference(qq, kc, vc, tab, cu, ln, d ** -0.5)
             t = self.timeit(lambda: att.paged_attention_prefill(qq, kc, vc, tab, cu, ln, d ** -0.5, max_seqlen_q=T,
                                                                  validate=False), iters)
             kk = kc.view(-1, hkv, d)[:T].transpose(0, 1)[None].repeat_interleave(h // hkv, dim=1)
@@ -171,7 +171,7 @@ class Bench:
             t_sdpa = self.timeit(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kk, vv, is_causal=True),
                                  iters)
             flops = 2 * T * T * h * d  # QK^T and PV, causal half of 2 * 2 * T^2 * h * d
-            r = {"tokens": T, "max_abs_err": _err(res, ref) if ref is not None else None, "seconds": t,
+            r = {"tokens": T, "max_abs_err": _err(res, ref), "seconds": t,
                  "tflops": flops / t / 1e12, "torch_sdpa_seconds": t_sdpa, "torch_sdpa_tflops": flops / t_sdpa / 1e12}
             return r
 
@@ -256,7 +256,9 @@ class Bench:
         params = sum(p.numel() for p in model.parameters())
         embed = model.embed_tokens.weight.numel()
         self.weight_bytes = (params - embed) * model.lm_head.weight.element_size()  # what a decode step reads
-        self.nonembed_params = params - embed
+        # prefill computes logits for the last row only: the LM head counts once, not per token
+        self.prefill_matmul_params = params - embed - model.lm_head.weight.numel()
+        self.lm_head_params = model.lm_head.weight.numel()
         self.result["model"] = {"params": params, "weight_bytes_read_per_step": self.weight_bytes,
                                 "build_seconds": round(time.perf_counter() - t, 1)}
         print(f"model: {params / 1e9:.2f} B params, built in {time.perf_counter() - t:.1f} s", flush=True)
@@ -277,13 +279,15 @@ class Bench:
         per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=self.dtype).element_size()
         tokens = want_tokens
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the copy test's buffers are cached, not free
             free, _ = torch.cuda.mem_get_info()
             tokens = min(want_tokens, int((free - (24 << 30)) // per_token))  # room for activations, gathers
         blocks = tokens // 256 * 256 // self.block_size  # a multiple of 256 tokens: flash_attn views it in 256-pages
         self.kv_storage = torch.zeros((c.num_layers, 2, blocks, self.block_size, c.num_kv_heads, c.head_dim),
                                       dtype=self.dtype, device=self.device)
         self.kv_bytes_per_token = per_token
-        self.result["kv_pool"] = {"tokens": blocks * self.block_size, "bytes": self.kv_storage.numel() * 2,
+        self.result["kv_pool"] = {"tokens": blocks * self.block_size,
+                                  "bytes": self.kv_storage.numel() * self.kv_storage.element_size(),
                                   "wanted_tokens": want_tokens}
         print(f"kv pool: {blocks * self.block_size} tokens ({self.kv_storage.numel() * self.kv_storage.element_size() / 2**30:.1f} GiB)",
               flush=True)
@@ -343,6 +347,7 @@ class Bench:
 
         batches = (1, 2) if self.smoke else (1, 16, 64, 256)
         contexts = (16, 40) if self.smoke else (512, 2048, 8192)
+        self.max_blocks = -(-(max(contexts) + 1) // self.block_size)  # the captured tables' width
         rows: list[dict] = []
         self.result["decode"] = rows
         iters = 2 if self.smoke else 10
@@ -350,29 +355,36 @@ class Bench:
         for b in batches:
             graphs = None
             if "triton" in backends:
-                graphs = self.guarded(f"decode.capture.b{b}", lambda: self._capture(b, max(contexts), DecodeGraphs,
+                graphs = self.guarded(f"decode.capture.b{b}", lambda: self._capture(b, DecodeGraphs,
                                       eager_capture if self.smoke else cuda_graph_capture))
             for c in contexts:
                 for name, (be, page) in backends.items():
-                    modes = ["graph", "eager"] if name == "triton" else ["eager"]
-                    for mode in modes:
-                        if self.time_left() < 60:
-                            rows.append({"batch": b, "context": c, "backend": name, "mode": mode, "skipped": "budget"})
-                            continue
-                        if mode == "graph" and graphs is None:
-                            continue
-                        r = self.guarded(f"decode.{name}.{mode}.b{b}.c{c}",
-                                         lambda: self._decode_row(b, c, be, page, graphs if mode == "graph" else None, iters))
-                        if r:
-                            r.update(backend=name, mode=mode)
-                            rows.append(r)
-                            print(f"decode b={b:3d} ctx={c:5d} {name:10s} {mode:5s} {r['step_ms']:8.2f} ms "
-                                  f"util {r['bandwidth_util']:.2f}", flush=True)
+                    for mode in ["graph", "eager"] if name == "triton" else ["eager"]:
+                        rows.append(self._decode_cell(b, c, name, be, page, graphs if mode == "graph" else None,
+                                                      mode, iters))
             del graphs
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    def _capture(self, b: int, max_ctx: int, DecodeGraphs, capture):
+    def _decode_cell(self, b: int, c: int, name: str, be, page: int, graphs, mode: str, iters: int) -> dict:
+        row = {"batch": b, "context": c, "backend": name, "mode": mode}
+        if self.time_left() < 60:
+            return {**row, "skipped": "budget"}
+        if mode == "graph" and graphs is None:
+            return {**row, "skipped": "capture failed"}
+        r = self.guarded(f"decode.{name}.{mode}.b{b}.c{c}", lambda: self._decode_row(b, c, be, page, graphs, iters))
+        if r is None:
+            return {**row, "skipped": "error"}
+        print(f"decode b={b:3d} ctx={c:5d} {name:10s} {mode:5s} {r['step_ms']:8.2f} ms "
+              f"util {r['bandwidth_util']:.2f}", flush=True)
+        return {**r, **row}
+
+    def _graph_splits(self, b: int) -> int:
+        from splitserve.engine.kernels.triton_attention import decode_splits
+
+        return decode_splits(b, self.cfg.num_kv_heads, self.max_blocks * self.block_size)
+
+    def _capture(self, b: int, DecodeGraphs, capture):
         torch = self.torch
         from splitserve.engine.attention.paged_backends import TritonBackend
 
@@ -383,29 +395,36 @@ class Bench:
             return self.model(ids, pos, kv, be, meta)
 
         graphs = DecodeGraphs(forward, num_kv_heads=self.cfg.num_kv_heads, block_size=self.block_size,
-                              max_blocks_per_seq=-(-(max_ctx + 1) // self.block_size), device=self.device, buckets=(b,))
+                              max_blocks_per_seq=self.max_blocks, device=self.device, buckets=(b,))
         with torch.inference_mode():
             graphs.capture(capture)
         return graphs
 
     def _decode_row(self, b: int, c: int, be, page: int, graphs, iters: int) -> dict:
+        """The forward + logits of one decode step, timed on the device; the host's per-step
+        metadata build (`prepare`) is timed apart (it overlaps the GPU in a pipelined engine)."""
         torch = self.torch
         batch, shared = self.batch(b, c + 1, 1, page)  # c cached tokens + the new one
         kv = self.layers(page)
         ids = torch.randint(0, self.cfg.vocab_size, (b,), device=self.device)
         pos = torch.full((b,), c, dtype=torch.int64, device=self.device)
+        t_prep = time.perf_counter()
+        meta = be.prepare(batch)
+        t_prep = time.perf_counter() - t_prep
+        if be.name == "triton":
+            # graph and eager rows at the same split count, so they differ only in launches
+            meta.decode_splits = self._graph_splits(b)
 
         def step():
-            meta = be.prepare(batch)
-            hidden = graphs.run(ids, pos, meta) if graphs is not None else None
+            hidden = graphs.run(ids, pos, meta) if graphs is not None else self.model(ids, pos, kv, be, meta)
             if hidden is None:
-                hidden = self.model(ids, pos, kv, be, meta)
+                raise RuntimeError(f"the graph of batch {b} did not replay")
             return self.model.compute_logits(hidden)
 
         with torch.inference_mode():
             t = self.timeit(step, iters)
         read = self.weight_bytes + b * (c + 1) * self.kv_bytes_per_token
-        return {"batch": b, "context": c, "step_ms": t * 1e3, "bytes_read": read,
+        return {"batch": b, "context": c, "step_ms": t * 1e3, "prepare_ms": t_prep * 1e3, "bytes_read": read,
                 "bandwidth_util": read / t / self.copy_bw, "tokens_per_s": b / t, "kv_blocks_shared": shared}
 
     def prefill(self) -> None:
@@ -434,7 +453,7 @@ class Bench:
                     with torch.inference_mode():
                         t = self.timeit(step, iters)
                     attn = 2 * T * T * c.num_heads * c.head_dim * c.num_layers  # causal QK^T + PV
-                    flops = 2 * self.nonembed_params * T + attn
+                    flops = 2 * self.prefill_matmul_params * T + 2 * self.lm_head_params + attn
                     return {"tokens": T, "seconds": t, "tflops": flops / t / 1e12,
                             "mfu": flops / t / self.peak_flops if self.peak_flops else None}
 

@@ -151,7 +151,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ctx = context_lens.cpu()
         need(int(ctx.min()) >= 1, "every sequence needs a context of at least 1 token")
         need(int(ctx.max()) <= block_tables.shape[1] * bs,
-              f"a context of {int(ctx.max())} tokens does not fit {block_tables.shape[1]} blocks of {bs}")
+             f"a context of {int(ctx.max())} tokens does not fit {block_tables.shape[1]} blocks of {bs}")
     capacity = block_tables.shape[1] * bs
     num_splits = decode_splits(n, hkv, capacity) if num_splits is None else num_splits
     need(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
@@ -227,8 +227,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     `[num_seqs]`) counts all its tokens, the new ones included; `block_tables` int32
     `[num_seqs, max_blocks]`. `max_seqlen_q` saves a device→host read of the longest chunk."""
     need(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] >= 1 and cu_seqlens_q.dtype == torch.int32
-          and cu_seqlens_q.is_contiguous(), f"cu_seqlens_q must be contiguous int32 [num_seqs + 1], "
-          f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
+         and cu_seqlens_q.is_contiguous(), f"cu_seqlens_q must be contiguous int32 [num_seqs + 1], "
+         f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
     n = cu_seqlens_q.shape[0] - 1
     nb, bs, hkv, d = _check_common(q, k_cache, v_cache, block_tables, n, context_lens, cu_seqlens_q)
     if validate and n:
@@ -239,7 +239,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # tl.dot needs >= 16 rows (new tokens x group heads) per tile; ~128 keeps K/V reuse high.
     block_m = block_m or max(1, 16 // gp, (128 if dp <= 128 else 64) // gp)
     need(block_m & (block_m - 1) == 0 and block_m * gp >= 16,
-          f"block_m must be a power of two with block_m * {gp} (the padded GQA group) >= 16, got {block_m}")
+         f"block_m must be a power of two with block_m * {gp} (the padded GQA group) >= 16, got {block_m}")
     _check_block_n(block_n)
     out = _out_like(q, out)
     if n == 0 or q.shape[0] == 0:
@@ -288,8 +288,8 @@ def _out_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return torch.empty_like(q)
     need(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device and out.stride(2) == 1,
-          f"out must match q {tuple(q.shape)} {q.dtype} with a contiguous last dim, "
-          f"got {tuple(out.shape)} {out.dtype}")
+         f"out must match q {tuple(q.shape)} {q.dtype} with a contiguous last dim, "
+         f"got {tuple(out.shape)} {out.dtype}")
     return out
 
 
@@ -300,8 +300,8 @@ def _check_block_n(block_n: int) -> None:
 
 def _check_common(q, k_cache, v_cache, block_tables, num_seqs: int, context_lens, *extra) -> tuple[int, int, int, int]:
     need(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
-          f"k_cache / v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-          f"got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+         f"k_cache / v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+         f"got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
     nb, bs, hkv, d = k_cache.shape
     need(k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache and v_cache must be contiguous")
     need(q.dim() == 3 and q.shape[2] == d, f"q must be [num_tokens, num_heads, {d}], got {tuple(q.shape)}")
@@ -312,10 +312,10 @@ def _check_common(q, k_cache, v_cache, block_tables, num_seqs: int, context_lens
     need(q.dtype == k_cache.dtype == v_cache.dtype, f"dtypes differ: q {q.dtype}, cache {k_cache.dtype}")
     need(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}")
     need(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32
-          and block_tables.stride(1) == 1, f"block_tables must be int32 [{num_seqs}, max_blocks] with contiguous "
-          f"rows, got {block_tables.dtype} {tuple(block_tables.shape)}")
+         and block_tables.stride(1) == 1, f"block_tables must be int32 [{num_seqs}, max_blocks] with contiguous "
+         f"rows, got {block_tables.dtype} {tuple(block_tables.shape)}")
     need(context_lens.shape == (num_seqs,) and context_lens.dtype == torch.int32 and context_lens.is_contiguous(),
-          f"context_lens must be int32 [{num_seqs}], got {context_lens.dtype} {tuple(context_lens.shape)}")
+         f"context_lens must be int32 [{num_seqs}], got {context_lens.dtype} {tuple(context_lens.shape)}")
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens, *extra)}
     need(len(devices) == 1, f"tensors on different devices: {devices}")
     return nb, bs, hkv, d
@@ -324,7 +324,7 @@ def _check_common(q, k_cache, v_cache, block_tables, num_seqs: int, context_lens
 def _check_chunks(num_rows: int, cu: torch.Tensor, ctx: torch.Tensor, capacity: int) -> None:
     lens = cu[1:] - cu[:-1]
     need(int(cu[0]) == 0 and bool((lens >= 0).all()) and int(cu[-1]) == num_rows,
-          f"cu_seqlens_q must rise from 0 to {num_rows} (the rows of q), got {cu.tolist()}")
+         f"cu_seqlens_q must rise from 0 to {num_rows} (the rows of q), got {cu.tolist()}")
     need(bool((ctx >= lens).all()) and bool((ctx >= 1).all()),
-          "context_lens must count the new tokens too (each >= its chunk length, and >= 1)")
+         "context_lens must count the new tokens too (each >= its chunk length, and >= 1)")
     need(int(ctx.max()) <= capacity, f"a context of {int(ctx.max())} tokens does not fit the block table ({capacity})")

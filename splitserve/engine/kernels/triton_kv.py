@@ -48,13 +48,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     nb, bs, h, d = k_cache.shape
     for name, x in (("key", key), ("value", value)):
         need(x.dim() == 3 and tuple(x.shape[1:]) == (h, d),
-               f"{name} must be [num_tokens, {h}, {d}] to match the cache, got {tuple(x.shape)}")
+             f"{name} must be [num_tokens, {h}, {d}] to match the cache, got {tuple(x.shape)}")
         need(x.dtype == k_cache.dtype, f"{name} is {x.dtype}, the cache is {k_cache.dtype}")
         need(x.device == k_cache.device, f"{name} is on {x.device}, the cache on {k_cache.device}")
         need(x.stride(2) == 1 and x.stride(1) == d, f"{name} must be contiguous per token, strides {x.stride()}")
     need(key.shape[0] == value.shape[0], f"key has {key.shape[0]} tokens, value {value.shape[0]}")
     need(slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0],
-           f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+         f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
     need(slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got {slot_mapping.dtype}")
     need(slot_mapping.device == k_cache.device, f"slot_mapping is on {slot_mapping.device}")
     if key.shape[0] == 0:
@@ -149,12 +149,13 @@ def _check_cache_pair(k: torch.Tensor, v: torch.Tensor, what: str = "cache") -> 
 
 def _check_layers_and_ids(k_caches, v_caches, block_ids) -> torch.Tensor:
     need(len(k_caches) > 0 and len(k_caches) == len(v_caches),
-           f"need one K and one V cache per layer, got {len(k_caches)} and {len(v_caches)}")
+         f"need one K and one V cache per layer, got {len(k_caches)} and {len(v_caches)}")
     for i, (k, v) in enumerate(zip(k_caches, v_caches)):
         _check_cache_pair(k, v, f"caches[{i}]")
         need(k.shape == k_caches[0].shape and k.dtype == k_caches[0].dtype,
-               f"layer {i}'s cache {tuple(k.shape)} {k.dtype} differs from layer 0's")
+             f"layer {i}'s cache {tuple(k.shape)} {k.dtype} differs from layer 0's")
     ids = torch.as_tensor(block_ids, dtype=torch.int64, device=k_caches[0].device).reshape(-1)
     nb = k_caches[0].shape[0]
-    need(bool(((ids >= 0) & (ids < nb)).all()), f"block_ids must be in [0, {nb}), got {ids.tolist()}")
+    if not bool(((ids >= 0) & (ids < nb)).all()):  # the message (a device read) only on failure
+        raise ValueError(f"block_ids must be in [0, {nb}), got {ids.tolist()}")
     return ids.contiguous()

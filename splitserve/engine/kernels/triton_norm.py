@@ -73,7 +73,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         need(residual.dtype == x.dtype, f"residual is {residual.dtype}, x {x.dtype}")
         need(residual.device == x.device, f"residual is on {residual.device}, x on {x.device}")
         need(residual.stride(1) == 1 or hidden == 1,
-               f"residual's last dim must be contiguous, strides {residual.stride()}")
+             f"residual's last dim must be contiguous, strides {residual.stride()}")
     out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     new_res = torch.empty_like(out) if residual is not None else out  # `out` is an unused placeholder
     if n > 0:
@@ -148,7 +148,7 @@ def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
     strides = []
     for name, tab in (("cos", cos), ("signed_sin", signed_sin)):
         need(tuple(tab.shape) in ((n, 1, d), (n, d)),
-               f"{name} must be [{n}, 1, {d}] or [{n}, {d}] to match qk, got {tuple(tab.shape)}")
+             f"{name} must be [{n}, 1, {d}] or [{n}, {d}] to match qk, got {tuple(tab.shape)}")
         need(tab.dtype == qk.dtype, f"{name} is {tab.dtype}, qk {qk.dtype}: the tables must be in qk's dtype")
         need(tab.device == qk.device, f"{name} is on {tab.device}, qk on {qk.device}")
         need(tab.stride(-1) == 1, f"{name}'s last dim must be contiguous, strides {tab.stride()}")
@@ -157,9 +157,9 @@ def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
         out = torch.empty((n, h, d), dtype=qk.dtype, device=qk.device)
     need(out.shape == qk.shape, f"out must be {tuple(qk.shape)} like qk, got {tuple(out.shape)}")
     need(out.dtype == qk.dtype and out.device == qk.device,
-           f"out is {out.dtype} on {out.device}, qk {qk.dtype} on {qk.device}")
+         f"out is {out.dtype} on {out.device}, qk {qk.dtype} on {qk.device}")
     need(_heads_contiguous(out),
-           f"out's heads must be contiguous per token (strides (*, {d}, 1)), got {out.stride()}")
+         f"out's heads must be contiguous per token (strides (*, {d}, 1)), got {out.stride()}")
     if n > 0 and h > 0:
         block_h = min(triton.next_power_of_2(h), 16)
         grid = (n, triton.cdiv(h, block_h))
