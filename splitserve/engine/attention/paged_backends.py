@@ -42,7 +42,6 @@ def build_paged_meta(batch: AttentionBatch, device: torch.device) -> PagedMeta:
         cu_q.append(cu_q[-1] + s.q_len)
         cu_k.append(cu_k[-1] + s.ctx_len)
     nd = len(batch.decodes)
-    n = len(seqs)
     # one host-to-device copy for the small int vectors, sliced apart on the device
     parts = [cu_q, [c - cu_q[nd] for c in cu_q[nd:]], cu_k, [s.ctx_len for s in seqs]]
     ints = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(device)
