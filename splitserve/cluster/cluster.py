@@ -124,8 +124,9 @@ class Cluster:
             ncpu = None if address else max(os.cpu_count() or 1, cfg.prefill + cfg.decode)
             ray.init(address=address, num_cpus=ncpu, include_dashboard=False, log_to_driver=False)
         kinds = resolve_transports(cfg.transport)
-        prefills = [make_prefill(cfg, kinds, i) for i in range(cfg.prefill)]
-        decodes = [make_decode(cfg, kinds, i) for i in range(cfg.decode)]
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        prefills = [make_prefill(cfg, kinds, i, gpus) for i in range(cfg.prefill)]
+        decodes = [make_decode(cfg, kinds, i, gpus) for i in range(cfg.decode)]
         _wait_loaded(prefills + decodes, on_ready)
         readers = ray.get([d.reader_info.remote() for d in decodes])
         return cls(cfg, prefills, decodes, started, readers)
