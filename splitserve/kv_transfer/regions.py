@@ -9,8 +9,9 @@ K/V, handoff order), so it does not depend on how the bytes were split into segm
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -125,10 +126,94 @@ def byte_view(storage: torch.Tensor) -> memoryview:
     return memoryview(storage.view(torch.uint8).reshape(-1).numpy())
 
 
+class HostBytes:
+    """A CPU storage's bytes: ranges are sent from and received into it in place."""
+
+    def __init__(self, storage: torch.Tensor) -> None:
+        self.mem = byte_view(storage)
+
+    def __len__(self) -> int:
+        return len(self.mem)
+
+    def read(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        return [self.mem[o: o + n] for o, n in ranges]
+
+    def receive(self, ranges: Sequence[tuple[int, int]]) -> tuple[list[memoryview], Callable[[], None]]:
+        """Views to receive the ranges into, and what to call once they are full."""
+        return [self.mem[o: o + n] for o, n in ranges], lambda: None
+
+
+class StagedBytes:
+    """A device (GPU) storage's bytes, which sockets cannot reach: a read gathers the ranges
+    into one host buffer, a receive lands in one and scatters it. Copies run on a side stream,
+    so they overlap the engine's steps; the blocks they touch are pinned for the handoff (read)
+    or not yet in use (receive), so no step races them."""
+
+    def __init__(self, storage: torch.Tensor) -> None:
+        if not storage.is_contiguous():
+            raise ValueError("KV storage must be contiguous")
+        self._flat = storage.view(torch.uint8).reshape(-1)
+        cuda = storage.device.type == "cuda"
+        self._stream = torch.cuda.Stream(storage.device) if cuda else None
+        self._pin = cuda  # pinned host memory: async copies, full bus speed
+
+    def __len__(self) -> int:
+        return self._flat.numel()
+
+    def read(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        host = self._host(sum(n for _, n in ranges))
+        self._copy([(host, p, self._flat, o, n) for p, (o, n) in zip(_starts(ranges), ranges)])
+        return [memoryview(host.numpy())]
+
+    def receive(self, ranges: Sequence[tuple[int, int]]) -> tuple[list[memoryview], Callable[[], None]]:
+        host = self._host(sum(n for _, n in ranges))
+
+        def land() -> None:
+            self._copy([(self._flat, o, host, p, n) for p, (o, n) in zip(_starts(ranges), ranges)])
+
+        return [memoryview(host.numpy())], land
+
+    def _host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+
+    def _copy(self, moves) -> None:
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            for dst, d, src, s, n in moves:
+                dst[d: d + n].copy_(src[s: s + n], non_blocking=self._pin)
+        if self._stream is not None:
+            self._stream.synchronize()
+
+
+def _starts(ranges: Sequence[tuple[int, int]]) -> list[int]:
+    starts, pos = [], 0
+    for _, n in ranges:
+        starts.append(pos)
+        pos += n
+    return starts
+
+
+def storage_bytes(storage: torch.Tensor, staged: bool = False) -> HostBytes | StagedBytes:
+    """In-place access for a CPU storage; host staging for a device one (or when asked: tests)."""
+    return StagedBytes(storage) if staged or storage.device.type != "cpu" else HostBytes(storage)
+
+
 def kv_checksum(storage: torch.Tensor, layout: KVLayout, blocks: Sequence[int], layers: range | None = None) -> int:
     """64-bit checksum of `blocks` over `layers`, in canonical order."""
+    if storage.device.type != "cpu":
+        return gathered_checksum(storage, blocks, layers)
     mem = byte_view(storage)
     h = _hasher()
     for seg in plan_segments(layout, blocks, blocks, layers):
         h.update(mem[seg.src_offset: seg.src_offset + seg.nbytes])
+    return h.intdigest()
+
+
+def gathered_checksum(storage: torch.Tensor, blocks: Sequence[int], layers: range | None = None) -> int:
+    """`kv_checksum` by gathering the blocks first ([layers, K/V, blocks, ...] is the canonical
+    order itself) and hashing one host copy: how a device storage is checksummed."""
+    layers = layers if layers is not None else range(storage.shape[0])
+    ids = torch.as_tensor(list(blocks), dtype=torch.int64, device=storage.device)
+    gathered = storage[layers.start: layers.stop].index_select(2, ids).cpu()
+    h = _hasher()
+    h.update(memoryview(gathered.view(torch.uint8).reshape(-1).numpy()))
     return h.intdigest()

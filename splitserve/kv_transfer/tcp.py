@@ -30,7 +30,7 @@ import numpy as np
 
 from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransferHandle, TransportEndpoint
 from splitserve.kv_transfer.jobs import AsyncHandle, PooledTransport, TransferPool, start_read
-from splitserve.kv_transfer.regions import Segment, byte_view, plan_transfer, storage_tensor
+from splitserve.kv_transfer.regions import HostBytes, Segment, StagedBytes, plan_transfer, storage_bytes, storage_tensor
 from splitserve.kv_transfer.tcp_server import KVServer
 from splitserve.kv_transfer.tcp_wire import (
     RESP,
@@ -119,7 +119,9 @@ class TcpTransport(PooledTransport):
     def __init__(self, bind_host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  connect_timeout: float = 2.0, io_timeout: float = 10.0, idle_timeout: float = 300.0,
                  max_workers: int = 4, fault: str | None = None, split_bytes: int = _SPLIT_BYTES,
-                 streams: int = _STREAMS) -> None:
+                 streams: int = _STREAMS, staged: bool = False) -> None:
+        """`staged`: move bytes through host buffers even for a CPU storage (a device storage
+        always is): the GPU path, testable on CPU."""
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
         self._split_bytes, self._streams = split_bytes, streams
@@ -130,7 +132,8 @@ class TcpTransport(PooledTransport):
         self._pool = TransferPool(self.name, max_workers)
         self._conns = _ConnPool(connect_timeout, io_timeout)
         self._server: KVServer | None = None
-        self._dst: memoryview | None = None
+        self._staged = staged
+        self._dst: HostBytes | StagedBytes | None = None
         self._layout: KVLayout | None = None
         self._handles: set[AsyncHandle] = set()
         self._xfer_ids = itertools.count(1)
@@ -139,10 +142,10 @@ class TcpTransport(PooledTransport):
         self._active_lock = threading.Lock()
 
     def register(self, storage, layout: KVLayout, host: str) -> TransportEndpoint:
-        """`storage`: a KVCacheTensors or its storage tensor (contiguous, CPU)."""
+        """`storage`: a KVCacheTensors or its storage tensor (contiguous; CPU or GPU)."""
         if self._server is not None:
             raise RuntimeError("TcpTransport.register called twice; one KV cache per transport")
-        mem = byte_view(storage_tensor(storage))
+        mem = storage_bytes(storage_tensor(storage), self._staged)
         if len(mem) != layout.storage_bytes:
             raise ValueError(f"storage has {len(mem)} bytes, layout says {layout.storage_bytes}")
         self._dst, self._layout = mem, layout
@@ -249,10 +252,10 @@ class TcpTransport(PooledTransport):
         return total
 
     def _receive(self, sock: socket.socket, handle: AsyncHandle, segments: list[Segment], total: int) -> None:
-        dst = self._dst
-        views = [dst[seg.dst_offset: seg.dst_offset + seg.nbytes] for seg in segments]
+        views, land = self._dst.receive([(seg.dst_offset, seg.nbytes) for seg in segments])
         try:
             recv_scatter(sock, views, handle.check_aborted)
+            land()
         except Eof as e:
             raise TransferError("truncated", f"payload cut at {e.got} of {total} bytes") from None
         except OSError as e:  # includes timeouts: a stalled source must not hang the reader

@@ -1,5 +1,6 @@
 """The serving side of the TCP transport: a listener thread plus a thread per connection, each
-answering requests for byte ranges of this worker's KV storage straight from its memory.
+answering requests for byte ranges of this worker's KV storage (straight from its memory on
+CPU, through one host copy on a GPU: `regions.storage_bytes`).
 `fault` is a test hook: "truncate" (send half the payload, then close), "drop" (close without
 answering), "stall" (never answer).
 """
@@ -12,6 +13,7 @@ import threading
 
 import numpy as np
 
+from splitserve.kv_transfer.regions import HostBytes, StagedBytes
 from splitserve.kv_transfer.tcp_wire import (
     BAD_REQUEST,
     MAX_SEGMENTS,
@@ -34,9 +36,9 @@ from splitserve.kv_transfer.tcp_wire import (
 class KVServer:
     """Serves byte ranges of one worker's KV storage; a thread per connection."""
 
-    def __init__(self, mem: memoryview, bind_host: str, port: int, io_timeout: float,
+    def __init__(self, source: HostBytes | StagedBytes, bind_host: str, port: int, io_timeout: float,
                  idle_timeout: float, fault: str | None) -> None:
-        self._mem, self._io_timeout, self._idle_timeout, self._fault = mem, io_timeout, idle_timeout, fault
+        self._src, self._io_timeout, self._idle_timeout, self._fault = source, io_timeout, idle_timeout, fault
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
@@ -93,17 +95,18 @@ class KVServer:
         recv_exact(conn, rid_len)  # request id: for logs only, the xfer id is what matches
         table = np.frombuffer(recv_exact(conn, nseg * SEG_SIZE), dtype=SEG).reshape(nseg, 2)
         offsets, lengths = table[:, 0], table[:, 1]
-        bad = np.flatnonzero((offsets > len(self._mem)) | (lengths > len(self._mem) - np.minimum(offsets, len(self._mem))))
+        size = len(self._src)
+        bad = np.flatnonzero((offsets > size) | (lengths > size - np.minimum(offsets, size)))
         if bad.size:
             seg = table[bad[0]].tolist()
-            self._reply_error(conn, xfer_id, f"segment {seg} outside the {len(self._mem)}-byte storage")
+            self._reply_error(conn, xfer_id, f"segment {seg} outside the {size}-byte storage")
             return True
         return self._reply_data(conn, xfer_id, table.tolist())
 
     def _reply_data(self, conn: socket.socket, xfer_id: int, segs: list[tuple[int, int]]) -> bool:
         total = sum(n for _, n in segs)
         views = [memoryview(RESP.pack(RESP_MAGIC, VERSION, OK, xfer_id, total, len(segs)))]
-        views += [self._mem[o: o + n] for o, n in segs]
+        views += self._src.read(segs)
         if self._fault == "drop":
             return False
         if self._fault == "stall":

@@ -34,6 +34,7 @@ from splitserve.kv_transfer import (
     verify_landed,
     wait_transfer,
 )
+from splitserve.kv_transfer.regions import gathered_checksum
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,7 +69,8 @@ def serve_source(conn, shm_path: str) -> None:
     fill(kv.storage, SEED)
     lay = layout(SRC_BLOCKS)
     transports = {"shm": ShmTransport(), "tcp": TcpTransport(),
-                  "tcp_truncate": TcpTransport(fault="truncate"), "tcp_stall": TcpTransport(fault="stall")}
+                  "tcp_truncate": TcpTransport(fault="truncate"), "tcp_stall": TcpTransport(fault="stall"),
+                  "tcp_staged": TcpTransport(staged=True)}  # through host buffers, as a GPU cache is
     conn.send({name: t.register(kv, lay, "host-a") for name, t in transports.items()})
     raw = kv.storage.view(torch.uint8).view(-1)
     try:
@@ -136,7 +138,8 @@ def local():
     # "tcp_impatient" gives up on a silent source fast; "tcp" tolerates a loaded test machine.
     transports = {"shm": ShmTransport(), "tcp": TcpTransport(connect_timeout=2.0, io_timeout=5.0),
                   "tcp_impatient": TcpTransport(connect_timeout=1.0, io_timeout=0.5),
-                  "tcp_split": TcpTransport(connect_timeout=2.0, io_timeout=5.0, split_bytes=1)}
+                  "tcp_split": TcpTransport(connect_timeout=2.0, io_timeout=5.0, split_bytes=1),
+                  "tcp_staged": TcpTransport(connect_timeout=2.0, io_timeout=5.0, staged=True)}
     for t in transports.values():
         t.register(kv, layout(DST_BLOCKS), "host-b")
     expected = torch.empty((GEOM["num_layers"], 2, SRC_BLOCKS, 4, 2, 8))
@@ -161,10 +164,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", ["shm", "tcp", "tcp_split"])
+@pytest.mark.parametrize("name", ["shm", "tcp", "tcp_split", "tcp_staged"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pull_lands_exact_bytes(source, local, name, case):
-    """tcp_split: every transfer over two connections at once (large ones do that by default)."""
+    """tcp_split: every transfer over two connections at once (large ones do that by default).
+    tcp_staged: both sides move bytes through host buffers, the path of a GPU cache."""
     kv, transports, expected = local
     src, dst = CASES[case]
     kv.storage.zero_()
@@ -179,7 +183,7 @@ def test_pull_lands_exact_bytes(source, local, name, case):
     verify_landed(kv, layout(DST_BLOCKS), handoff, dst)
 
 
-@pytest.mark.parametrize("name", ["shm", "tcp"])
+@pytest.mark.parametrize("name", ["shm", "tcp", "tcp_staged"])
 def test_pull_layer_range(source, local, name):
     kv, transports, expected = local
     src, dst = CASES["scattered"]
@@ -352,3 +356,14 @@ def test_sweep_removes_only_files_of_dead_owners(tmp_path):
         open(f, "wb").close()
     assert sweep_stale_shm(prefix) == [os.path.basename(stale)]
     assert not os.path.exists(stale) and os.path.exists(live) and os.path.exists(other)
+
+
+def test_gathered_checksum_equals_the_segment_checksum():
+    """A GPU cache is checksummed by gathering its blocks; the hash must equal the CPU path's
+    (the other side of a transfer may be a CPU worker)."""
+    storage = torch.empty((GEOM["num_layers"], 2, SRC_BLOCKS, 4, 2, 8))
+    fill(storage, SEED)
+    for blocks in ((3, 4, 5, 9, 1, 30, 17), tuple(range(8, 20)), (0,)):
+        for layers in (None, range(1, 3)):
+            assert gathered_checksum(storage, blocks, layers) == kv_checksum(storage, layout(SRC_BLOCKS), blocks, layers)
+    assert gathered_checksum(storage, (3, 4)) != gathered_checksum(storage, (4, 3))  # order matters
