@@ -269,6 +269,8 @@ class Cluster:
             worker = self.prefills[(start + k) % len(self.prefills)]
             try:
                 return await worker.prefill.remote(req, *reader), worker
+            except ConfigError:  # the request is at fault, not the worker: every worker would refuse it
+                raise
             except Exception:  # the actor died or its engine failed: the next one, else locally
                 self.prefill_failures += 1
         return None, None
