@@ -89,7 +89,7 @@ class OpenAIServer:
             prompts = [self.front.encode(p) for p in req.prompts]
         except APIError as e:
             return error_response(e)
-        return await self._serve("text_completion", req.options, prompts, echo=req.echo)
+        return await self._serve(request, "text_completion", req.options, prompts, echo=req.echo)
 
     async def chat(self, request: HTTPRequest) -> Response:
         try:
@@ -101,10 +101,10 @@ class OpenAIServer:
             prompts = [self.front.check_ids(tuple(ids), "messages")]
         except APIError as e:
             return error_response(e)
-        return await self._serve("chat.completion", req.options, prompts, echo=False)
+        return await self._serve(request, "chat.completion", req.options, prompts, echo=False)
 
     # -- shared ---------------------------------------------------------------------------------
-    async def _serve(self, kind: str, opts: RequestOptions, prompts, echo: bool) -> Response:
+    async def _serve(self, request: HTTPRequest, kind: str, opts: RequestOptions, prompts, echo: bool) -> Response:
         rid, choices, reqs = self.front.requests(opts, prompts)
         try:
             await self.front.admit(opts, reqs, choices)
@@ -113,11 +113,21 @@ class OpenAIServer:
         streams = [self.front.drive(r, c) for r, c in zip(reqs, choices)]
         if opts.stream:
             return StreamingResponse(self._sse(kind, rid, opts, choices, streams), media_type="text/event-stream")
+        # Not every server cancels a handler whose client left (uvicorn does not): watch for it,
+        # so nobody's tokens are generated for nobody.
+        work = asyncio.ensure_future(asyncio.gather(*[_drain(s) for s in streams]))
+        gone = asyncio.ensure_future(_until_disconnected(request))
         try:
-            await asyncio.gather(*[_drain(s) for s in streams])
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+            work.result()
         except ConfigError as e:
             return error_response(APIError(400, str(e)))
-        finally:  # one failed or we were cancelled: stop the others, and account for every choice
+        finally:  # done, failed, cancelled or abandoned: stop the rest, and account for every choice
+            for t in (work, gone):
+                t.cancel()
+            await asyncio.gather(work, gone, return_exceptions=True)
             for s in streams:
                 await s.aclose()
             for c in choices:
@@ -191,6 +201,13 @@ class OpenAIServer:
                             "finish_reason": reason, "stop_reason": t.stop_reason})
         return {"id": rid, "object": kind, "created": int(time.time()), "model": opts.model, "choices": out,
                 "usage": _usage(choices)}
+
+
+async def _until_disconnected(request: HTTPRequest) -> None:
+    """Returns once the client has gone. The body has been read, so the next ASGI message is
+    the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _drain(stream: AsyncIterator[None]) -> None:

@@ -140,8 +140,10 @@ def test_bad_requests_are_4xx_in_openai_shape(server, path, body, status):
     assert server.backend.engine.pool.num_in_use == 0
 
 
-def test_client_disconnect_aborts(server):
-    """A real socket: uvicorn in a thread, a streaming request read for two events, then closed."""
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts(server, stream):
+    """A real socket: uvicorn in a thread; a streaming request read for two events then closed,
+    or a non-streaming one whose client gives up waiting (uvicorn does not cancel the handler)."""
     import socket
     import threading
     import time
@@ -158,12 +160,18 @@ def test_client_disconnect_aborts(server):
         deadline = time.time() + 10
         while not srv.started and time.time() < deadline:
             time.sleep(0.05)
-        body = {"model": "tiny", "prompt": "x", "max_tokens": 500, "temperature": 0, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=10) as r:
-            lines = r.iter_lines()
-            got = [next(lines) for _ in range(3)]
-        assert any(g.startswith("data: ") for g in got)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 1000, "temperature": 0, "stream": stream,
+                "ignore_eos": True}
         eng = server.backend.engine
+        if stream:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=10) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(3)]
+            assert any(g.startswith("data: ") for g in got)
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+            assert eng.has_unfinished(), "the request should still be generating when the client leaves"
         deadline = time.time() + 10
         while (eng.has_unfinished() or eng.pool.num_in_use) and time.time() < deadline:
             time.sleep(0.05)
