@@ -106,7 +106,7 @@ class Cluster:
               on_transfer_failure: str = "recompute", lease_s: float = 30.0, **kwargs: Any) -> "Cluster":
         import ray
 
-        from splitserve.cluster.actors import make_decode, make_prefill
+        from splitserve.cluster.actors import gpu_share, make_decode, make_prefill, worker_placement
 
         if model is None:
             from splitserve.demo import ensure_demo_model
@@ -124,9 +124,16 @@ class Cluster:
             ncpu = None if address else max(os.cpu_count() or 1, cfg.prefill + cfg.decode)
             ray.init(address=address, num_cpus=ncpu, include_dashboard=False, log_to_driver=False)
         kinds = resolve_transports(cfg.transport)
-        gpus = ray.cluster_resources().get("GPU", 0.0)
-        prefills = [make_prefill(cfg, kinds, i, gpus) for i in range(cfg.prefill)]
-        decodes = [make_decode(cfg, kinds, i, gpus) for i in range(cfg.decode)]
+        try:
+            share = gpu_share(str(cfg.engine.get("device", "auto")), ray.cluster_resources().get("GPU", 0.0),
+                              cfg.prefill + cfg.decode, joined=address is not None or not started)
+            worker_placement(cfg, kinds, share)  # refuse a bad combination before any actor starts
+        except ConfigError:
+            if started:
+                ray.shutdown()
+            raise
+        prefills = [make_prefill(cfg, kinds, i, share) for i in range(cfg.prefill)]
+        decodes = [make_decode(cfg, kinds, i, share) for i in range(cfg.decode)]
         _wait_loaded(prefills + decodes, on_ready)
         readers = ray.get([d.reader_info.remote() for d in decodes])
         return cls(cfg, prefills, decodes, started, readers)

@@ -150,6 +150,10 @@ class Engine:
         seq = self._new_seq(req, outputs=(first_token,))
         seq.block_ids = self.pool.allocate(-(-seq.num_prompt_tokens // self.config.block_size))
         self._pulling[req.request_id] = seq
+        if self.device.type == "cuda":
+            # The blocks' last owner may still have KV writes queued on the GPU; a transport
+            # writing them from outside the stream (NIXL, RDMA) must not land before those.
+            torch.cuda.current_stream(self.device).synchronize()
         return list(seq.block_ids)
 
     def is_pulling(self, request_id: str) -> bool:

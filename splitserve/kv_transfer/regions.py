@@ -9,7 +9,7 @@ K/V, handoff order), so it does not depend on how the bytes were split into segm
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -140,56 +140,60 @@ class HostBytes:
 
     def receive(self, ranges: Sequence[tuple[int, int]]) -> tuple[list[memoryview], Callable[[], None]]:
         """Views to receive the ranges into, and what to call once they are full."""
-        return [self.mem[o: o + n] for o, n in ranges], lambda: None
+        return self.read(ranges), lambda: None
 
 
 class StagedBytes:
     """A device (GPU) storage's bytes, which sockets cannot reach: a read gathers the ranges
-    into one host buffer, a receive lands in one and scatters it. Copies run on a side stream,
-    so they overlap the engine's steps; the blocks they touch are pinned for the handoff (read)
-    or not yet in use (receive), so no step races them."""
+    into one host buffer, a receive lands in one and scatters it. Copies run on a side stream
+    (overlapping the engine's steps) after the work already queued on the default stream, so a
+    read sees finished KV and a landing is not overwritten by a late write of the blocks' last
+    owner; the caller's thread waits for its own copies only."""
 
     def __init__(self, storage: torch.Tensor) -> None:
         if not storage.is_contiguous():
             raise ValueError("KV storage must be contiguous")
         self._flat = storage.view(torch.uint8).reshape(-1)
-        cuda = storage.device.type == "cuda"
-        self._stream = torch.cuda.Stream(storage.device) if cuda else None
-        self._pin = cuda  # pinned host memory: async copies, full bus speed
+        self._cuda = storage.device.type == "cuda"
+        self._stream = torch.cuda.Stream(storage.device) if self._cuda else None
 
     def __len__(self) -> int:
         return self._flat.numel()
 
     def read(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
-        host = self._host(sum(n for _, n in ranges))
+        host = self._host(ranges)
         self._copy([(host, p, self._flat, o, n) for p, (o, n) in zip(_starts(ranges), ranges)])
         return [memoryview(host.numpy())]
 
     def receive(self, ranges: Sequence[tuple[int, int]]) -> tuple[list[memoryview], Callable[[], None]]:
-        host = self._host(sum(n for _, n in ranges))
+        host = self._host(ranges)
 
         def land() -> None:
             self._copy([(self._flat, o, host, p, n) for p, (o, n) in zip(_starts(ranges), ranges)])
 
         return [memoryview(host.numpy())], land
 
-    def _host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+    def _host(self, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+        # pinned: asynchronous copies at full bus speed (page-locked, so only for GPU storages)
+        return torch.empty(sum(n for _, n in ranges), dtype=torch.uint8, pin_memory=self._cuda)
 
     def _copy(self, moves) -> None:
-        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+        if not self._cuda:
             for dst, d, src, s, n in moves:
-                dst[d: d + n].copy_(src[s: s + n], non_blocking=self._pin)
-        if self._stream is not None:
-            self._stream.synchronize()
+                dst[d: d + n].copy_(src[s: s + n])
+            return
+        self._stream.wait_stream(torch.cuda.default_stream(self._flat.device))
+        with torch.cuda.stream(self._stream):
+            for dst, d, src, s, n in moves:
+                dst[d: d + n].copy_(src[s: s + n], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        done.synchronize()
 
 
 def _starts(ranges: Sequence[tuple[int, int]]) -> list[int]:
-    starts, pos = [], 0
-    for _, n in ranges:
-        starts.append(pos)
-        pos += n
-    return starts
+    """Where each range begins in a buffer holding them back to back."""
+    return list(itertools.accumulate((n for _, n in ranges), initial=0))[:-1]
 
 
 def storage_bytes(storage: torch.Tensor, staged: bool = False) -> HostBytes | StagedBytes:
@@ -209,11 +213,16 @@ def kv_checksum(storage: torch.Tensor, layout: KVLayout, blocks: Sequence[int], 
 
 
 def gathered_checksum(storage: torch.Tensor, blocks: Sequence[int], layers: range | None = None) -> int:
-    """`kv_checksum` by gathering the blocks first ([layers, K/V, blocks, ...] is the canonical
-    order itself) and hashing one host copy: how a device storage is checksummed."""
+    """`kv_checksum` by gathering the blocks ([layers, K/V, blocks, ...] is the canonical order
+    itself), one (layer, K/V) at a time into host memory: how a device storage is checksummed,
+    without a second copy of the whole handoff on the device."""
     layers = layers if layers is not None else range(storage.shape[0])
+    if layers.step != 1:
+        raise ValueError(f"layers must be a contiguous range, got {layers}")
     ids = torch.as_tensor(list(blocks), dtype=torch.int64, device=storage.device)
-    gathered = storage[layers.start: layers.stop].index_select(2, ids).cpu()
     h = _hasher()
-    h.update(memoryview(gathered.view(torch.uint8).reshape(-1).numpy()))
+    for layer in layers:
+        for kv in (0, 1):
+            part = storage[layer, kv].index_select(0, ids).cpu()
+            h.update(memoryview(part.view(torch.uint8).reshape(-1).numpy()))
     return h.intdigest()

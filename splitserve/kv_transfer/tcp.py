@@ -6,11 +6,12 @@ starts a small server thread that serves byte ranges of that cache; the endpoint
 the layout published in the endpoint), sends them in one small request over a pooled
 connection, and receives the bytes straight into its own cache at the destination offsets.
 
-Wire format and socket helpers: `tcp_wire`; the serving side: `tcp_server`. The server sends
-from memoryviews of its storage (`sendmsg` over slices, no staging copy) and the reader
-`recv_into`s memoryviews of its own storage; an `xfer_id` ties each response to its request, so
-a pooled connection can never deliver a stale payload. Transfers of 4 MiB or more are split over
-two connections (one loopback stream stops well short of what two cores can copy).
+Wire format and socket helpers: `tcp_wire`; the serving side: `tcp_server`. For a CPU cache the
+server sends from memoryviews of its storage (`sendmsg` over slices, no staging copy) and the
+reader `recv_into`s memoryviews of its own storage; a GPU cache goes through one host buffer on
+each side (`regions.StagedBytes`). An `xfer_id` ties each response to its request, so a pooled
+connection can never deliver a stale payload. Transfers of 4 MiB or more are split over two
+connections (one loopback stream stops well short of what two cores can copy).
 
 Failures never hang (socket timeouts) and surface through `poll`: nothing listening or dropped
 before a response → FAILED("unreachable"); cut short mid-payload → FAILED("truncated"); a

@@ -101,6 +101,9 @@ class KVServer:
             seg = table[bad[0]].tolist()
             self._reply_error(conn, xfer_id, f"segment {seg} outside the {size}-byte storage")
             return True
+        if int(lengths.sum()) > size:  # a valid plan moves each byte at most once; staging would pin the excess
+            self._reply_error(conn, xfer_id, f"{int(lengths.sum())} bytes asked of a {size}-byte storage")
+            return True
         return self._reply_data(conn, xfer_id, table.tolist())
 
     def _reply_data(self, conn: socket.socket, xfer_id: int, segs: list[tuple[int, int]]) -> bool:

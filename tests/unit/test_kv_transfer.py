@@ -367,3 +367,20 @@ def test_gathered_checksum_equals_the_segment_checksum():
         for layers in (None, range(1, 3)):
             assert gathered_checksum(storage, blocks, layers) == kv_checksum(storage, layout(SRC_BLOCKS), blocks, layers)
     assert gathered_checksum(storage, (3, 4)) != gathered_checksum(storage, (4, 3))  # order matters
+
+
+@pytest.mark.parametrize("name", ["tcp", "tcp_staged"])
+def test_server_refuses_more_bytes_than_its_storage(source, name):
+    """Each segment in range, together twice the storage: a valid plan never asks that, and a
+    staging server would have to pin it all."""
+    import numpy as np
+
+    from splitserve.kv_transfer.tcp_wire import BAD_REQUEST, REQ, REQ_MAGIC, RESP, SEG, VERSION, recv_exact
+
+    size = layout(SRC_BLOCKS).storage_bytes
+    host, port = source.endpoints[name].address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(REQ.pack(REQ_MAGIC, VERSION, 0, 9, 0, 2) + np.array([(0, size), (0, size)], dtype=SEG).tobytes())
+        magic, _, status, xfer_id, total, _ = RESP.unpack(recv_exact(s, RESP.size))
+        assert (status, xfer_id) == (BAD_REQUEST, 9)
+        assert f"bytes asked of a {size}-byte storage" in recv_exact(s, total).decode()

@@ -1,6 +1,7 @@
 """Workers ask Ray for a GPU exactly when their engine will run on one (Ray hides GPUs from an
 actor that did not ask, CUDA_VISIBLE_DEVICES="", and `device: auto` would then fall back to the
-CPU on a GPU cluster), and offer only the KV transports their cache can serve."""
+CPU on a GPU cluster), share GPUs so every worker can be placed, and offer only the KV
+transports their cache can serve."""
 
 import pytest
 
@@ -10,24 +11,36 @@ from splitserve.types import ConfigError
 actors = pytest.importorskip("splitserve.cluster.actors")
 
 
-@pytest.mark.parametrize("device,cluster_gpus,gpus,runs_on", [
-    ("auto", 0, 0, "auto"),  # a CPU cluster: the CPU
-    ("auto", 8, 1, "auto"),  # a GPU cluster: one GPU each, auto then finds CUDA
-    ("cpu", 8, 0, "cpu"),  # asked for the CPU on a GPU cluster
-    ("cuda", 0, 1, "cuda"),  # no GPU yet: the request lets an autoscaler add one
-    ("cuda:3", 8, 1, "cuda"),  # Ray's GPU is device 0 inside the actor
+@pytest.mark.parametrize("device,cluster_gpus,workers,joined,share", [
+    ("auto", 0, 2, False, 0.0),  # a CPU box: the CPU
+    ("auto", 8, 2, False, 1.0),  # a GPU cluster: one GPU each, auto then finds CUDA
+    ("auto", 1, 2, False, 0.5),  # the default 1P+1D on a one-GPU box: they share it
+    ("auto", 3, 4, False, 0.5),  # 1/2, not 3/4: four workers fit three GPUs only in halves
+    ("cpu", 8, 2, False, 0.0),  # asked for the CPU on a GPU cluster
+    ("cuda", 0, 2, True, 1.0),  # a joined cluster with no GPU yet: an autoscaler may add one
+    ("cuda:3", 8, 2, False, 1.0),
 ])
-def test_worker_placement(tiny_checkpoint, device, cluster_gpus, gpus, runs_on):
+def test_gpu_share(device, cluster_gpus, workers, joined, share):
+    assert actors.gpu_share(device, cluster_gpus, workers, joined) == share
+
+
+def test_cuda_without_a_gpu_on_our_own_cluster_is_refused():
+    with pytest.raises(ConfigError, match="Ray sees no GPU here"):
+        actors.gpu_share("cuda", 0, 2, joined=False)
+
+
+@pytest.mark.parametrize("device,share,runs_on", [("auto", 0.0, "auto"), ("auto", 0.5, "auto"), ("cuda:3", 1.0, "cuda")])
+def test_worker_placement(tiny_checkpoint, device, share, runs_on):
     cfg = ClusterConfig(str(tiny_checkpoint("llama")), engine={"device": device, "block_size": 32})
-    p = actors.worker_placement(cfg, ["shm", "tcp"], cluster_gpus)
-    assert p.resources == {"num_cpus": 1, "num_gpus": gpus}
-    assert p.engine.device == runs_on and p.engine.block_size == 32
+    p = actors.worker_placement(cfg, ["shm", "tcp"], share)
+    assert p.resources == {"num_cpus": 1, "num_gpus": share}
+    assert p.engine.device == runs_on and p.engine.block_size == 32  # Ray's GPU is device 0 in the actor
     # a GPU cache cannot live in /dev/shm: GPU workers offer tcp (and nixl), never shm
-    assert p.transports == (["tcp"] if gpus else ["shm", "tcp"])
-    assert p.engine.kv_shared_memory == (not gpus)
+    assert p.transports == (["tcp"] if share else ["shm", "tcp"])
+    assert p.engine.kv_shared_memory == (not share)
 
 
 def test_shm_alone_cannot_serve_gpu_workers(tiny_checkpoint):
     cfg = ClusterConfig(str(tiny_checkpoint("llama")), engine={"device": "cuda"})
     with pytest.raises(ConfigError, match="shm transport shares CPU KV caches only"):
-        actors.worker_placement(cfg, ["shm"], 1)
+        actors.worker_placement(cfg, ["shm"], 1.0)
