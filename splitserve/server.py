@@ -38,7 +38,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
     engine = dict(args.engine or {})
     if "model" in engine:
         raise ValueError("set the model with --model (or `model:` at the top of the config file), not under engine:")
-    return {"dtype": args.dtype, "kv_cache_memory_gib": args.kv_cache_memory_gib, **engine}
+    flags = {"dtype": args.dtype, "device": args.device, "attention_backend": args.attention_backend,
+             "kv_cache_memory_gib": args.kv_cache_memory_gib}
+    return {**flags, **engine}
 
 
 def _say(msg: str) -> None:

@@ -36,3 +36,17 @@ def test_unknown_keys_are_refused(tmp_path, capsys):
 def test_negative_pools_are_an_error(capsys):
     assert main(["serve", "--prefill", "-1"]) == 1
     assert "--prefill and --decode must be >= 0" in capsys.readouterr().err
+
+
+def test_engine_flags_reach_the_engine_options(tmp_path):
+    from splitserve.server import _engine_options
+
+    args = parse(["serve", "--device", "cpu", "--attention-backend", "triton", "--dtype", "bfloat16"])
+    opts = _engine_options(args)
+    assert (opts["device"], opts["attention_backend"], opts["dtype"]) == ("cpu", "triton", "bfloat16")
+    f = tmp_path / "serve.yaml"
+    f.write_text("device: cuda\nengine: {attention_backend: torch, cuda_graphs: false}\n")
+    opts = _engine_options(parse(["serve", "--config", str(f)]))
+    assert (opts["device"], opts["attention_backend"], opts["cuda_graphs"]) == ("cuda", "torch", False)
+    with pytest.raises(SystemExit):
+        parse(["serve", "--attention-backend", "flash-magic"])
