@@ -99,6 +99,7 @@ class Cluster:
         # Recent requests only: the Serve ingress keeps one Cluster for as long as it serves.
         self.timings: collections.deque[Timing] = collections.deque(maxlen=4096)
         self.prefill_failures = 0
+        self._acked: dict[str, int] = {}  # per worker: the last KV-event batch applied (kv_events.py)
 
     @classmethod
     def start(cls, model: str | None = None, prefill: int = 1, decode: int = 1, transport: str = "auto",
@@ -245,8 +246,8 @@ class Cluster:
                 return
             self._refreshed = time.monotonic()
             task = self._refreshing = asyncio.ensure_future(self._pull_snapshots())
-        # A waiter that goes away must not cancel the refresh: its snapshots drain the workers'
-        # KV events, which would then be lost to the index.
+        # A waiter that goes away must not cancel the refresh that others wait on too (events a
+        # cancelled refresh missed would only come again, kv_events.py: this saves the round trip).
         if self._views:
             await asyncio.wait({task}, timeout=wait_s)
         else:
@@ -255,16 +256,21 @@ class Cluster:
     async def _pull_snapshots(self) -> None:
         named = [(f"prefill-{i}", "prefill", w) for i, w in enumerate(self.prefills)]
         named += [(f"decode-{i}", "decode", w) for i, w in enumerate(self.decodes)]
-        snaps = await asyncio.gather(*[w.snapshot.remote() for *_, w in named], return_exceptions=True)
+        snaps = await asyncio.gather(*[w.snapshot.remote(self._acked.get(wid, 0)) for wid, _, w in named],
+                                     return_exceptions=True)
         for (wid, role, _), snap in zip(named, snaps):
             if isinstance(snap, BaseException):  # dead or failing: out of placement, cache forgotten
                 self._views[wid] = WorkerView(wid, role, local_host(), healthy=False)
                 self._stats.pop(wid, None)
+                self._acked.pop(wid, None)
                 self.router.index.remove_worker(wid)
                 continue
-            stats, events = snap
+            stats = snap.stats
             self._stats[wid] = stats
-            self.router.index.apply(wid, events)
+            self._acked[wid] = snap.seq
+            if snap.reset:
+                self.router.index.remove_worker(wid)
+            self.router.index.apply(wid, snap.events)
             self._views[wid] = WorkerView(wid, role, local_host(), stats.num_waiting, stats.num_running,
                                           stats.kv_usage, stats.kv_blocks_free + stats.kv_blocks_cached)
 

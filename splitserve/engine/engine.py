@@ -22,7 +22,7 @@ from splitserve.config import EngineConfig
 from splitserve.engine.attention import get_backend
 from splitserve.engine.attention.paged_backends import triton_unavailable
 from splitserve.engine.decode_graphs import cuda_graph_capture
-from splitserve.engine.kv_cache import BlockPool, KVCacheTensors, KVEvent
+from splitserve.engine.kv_cache import BlockPool, BlockStored, KVCacheTensors, KVEvent
 from splitserve.engine.kv_cache.tensors import SHM_PREFIX, sweep_stale_shm
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_model, resolve_dtype
@@ -287,6 +287,10 @@ class Engine:
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.pool.drain_events()
+
+    def kv_listing(self) -> list[KVEvent]:
+        """The whole prefix cache as events: what a router rebuilds this worker's index from."""
+        return [BlockStored(self.pool.cached_hashes())]
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

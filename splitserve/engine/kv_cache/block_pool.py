@@ -160,6 +160,10 @@ class BlockPool:
         if removed:
             self._events.append(BlockRemoved(tuple(removed)))
 
+    def cached_hashes(self) -> tuple[BlockHash, ...]:
+        """Every hash this pool holds a block for (in use or reusable): a full KV-index listing."""
+        return tuple(self._cached)
+
     def drain_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events

@@ -1,0 +1,57 @@
+"""KV events from a worker to the router, delivered at least once (DESIGN.md §3: the router's
+KV index is fed by the workers' BlockStored / BlockRemoved events).
+
+The worker keeps what it sent until the router acknowledges it: each reply carries a sequence
+number, the router's next request carries the last one it applied, and everything up to it is
+dropped. A lost reply (an actor call that failed, a cancelled refresh) therefore loses nothing;
+events sent twice are applied twice, which is harmless (both kinds are idempotent, and order is
+kept). A router that stops asking would let the backlog grow: past `limit` hashes it is replaced
+by one full listing of the worker's cache, flagged `reset` (forget this worker, then apply).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, NamedTuple
+
+from splitserve.engine.kv_cache.block_pool import KVEvent
+from splitserve.types import WorkerStats
+
+
+class Snapshot(NamedTuple):
+    stats: WorkerStats
+    seq: int  # acknowledge with this in the next request
+    events: list[KVEvent]  # not acknowledged yet, oldest first
+    reset: bool  # the events list the whole cache: forget what this worker held before applying
+
+
+class EventOutbox:
+    def __init__(self, limit: int = 200_000) -> None:
+        self.limit = limit
+        self._batches: deque[tuple[int, list[KVEvent]]] = deque()
+        self._size = 0  # hashes in _batches
+        self._seq = 0
+        self._reset_seq: int | None = None  # a full listing is owed until the router acks this
+
+    def take(self, ack: int, new: list[KVEvent], listing: Callable[[], list[KVEvent]]) -> tuple[int, list[KVEvent], bool]:
+        """Record `new`, drop what `ack` covers; (seq, events to send, reset)."""
+        while self._batches and self._batches[0][0] <= ack:
+            self._size -= _hashes(self._batches.popleft()[1])
+        if self._reset_seq is not None and ack >= self._reset_seq:
+            self._reset_seq = None
+        if new:
+            self._seq += 1
+            self._batches.append((self._seq, new))
+            self._size += _hashes(new)
+        if self._size > self.limit or self._reset_seq is not None:
+            # the listing is the current state: it subsumes every batch, sent or not
+            self._batches.clear()
+            self._size = 0
+            self._seq += 1
+            self._reset_seq = self._seq
+            return self._seq, listing(), True
+        return self._seq, [ev for _, batch in self._batches for ev in batch], False
+
+
+def _hashes(events: list[KVEvent]) -> int:
+    return sum(len(ev.block_hashes) for ev in events)
