@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from splitserve.kv_transfer.base import KVLayout, TransferError
@@ -145,15 +146,20 @@ class HostBytes:
 
 class StagedBytes:
     """A device (GPU) storage's bytes, which sockets cannot reach: a read gathers the ranges
-    into one host buffer, a receive lands in one and scatters it. Copies run on a side stream
-    (overlapping the engine's steps) after the work already queued on the default stream, so a
-    read sees finished KV and a landing is not overwritten by a late write of the blocks' last
-    owner; the caller's thread waits for its own copies only."""
+    into one host buffer, a receive lands in one and scatters it. Ranges that are whole blocks
+    (`unit` = one layer's K or V block, as every transfer plan's are) move as row gathers and
+    scatters, a few large copies however fragmented the handoff; others range by range. Copies
+    run on a side stream (overlapping the engine's steps) after the work already queued on the
+    default stream, so a read sees finished KV and a landing is not overwritten by a late write
+    of the blocks' last owner; the caller's thread waits for its own copies only."""
 
-    def __init__(self, storage: torch.Tensor) -> None:
+    CHUNK_BYTES = 64 << 20  # device scratch per gather / scatter step
+
+    def __init__(self, storage: torch.Tensor, unit: int = 1) -> None:
         if not storage.is_contiguous():
             raise ValueError("KV storage must be contiguous")
         self._flat = storage.view(torch.uint8).reshape(-1)
+        self._unit = unit if unit > 1 and self._flat.numel() % unit == 0 else 1
         self._cuda = storage.device.type == "cuda"
         self._stream = torch.cuda.Stream(storage.device) if self._cuda else None
 
@@ -162,30 +168,49 @@ class StagedBytes:
 
     def read(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
         host = self._host(ranges)
-        self._copy([(host, p, self._flat, o, n) for p, (o, n) in zip(_starts(ranges), ranges)])
+        self._on_side_stream(lambda: self._move(ranges, host, out=True))
         return [memoryview(host.numpy())]
 
     def receive(self, ranges: Sequence[tuple[int, int]]) -> tuple[list[memoryview], Callable[[], None]]:
         host = self._host(ranges)
-
-        def land() -> None:
-            self._copy([(self._flat, o, host, p, n) for p, (o, n) in zip(_starts(ranges), ranges)])
-
-        return [memoryview(host.numpy())], land
+        return [memoryview(host.numpy())], lambda: self._on_side_stream(lambda: self._move(ranges, host, out=False))
 
     def _host(self, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
         # pinned: asynchronous copies at full bus speed (page-locked, so only for GPU storages)
         return torch.empty(sum(n for _, n in ranges), dtype=torch.uint8, pin_memory=self._cuda)
 
-    def _copy(self, moves) -> None:
+    def _move(self, ranges: Sequence[tuple[int, int]], host: torch.Tensor, out: bool) -> None:
+        """Storage ranges → host buffer (out) or back."""
+        rows = self._rows_of(ranges)
+        if rows is None:
+            for p, (o, n) in zip(_starts(ranges), ranges):
+                a, b = (host[p: p + n], self._flat[o: o + n]) if out else (self._flat[o: o + n], host[p: p + n])
+                a.copy_(b, non_blocking=self._cuda)
+            return
+        u = self._unit
+        table, buf = self._flat.view(-1, u), host.view(-1, u)
+        step = max(1, self.CHUNK_BYTES // u)
+        for i in range(0, rows.numel(), step):
+            idx = rows[i: i + step]
+            if out:
+                buf[i: i + idx.numel()].copy_(table.index_select(0, idx), non_blocking=self._cuda)
+            else:
+                table.index_copy_(0, idx, buf[i: i + idx.numel()].to(self._flat.device, non_blocking=self._cuda))
+
+    def _rows_of(self, ranges: Sequence[tuple[int, int]]) -> torch.Tensor | None:
+        u = self._unit
+        if u == 1 or any(o % u or n % u for o, n in ranges):
+            return None
+        idx = np.concatenate([np.arange(o // u, (o + n) // u) for o, n in ranges]) if ranges else np.zeros(0, int)
+        return torch.from_numpy(idx.astype(np.int64)).to(self._flat.device)
+
+    def _on_side_stream(self, work: Callable[[], None]) -> None:
         if not self._cuda:
-            for dst, d, src, s, n in moves:
-                dst[d: d + n].copy_(src[s: s + n])
+            work()
             return
         self._stream.wait_stream(torch.cuda.default_stream(self._flat.device))
         with torch.cuda.stream(self._stream):
-            for dst, d, src, s, n in moves:
-                dst[d: d + n].copy_(src[s: s + n], non_blocking=True)
+            work()
             done = torch.cuda.Event()
             done.record(self._stream)
         done.synchronize()
@@ -196,9 +221,10 @@ def _starts(ranges: Sequence[tuple[int, int]]) -> list[int]:
     return list(itertools.accumulate((n for _, n in ranges), initial=0))[:-1]
 
 
-def storage_bytes(storage: torch.Tensor, staged: bool = False) -> HostBytes | StagedBytes:
-    """In-place access for a CPU storage; host staging for a device one (or when asked: tests)."""
-    return StagedBytes(storage) if staged or storage.device.type != "cpu" else HostBytes(storage)
+def storage_bytes(storage: torch.Tensor, staged: bool = False, unit: int = 1) -> HostBytes | StagedBytes:
+    """In-place access for a CPU storage; host staging for a device one (or when asked: tests).
+    `unit`: the bytes of one block of one layer's K or V (StagedBytes moves whole ones at once)."""
+    return StagedBytes(storage, unit) if staged or storage.device.type != "cpu" else HostBytes(storage)
 
 
 def kv_checksum(storage: torch.Tensor, layout: KVLayout, blocks: Sequence[int], layers: range | None = None) -> int:

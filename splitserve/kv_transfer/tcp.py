@@ -146,7 +146,7 @@ class TcpTransport(PooledTransport):
         """`storage`: a KVCacheTensors or its storage tensor (contiguous; CPU or GPU)."""
         if self._server is not None:
             raise RuntimeError("TcpTransport.register called twice; one KV cache per transport")
-        mem = storage_bytes(storage_tensor(storage), self._staged)
+        mem = storage_bytes(storage_tensor(storage), self._staged, unit=layout.block_bytes)
         if len(mem) != layout.storage_bytes:
             raise ValueError(f"storage has {len(mem)} bytes, layout says {layout.storage_bytes}")
         self._dst, self._layout = mem, layout
