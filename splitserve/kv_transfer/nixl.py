@@ -17,7 +17,8 @@ Where this sits in a request's life (see base.py for the whole handoff):
 
 The endpoint's `metadata` is this module's own envelope: a small header (format version, base
 address and device of the registered storage, needed to address remote bytes) followed by the
-NIXL agent metadata blob.
+NIXL agent metadata blob. Starting the agent (UCX transports, a progress thread that sleeps):
+nixl_agent.py.
 """
 
 from __future__ import annotations
@@ -44,11 +45,10 @@ from splitserve.kv_transfer.base import (
     TransferStatus,
     TransportEndpoint,
 )
+from splitserve.kv_transfer.nixl_agent import PROGRESS_DELAY_US, default_ucx_tls, import_nixl, make_agent
 from splitserve.kv_transfer.regions import Segment, plan_transfer, storage_tensor
 
 log = logging.getLogger(__name__)
-
-INSTALL_HINT = "pip install 'splitserve[nixl]'  (or: pip install nixl)"
 
 # Envelope in front of the agent metadata: magic, version, base address, device id, memory kind.
 _MAGIC = b"SSNX"
@@ -56,86 +56,6 @@ _HEADER = struct.Struct("<4sBQiB")
 _VERSION = 1
 _DRAM, _VRAM = 0, 1
 _MEM_NAMES = {_DRAM: "DRAM", _VRAM: "VRAM"}
-
-# Microseconds the NIXL progress thread sleeps between rounds; 0 = NIXL's own busy-spinning.
-PROGRESS_DELAY_US = 100
-
-
-def _default_ucx_tls() -> None:
-    """Choose UCX transports unless the user already has (UCX reads UCX_TLS when the agent's
-    backend starts, so this must run before the agent is created).
-
-    On a machine with neither RDMA devices nor CUDA, tcp+cma is the fastest path between two
-    processes (CMA copies host memory directly; several GB/s here, plain TCP ~0.6) and spares
-    UCX probing transports that cannot work. Where
-    RDMA or CUDA exists we leave UCX to pick rc/dc/cuda_ipc: forcing tcp,cma there would turn
-    the RDMA path DESIGN.md chose NIXL for into plain TCP.
-    """
-    if "UCX_TLS" in os.environ:
-        return
-    if _has_rdma_device() or _cuda_available():
-        return
-    os.environ["UCX_TLS"] = "tcp,cma"
-
-
-def _has_rdma_device() -> bool:
-    try:
-        return bool(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        return False
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # pragma: no cover - torch is a hard dependency
-        return False
-
-
-def _import_nixl():
-    try:
-        import nixl  # noqa: F401  (the meta package picks the nixl_cu12/cu13 backend wheel)
-        from nixl import _api
-    except ImportError as e:
-        raise RuntimeError(f"the nixl KV transport needs the NIXL Python package ({e}); install it with: {INSTALL_HINT}") from e
-    return _api
-
-
-class _PacedBindings:
-    """The NIXL bindings module, except that agents get a progress-thread delay.
-
-    nixl_agent hard-codes pthrDelay=0, so its progress thread spins a whole core even when idle
-    (measured ~0.9 core). Any delay > 0 lets it sleep (~0.02 core idle here). The thread itself
-    is needed: a passive peer must progress UCX for connection wire-up and for TCP reads.
-    """
-
-    def __init__(self, real, delay_us: int) -> None:
-        self._real, self._delay_us = real, delay_us
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def nixlAgent(self, name, config):  # noqa: N802 - mirrors the binding's name
-        config.pthrDelay = self._delay_us
-        return self._real.nixlAgent(name, config)
-
-
-_AGENT_LOCK = threading.Lock()  # the bindings swap below is process-wide while an agent starts
-
-
-def _make_agent(api, name: str, config, progress_delay_us: int):
-    if not config.enable_pthread or progress_delay_us <= 0:
-        return api.nixl_agent(name, config)
-    with _AGENT_LOCK:
-        real = api.nixlBind
-        api.nixlBind = _PacedBindings(real, progress_delay_us)
-        try:
-            return api.nixl_agent(name, config)
-        finally:
-            api.nixlBind = real
-
 
 def _is_disconnect(exc: BaseException) -> bool:
     # NIXL raises per-status exception classes from its compiled bindings (nixlRemoteDisconnectError,
@@ -188,14 +108,14 @@ class NixlTransport:
         *,
         progress_delay_us: int = PROGRESS_DELAY_US,
     ) -> None:
-        _default_ucx_tls()
-        api = _import_nixl()
+        default_ucx_tls()
+        api = import_nixl()
         self.agent_name = agent_name or f"splitserve-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # STRICT sync: the poster thread below and the engine's poll() use the agent concurrently.
         config = api.nixl_agent_config(
             enable_prog_thread=True, backends=list(backends), sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         )
-        self._agent = _make_agent(api, self.agent_name, config, progress_delay_us)
+        self._agent = make_agent(api, self.agent_name, config, progress_delay_us)
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             raise RuntimeError(f"NIXL backend(s) {missing} unavailable; plugins found: {self._agent.get_plugin_list()}")
