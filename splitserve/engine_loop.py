@@ -17,6 +17,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from splitserve.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.types import ConfigError, FinishReason, Request, TokenChunk
 
@@ -31,6 +32,14 @@ class EngineLoop:
         self._inbox: list[tuple[Request, dict]] = []
         self._inbox_lock = threading.Lock()
         self.latest_stats = engine.stats()
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> "EngineLoop":
+        """An engine for `config`, warmed up (no cold first request, and a first step-time fit
+        for admission) and on its loop: how every server-side engine starts."""
+        engine = Engine(config)
+        engine.warmup()
+        return cls(engine)
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run fn on the engine thread."""

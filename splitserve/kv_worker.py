@@ -9,7 +9,6 @@ import socket
 from typing import Sequence
 
 from splitserve.config import EngineConfig
-from splitserve.engine.engine import Engine
 from splitserve.engine_loop import EngineLoop
 from splitserve.kv_events import EventOutbox, Snapshot
 from splitserve.kv_transfer import make_transport
@@ -21,9 +20,8 @@ from splitserve.types import WorkerStats
 class KVWorker:
     def __init__(self, config: EngineConfig, transports: Sequence[str], transport_options: dict | None = None,
                  host: str | None = None) -> None:
-        self.engine = Engine(config)
-        self.engine.warmup()  # before serving: no cold first request, and a first step-time fit
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop.start(config)
+        self.engine = self.loop.engine
         self.layout = layout_of(self.engine)
         self.host = host or socket.gethostname()
         self.transports = {t: make_transport(t, **(transport_options or {}).get(t, {})) for t in transports}

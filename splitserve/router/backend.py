@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import AsyncIterator, Protocol
 
 from splitserve.config import EngineConfig
-from splitserve.engine.engine import Engine
 from splitserve.engine_loop import EngineLoop
 from splitserve.router.admission import Plan
 from splitserve.router.policy import WorkerView
@@ -37,9 +36,8 @@ LOCAL = "local"
 
 class LocalBackend:
     def __init__(self, config: EngineConfig, model_name: str | None = None) -> None:
-        self.engine = Engine(config)
-        self.engine.warmup()  # before serving: no cold first request, and a first step-time fit
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop.start(config)
+        self.engine = self.loop.engine
         self.tokenizer = Tokenizer(config.model)
         self.model_name = model_name or config.model.rstrip("/").rsplit("/", 1)[-1]
         self.max_model_len = self.engine.max_model_len
