@@ -52,7 +52,7 @@ class TorchBackend:
             decode_max_ctx=max_ctx,
             decode_mask=mask,
             decode_ctx=ctx,
-            prefills=[self._prepare_prefill(s) for s in batch.prefills],
+            prefills=[self._prepare_prefill(s, batch.slot_mapping.device) for s in batch.prefills],
         )
 
     def _prepare_decodes(self, batch: AttentionBatch):
@@ -77,13 +77,13 @@ class TorchBackend:
         return True
 
     @staticmethod
-    def _prepare_prefill(seq: SeqSlice) -> _PrefillMeta:
+    def _prepare_prefill(seq: SeqSlice, device: torch.device) -> _PrefillMeta:
         if seq.ctx_len == seq.q_len:
             return _PrefillMeta(seq, None, None)
         past = seq.ctx_len - seq.q_len
-        qpos = torch.arange(seq.q_len)[:, None] + past
-        mask = torch.arange(seq.ctx_len)[None, :] <= qpos
-        return _PrefillMeta(seq, torch.tensor(seq.block_ids, dtype=torch.int64), mask)
+        qpos = torch.arange(seq.q_len, device=device)[:, None] + past
+        mask = torch.arange(seq.ctx_len, device=device)[None, :] <= qpos
+        return _PrefillMeta(seq, torch.tensor(seq.block_ids, dtype=torch.int64, device=device), mask)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMeta, scale: float) -> torch.Tensor:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
