@@ -44,6 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+# engine settings `serve` also takes as flags (server._engine_options)
+ENGINE_FLAGS = {"dtype", "device", "attention_backend", "kv_cache_memory_gib"}
+
+
 def _with_config_file(parser: argparse.ArgumentParser, argv: Sequence[str] | None, path: str) -> argparse.Namespace:
     """Re-parse with the YAML file's options as defaults (command-line flags still win)."""
     import yaml
@@ -55,7 +59,10 @@ def _with_config_file(parser: argparse.ArgumentParser, argv: Sequence[str] | Non
     if not isinstance(options, dict) or set(options) - known:
         bad = sorted(set(options) - known) if isinstance(options, dict) else options
         raise SystemExit(f"splitserve serve: error: {path}: unknown options {bad}; known: {sorted(known - {'help'})}")
-    sub.set_defaults(**options)
+    engine = dict(options.get("engine") or {})
+    for key in ENGINE_FLAGS & set(engine):  # an engine setting that is also a flag: the flag wins
+        options.setdefault(key, engine.pop(key))
+    sub.set_defaults(**{**options, "engine": engine})
     return parser.parse_args(argv)
 
 

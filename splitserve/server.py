@@ -34,7 +34,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
-    """Engine settings: the flags, then the config file's `engine:` section over them."""
+    """Engine settings: the flags (the config file's values for them already folded in, see
+    cli._with_config_file) and the rest of the file's `engine:` section."""
     engine = dict(args.engine or {})
     if "model" in engine:
         raise ValueError("set the model with --model (or `model:` at the top of the config file), not under engine:")

@@ -48,5 +48,7 @@ def test_engine_flags_reach_the_engine_options(tmp_path):
     f.write_text("device: cuda\nengine: {attention_backend: torch, cuda_graphs: false}\n")
     opts = _engine_options(parse(["serve", "--config", str(f)]))
     assert (opts["device"], opts["attention_backend"], opts["cuda_graphs"]) == ("cuda", "torch", False)
+    opts = _engine_options(parse(["serve", "--config", str(f), "--attention-backend", "triton"]))
+    assert opts["attention_backend"] == "triton"  # the command line wins over the file's engine: too
     with pytest.raises(SystemExit):
         parse(["serve", "--attention-backend", "flash-magic"])
