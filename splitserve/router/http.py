@@ -115,23 +115,26 @@ class OpenAIServer:
             return StreamingResponse(self._sse(kind, rid, opts, choices, streams), media_type="text/event-stream")
         # Not every server cancels a handler whose client left (uvicorn does not): watch for it,
         # so nobody's tokens are generated for nobody.
-        work = asyncio.ensure_future(asyncio.gather(*[_drain(s) for s in streams]))
+        tasks = [asyncio.ensure_future(_drain(s)) for s in streams]
         gone = asyncio.ensure_future(_until_disconnected(request))
         try:
+            work = asyncio.gather(*tasks)
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
+            if not work.done() and gone.exception() is None:
                 return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-            work.result()
+            await work  # (a receive() that failed says nothing about the client: keep waiting)
         except ConfigError as e:
             return error_response(APIError(400, str(e)))
-        finally:  # done, failed, cancelled or abandoned: stop the rest, and account for every choice
-            for t in (work, gone):
-                t.cancel()
-            await asyncio.gather(work, gone, return_exceptions=True)
-            for s in streams:
-                await s.aclose()
-            for c in choices:
-                self.front.release(c)
+        finally:  # done, failed, cancelled or abandoned: stop every choice, then account for each
+            try:
+                for t in (*tasks, gone):
+                    t.cancel()
+                await asyncio.gather(*tasks, gone, return_exceptions=True)
+                for s in streams:
+                    await s.aclose()
+            finally:
+                for c in choices:
+                    self.front.release(c)
         timings = worst_timings(choices)
         headers = {f"x-splitserve-{k.replace('_', '-')}-ms": f"{v * 1e3:.1f}" for k, v in timings.items()}
         return JSONResponse(self._full_body(kind, rid, opts, choices, echo), headers=headers)

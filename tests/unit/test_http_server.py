@@ -232,3 +232,35 @@ def test_usage_counts_each_prompt_once_even_when_identical(server):
     assert len(body["choices"]) == 4
     assert body["usage"]["prompt_tokens"] == 6  # two prompts of 3 tokens; n does not multiply them
     assert body["usage"]["completion_tokens"] == 8
+
+
+def test_one_failed_choice_stops_the_others_and_is_a_400(tiny_checkpoint):
+    """n=2, non-streamed: choice 1 fails with a ConfigError while choice 0 is still generating.
+    The answer is the 400, choice 0 is aborted at once (not run to its end), every admission
+    slot comes back."""
+    from splitserve.types import ConfigError
+
+    class Failing(LocalBackend):
+        async def generate(self, req, plan=None):
+            if req.request_id.endswith("-1"):
+                await asyncio.sleep(0.3)  # choice 0 is well under way by then
+                raise ConfigError("choice 1 cannot be served")
+            async for chunk in super().generate(req, plan):
+                yield chunk
+
+    backend = Failing(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=256), model_name="tiny")
+    srv = OpenAIServer(backend)
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=srv.app), base_url="http://test")
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 1000, "n": 2, "temperature": 0, "ignore_eos": True}
+        r = await http.post("/v1/completions", json=body, timeout=30)
+        await asyncio.sleep(0.2)  # the abort travels to the engine thread
+        return r
+
+    r = run(go())
+    assert r.status_code == 400 and "choice 1 cannot be served" in r.json()["error"]["message"]
+    eng = backend.engine
+    assert not eng.has_unfinished() and eng.pool.num_in_use == 0, "choice 0 must be aborted, not run to the end"
+    assert srv.front.admission.inflight == 0
+    eng.check_invariants()
