@@ -5,8 +5,10 @@ The worker keeps what it sent until the router acknowledges it: each reply carri
 number, the router's next request carries the last one it applied, and everything up to it is
 dropped. A lost reply (an actor call that failed, a cancelled refresh) therefore loses nothing;
 events sent twice are applied twice, which is harmless (both kinds are idempotent, and order is
-kept). A router that stops asking would let the backlog grow: past `limit` hashes it is replaced
-by one full listing of the worker's cache, flagged `reset` (forget this worker, then apply).
+kept). The worker answers with one full listing of its cache, flagged `reset` (forget this
+worker, then apply), to a router that knows nothing of it yet (no ack: a new or restarted
+router, or one that forgot the worker after a failed call), to an ack it never issued, and
+when a router that stopped asking let the backlog pass `limit` hashes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ class Snapshot(NamedTuple):
     reset: bool  # the events list the whole cache: forget what this worker held before applying
 
 
+class Outgoing(NamedTuple):
+    seq: int
+    events: list[KVEvent]
+    reset: bool
+
+
 class EventOutbox:
     def __init__(self, limit: int = 200_000) -> None:
         self.limit = limit
@@ -33,24 +41,26 @@ class EventOutbox:
         self._seq = 0
         self._reset_seq: int | None = None  # a full listing is owed until the router acks this
 
-    def take(self, ack: int, new: list[KVEvent], listing: Callable[[], list[KVEvent]]) -> tuple[int, list[KVEvent], bool]:
-        """Record `new`, drop what `ack` covers; (seq, events to send, reset)."""
-        while self._batches and self._batches[0][0] <= ack:
-            self._size -= _hashes(self._batches.popleft()[1])
-        if self._reset_seq is not None and ack >= self._reset_seq:
-            self._reset_seq = None
+    def take(self, ack: int | None, new: list[KVEvent], listing: Callable[[], list[KVEvent]]) -> Outgoing:
+        """Record `new`, drop what `ack` covers, say what to send."""
+        unknown = ack is None or ack > self._seq  # the router has nothing of ours to build on
+        if not unknown:
+            while self._batches and self._batches[0][0] <= ack:
+                self._size -= _hashes(self._batches.popleft()[1])
+            if self._reset_seq is not None and ack >= self._reset_seq:
+                self._reset_seq = None
         if new:
             self._seq += 1
             self._batches.append((self._seq, new))
             self._size += _hashes(new)
-        if self._size > self.limit or self._reset_seq is not None:
+        if unknown or self._reset_seq is not None or self._size > self.limit:
             # the listing is the current state: it subsumes every batch, sent or not
             self._batches.clear()
             self._size = 0
             self._seq += 1
             self._reset_seq = self._seq
-            return self._seq, listing(), True
-        return self._seq, [ev for _, batch in self._batches for ev in batch], False
+            return Outgoing(self._seq, listing(), True)
+        return Outgoing(self._seq, [ev for _, batch in self._batches for ev in batch], False)
 
 
 def _hashes(events: list[KVEvent]) -> int:

@@ -32,9 +32,9 @@ class KVWorker:
     async def stats(self) -> WorkerStats:
         return await self.loop.call(self.engine.stats)
 
-    async def snapshot(self, ack: int = 0) -> Snapshot:
+    async def snapshot(self, ack: int | None = None) -> Snapshot:
         """Load and the KV events the router has not acknowledged (`ack`: the last `seq` it
-        applied), in one round trip."""
+        applied; None: it knows nothing of this worker yet), in one round trip."""
         def take() -> Snapshot:
             e = self.engine
             return Snapshot(e.stats(), *self.outbox.take(ack, e.drain_kv_events(), e.kv_listing))

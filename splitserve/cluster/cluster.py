@@ -22,10 +22,11 @@ from typing import Any, AsyncIterator, Sequence
 
 from splitserve.detokenizer import RequestText
 from splitserve.hashing import block_hashes
-from splitserve.router import NoCapacity, RouteRequest, WorkerView, make_router
+from splitserve.kv_events import Snapshot
 from splitserve.llm import RequestOutput, _as_params_list, _as_prompt_list, request_output
-from splitserve.tokenizer import Tokenizer
+from splitserve.router import NoCapacity, RouteRequest, WorkerView, make_router
 from splitserve.router.admission import Plan
+from splitserve.tokenizer import Tokenizer
 from splitserve.types import ConfigError, Request, SamplingParams, TokenChunk, WorkerStats
 
 TRANSPORTS = ("auto", "shm", "tcp", "nixl")
@@ -79,6 +80,7 @@ def resolve_transports(name: str) -> list[str]:
 
 
 class Cluster:
+    SNAPSHOT_TIMEOUT_S = 5.0
     def __init__(self, cfg: ClusterConfig, prefills: list, decodes: list, started_ray: bool,
                  readers: list[tuple[str, list[str]]]) -> None:
         self.cfg = cfg
@@ -154,7 +156,7 @@ class Cluster:
             groups.append((gid, p if isinstance(p, str) else None, ids, reqs))
         tasks = [[asyncio.ensure_future(self.run_request(r)) for r in reqs] for *_, reqs in groups]
         outs = [request_output(gid, text, ids, [await t for t in ts]) for (gid, text, ids, _), ts in zip(groups, tasks)]
-        if self._refreshing is not None:  # asyncio.run would cancel it, losing the KV events it drained
+        if self._refreshing is not None:  # let it land rather than have asyncio.run cancel it
             await asyncio.wait({self._refreshing})
         return outs
 
@@ -256,13 +258,14 @@ class Cluster:
     async def _pull_snapshots(self) -> None:
         named = [(f"prefill-{i}", "prefill", w) for i, w in enumerate(self.prefills)]
         named += [(f"decode-{i}", "decode", w) for i, w in enumerate(self.decodes)]
-        snaps = await asyncio.gather(*[w.snapshot.remote(self._acked.get(wid, 0)) for wid, _, w in named],
-                                     return_exceptions=True)
+        snaps = await asyncio.gather(*[self._snapshot(wid, w) for wid, _, w in named], return_exceptions=True)
         for (wid, role, _), snap in zip(named, snaps):
+            if snap is None:  # slow to answer: its view stays as it was, its events come next time
+                continue
             if isinstance(snap, BaseException):  # dead or failing: out of placement, cache forgotten
                 self._views[wid] = WorkerView(wid, role, local_host(), healthy=False)
                 self._stats.pop(wid, None)
-                self._acked.pop(wid, None)
+                self._acked.pop(wid, None)  # so its next answer is a full listing
                 self.router.index.remove_worker(wid)
                 continue
             stats = snap.stats
@@ -274,16 +277,29 @@ class Cluster:
             self._views[wid] = WorkerView(wid, role, local_host(), stats.num_waiting, stats.num_running,
                                           stats.kv_usage, stats.kv_blocks_free + stats.kv_blocks_cached)
 
+    async def _snapshot(self, wid: str, worker) -> Snapshot | None:
+        """A worker's snapshot, or None when it takes longer than SNAPSHOT_TIMEOUT_S: one hung
+        worker must not freeze every view (delivery is at least once, so giving up loses
+        nothing)."""
+        try:
+            return await asyncio.wait_for(worker.snapshot.remote(self._acked.get(wid)), self.SNAPSHOT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return None
+
     async def _prefill(self, req: Request, reader: tuple[str, list[str]], first: int):
         """The chosen prefill worker, then the others in turn; (None, None) when all fail
         (local prefill instead)."""
         start = first
         for k in range(len(self.prefills)):
             worker = self.prefills[(start + k) % len(self.prefills)]
+            ref = worker.prefill.remote(req, *reader)
             try:
-                return await worker.prefill.remote(req, *reader), worker
-            except ConfigError:  # the request is at fault, not the worker: every worker would refuse it
+                return await ref, worker
+            except asyncio.CancelledError:  # the caller left: stop the prefill (and its lease) now
+                _cancel(ref)
                 raise
+            except ConfigError as e:  # the request is at fault, not the worker: all would refuse it
+                raise getattr(e, "cause", e) from None  # (Ray's wrapper carries the remote traceback)
             except Exception:  # the actor died or its engine failed: the next one, else locally
                 self.prefill_failures += 1
         return None, None
@@ -323,6 +339,15 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _cancel(ref) -> None:
+    import ray
+
+    try:
+        ray.cancel(ref)  # an async actor method gets CancelledError and aborts its engine request
+    except Exception:  # not a Ray ref (tests), or already finished
+        pass
 
 
 def _wait_loaded(workers: list, on_ready=None) -> None:

@@ -12,17 +12,19 @@ def _held(index: KVIndex, worker: str, hashes) -> list:
 
 def test_a_lost_reply_is_sent_again_and_applying_twice_is_harmless():
     box, index = EventOutbox(), KVIndex()
-    listing = lambda: [BlockStored((1, 2, 3))]  # noqa: E731 (not used: no reset here)
-    seq1, ev1, reset = box.take(0, [BlockStored((1, 2))], listing)
-    assert (seq1, ev1, reset) == (1, [BlockStored((1, 2))], False)
-    # the reply is lost: the router still acks 0, so batch 1 comes again with batch 2
-    seq2, ev2, _ = box.take(0, [BlockRemoved((1,)), BlockStored((3,))], listing)
-    assert seq2 == 2 and ev2 == [BlockStored((1, 2)), BlockRemoved((1,)), BlockStored((3,))]
+    listing = lambda: [BlockStored(())]  # noqa: E731
+    seq0, ev0, reset0 = box.take(None, [], listing)  # first contact: a listing (empty here)
+    assert reset0 and ev0 == [BlockStored(())]
+    seq1, ev1, reset = box.take(seq0, [BlockStored((1, 2))], listing)
+    assert (seq1, ev1, reset) == (seq0 + 1, [BlockStored((1, 2))], False)
+    # the reply is lost: the router still acks seq0, so batch 1 comes again with batch 2
+    seq2, ev2, _ = box.take(seq0, [BlockRemoved((1,)), BlockStored((3,))], listing)
+    assert seq2 == seq1 + 1 and ev2 == [BlockStored((1, 2)), BlockRemoved((1,)), BlockStored((3,))]
     index.apply("w", ev1)  # suppose the first reply did arrive after all: applied twice now
     index.apply("w", ev2)
     assert _held(index, "w", (1, 2, 3)) == [2, 3]
     seq3, ev3, _ = box.take(seq2, [], listing)  # acknowledged: nothing left to send
-    assert (seq3, ev3) == (2, [])
+    assert (seq3, ev3) == (seq2, [])
 
 
 def test_a_backlog_past_the_limit_becomes_one_listing_until_acknowledged():
@@ -30,13 +32,27 @@ def test_a_backlog_past_the_limit_becomes_one_listing_until_acknowledged():
     index.apply("w", [BlockStored((9,))])  # stale: the worker dropped 9 in events the router never got
     state = {"cached": (1, 2, 3, 4)}
     listing = lambda: [BlockStored(state["cached"])]  # noqa: E731
-    box.take(0, [BlockStored((1, 2))], listing)
-    seq, events, reset = box.take(0, [BlockStored((3, 4)), BlockRemoved((9,))], listing)  # 5 hashes > 3
+    first = box.take(None, [], listing).seq
+    box.take(first, [BlockStored((1, 2))], listing)
+    seq, events, reset = box.take(first, [BlockStored((3, 4)), BlockRemoved((9,))], listing)  # 5 hashes > 3
     assert reset and events == [BlockStored((1, 2, 3, 4))]
     state["cached"] = (1, 2, 3)  # the reply is lost and the cache moves on: a fresh listing comes again
-    seq2, events2, reset2 = box.take(0, [BlockRemoved((4,))], listing)
+    seq2, events2, reset2 = box.take(first, [BlockRemoved((4,))], listing)
     assert reset2 and seq2 > seq and events2 == [BlockStored((1, 2, 3))]
     index.remove_worker("w")  # what the router does with a reset
     index.apply("w", events2)
     assert _held(index, "w", (1, 2, 3, 4, 9)) == [1, 2, 3]
     assert box.take(seq2, [], listing) == (seq2, [], False)  # acknowledged: back to batches
+
+
+def test_a_router_that_lost_track_gets_a_listing():
+    """A router that forgot this worker (a failed call) or never knew it (new, restarted) acks
+    None; one whose ack this worker never issued is as lost. Both get the whole cache."""
+    box = EventOutbox()
+    listing = lambda: [BlockStored((1, 2, 3))]  # noqa: E731
+    seq = box.take(None, [], listing).seq
+    seq = box.take(seq, [BlockStored((1, 2, 3))], listing).seq
+    for ack in (None, seq + 100):
+        out = box.take(ack, [], listing)
+        assert out.reset and out.events == [BlockStored((1, 2, 3))]
+    assert box.take(out.seq, [], listing) == (out.seq, [], False)
