@@ -18,6 +18,7 @@ import sys
 from typing import Sequence
 
 from splitserve import __version__
+from splitserve.config import ATTENTION_BACKENDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,9 +112,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--disagg-min-tokens", type=int, default=32)
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where workers run (auto: a GPU each when the cluster has GPUs)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton", "flash_attn"],
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N: where workers run (auto: a GPU "
+                                                    "each when the cluster has GPUs)")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: flash_attn or triton on a GPU, the native CPU kernel on a CPU")
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     p.add_argument("--max-inflight", type=int, default=256, help="admission: requests in flight at most")

@@ -21,6 +21,9 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "splitserve"
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")  # engine/attention/backend.py
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # a local Hugging Face directory

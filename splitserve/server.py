@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 
+from splitserve.cli import ENGINE_FLAGS
 from splitserve.router.admission import AdmissionConfig
 
 
@@ -39,9 +40,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     engine = dict(args.engine or {})
     if "model" in engine:
         raise ValueError("set the model with --model (or `model:` at the top of the config file), not under engine:")
-    flags = {"dtype": args.dtype, "device": args.device, "attention_backend": args.attention_backend,
-             "kv_cache_memory_gib": args.kv_cache_memory_gib}
-    return {**flags, **engine}
+    return {**{k: getattr(args, k) for k in ENGINE_FLAGS}, **engine}
 
 
 def _say(msg: str) -> None:

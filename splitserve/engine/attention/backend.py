@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from splitserve.config import ATTENTION_BACKENDS
 from splitserve.types import ConfigError
 
 
@@ -56,7 +57,7 @@ class AttentionBackend(Protocol):
         """Store k/v at the batch's slots, then attend."""
 
 
-BACKENDS = ("torch", "cpu", "triton", "flash_attn")
+BACKENDS = ATTENTION_BACKENDS[1:]  # after "auto"
 
 
 def get_backend(name: str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, *,
