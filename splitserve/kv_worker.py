@@ -10,7 +10,7 @@ from typing import Sequence
 
 from splitserve.config import EngineConfig
 from splitserve.engine_loop import EngineLoop
-from splitserve.kv_events import EventOutbox, Snapshot
+from splitserve.kv_events import RouterOutboxes, Snapshot
 from splitserve.kv_transfer import make_transport
 from splitserve.kv_transfer.base import TransportEndpoint
 from splitserve.kv_transfer.layout import layout_of
@@ -27,17 +27,17 @@ class KVWorker:
         self.transports = {t: make_transport(t, **(transport_options or {}).get(t, {})) for t in transports}
         self.endpoints: dict[str, TransportEndpoint] = {
             t: tr.register(self.engine.kv.storage, self.layout, self.host) for t, tr in self.transports.items()}
-        self.outbox = EventOutbox()  # touched on the engine thread only
+        self.outboxes = RouterOutboxes()  # touched on the engine thread only
 
     async def stats(self) -> WorkerStats:
         return await self.loop.call(self.engine.stats)
 
-    async def snapshot(self, ack: int | None = None) -> Snapshot:
-        """Load and the KV events the router has not acknowledged (`ack`: the last `seq` it
+    async def snapshot(self, ack: int | None = None, router: str = "") -> Snapshot:
+        """Load and the KV events `router` has not acknowledged (`ack`: the last `seq` it
         applied; None: it knows nothing of this worker yet), in one round trip."""
         def take() -> Snapshot:
             e = self.engine
-            return Snapshot(e.stats(), *self.outbox.take(ack, e.drain_kv_events(), e.kv_listing))
+            return Snapshot(e.stats(), *self.outboxes.take(router, ack, e.drain_kv_events(), e.kv_listing))
 
         return await self.loop.call(take)
 

@@ -17,6 +17,7 @@ import itertools
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
@@ -102,6 +103,7 @@ class Cluster:
         self.timings: collections.deque[Timing] = collections.deque(maxlen=4096)
         self.prefill_failures = 0
         self._acked: dict[str, int] = {}  # per worker: the last KV-event batch applied (kv_events.py)
+        self._router_id = uuid.uuid4().hex  # each ingress replica acknowledges on its own
 
     @classmethod
     def start(cls, model: str | None = None, prefill: int = 1, decode: int = 1, transport: str = "auto",
@@ -282,7 +284,8 @@ class Cluster:
         worker must not freeze every view (delivery is at least once, so giving up loses
         nothing)."""
         try:
-            return await asyncio.wait_for(worker.snapshot.remote(self._acked.get(wid)), self.SNAPSHOT_TIMEOUT_S)
+            ref = worker.snapshot.remote(self._acked.get(wid), self._router_id)
+            return await asyncio.wait_for(ref, self.SNAPSHOT_TIMEOUT_S)
         except asyncio.TimeoutError:
             return None
 

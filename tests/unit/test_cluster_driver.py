@@ -8,7 +8,7 @@ import types
 import pytest
 
 from splitserve.engine.kv_cache.block_pool import BlockRemoved, BlockStored
-from splitserve.kv_events import EventOutbox, Snapshot
+from splitserve.kv_events import RouterOutboxes, Snapshot
 from splitserve.router.kv_index import KVIndex
 from splitserve.types import ConfigError, WorkerStats
 
@@ -54,7 +54,7 @@ class _SnapWorker:
     """A worker's outbox over a fake cache; `mode`: "ok", "fail" (the call raises), "slow"."""
 
     def __init__(self):
-        self.outbox, self.cached, self.pending, self.mode = EventOutbox(), set(), [], "ok"
+        self.outboxes, self.cached, self.pending, self.mode = RouterOutboxes(), set(), [], "ok"
         self.snapshot = self
 
     def store(self, *hs):
@@ -65,12 +65,12 @@ class _SnapWorker:
         self.cached -= set(hs)
         self.pending.append(BlockRemoved(hs))
 
-    def remote(self, ack):
+    def remote(self, ack, router):
         async def run():
             if self.mode == "slow":
                 await asyncio.sleep(10)
             new, self.pending = self.pending, []
-            out = self.outbox.take(ack, new, lambda: [BlockStored(tuple(sorted(self.cached)))])
+            out = self.outboxes.take(router, ack, new, lambda: [BlockStored(tuple(sorted(self.cached)))])
             if self.mode == "fail":  # the worker moved on, the reply is lost
                 raise RuntimeError("reply lost")
             return Snapshot(WorkerStats(0, 0, 0, 16, 16, 0, 0, 0, 0), *out)
@@ -83,7 +83,7 @@ def test_the_index_follows_the_cache_through_lost_replies_failures_and_slow_work
     w = _SnapWorker()
     c = object.__new__(cluster_mod.Cluster)
     c.prefills, c.decodes = [], [w]
-    c._acked, c._views, c._stats = {}, {}, {}
+    c._acked, c._views, c._stats, c._router_id = {}, {}, {}, "router-1"
     c.router = types.SimpleNamespace(index=KVIndex())
 
     def held():
