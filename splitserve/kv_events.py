@@ -8,7 +8,8 @@ events sent twice are applied twice, which is harmless (both kinds are idempoten
 kept). The worker answers with one full listing of its cache, flagged `reset` (forget this
 worker, then apply), to a router that knows nothing of it yet (no ack: a new or restarted
 router, or one that forgot the worker after a failed call), to an ack it never issued, and
-when a router that stopped asking let the backlog pass `limit` hashes.
+when a router that stopped asking let the backlog pass `limit` hashes. Each router (an ingress
+replica keeps its own index) has its own outbox (`RouterOutboxes`).
 """
 
 from __future__ import annotations
