@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from splitserve.types import ConfigError
 
@@ -72,5 +71,7 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "EngineConfig":
+        import yaml  # here: the engine itself (and the GPU script) runs without PyYAML
+
         data = yaml.safe_load(Path(path).read_text()) or {}
         return cls.from_dict(data.get("engine", data))
