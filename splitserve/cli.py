@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # engine settings `serve` also takes as flags (server._engine_options)
-ENGINE_FLAGS = {"dtype", "device", "attention_backend", "kv_cache_memory_gib"}
+ENGINE_FLAGS = {"dtype", "device", "attention_backend", "kv_cache_memory_gib", "gpu_memory_utilization"}
 
 
 def _with_config_file(parser: argparse.ArgumentParser, argv: Sequence[str] | None, path: str) -> argparse.Namespace:
@@ -116,7 +116,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                                                     "each when the cluster has GPUs)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: flash_attn or triton on a GPU, the native CPU kernel on a CPU")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV cache size (on a CPU, or a GPU "
+                                                                        "without --gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="on a GPU: the share of its memory each worker may use; the KV cache takes the rest")
     p.add_argument("--max-inflight", type=int, default=256, help="admission: requests in flight at most")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="admission: default TTFT target")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="admission: default TPOT target")

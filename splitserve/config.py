@@ -29,8 +29,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: from kv_cache_memory_gib
+    num_kv_blocks: int | None = None  # None: from gpu_memory_utilization on CUDA if set, else kv_cache_memory_gib
     kv_cache_memory_gib: float = 2.0
+    gpu_memory_utilization: float | None = None  # CUDA: the KV cache takes what is left of this share of the GPU
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # per-step token budget (decode tokens + prefill chunks)
     max_model_len: int | None = None  # None: the model's context length
@@ -56,6 +57,9 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not self.kv_cache_memory_gib > 0:
             raise ConfigError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
+        u = self.gpu_memory_utilization
+        if u is not None and not (isinstance(u, (int, float)) and not isinstance(u, bool) and 0 < u <= 1):
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if not Path(self.model).is_dir():

@@ -53,7 +53,7 @@ class Engine:
         self.max_model_len = _max_model_len(config, mc)
         torch.manual_seed(config.seed)
         model = load_model(Path(config.model), mc, self.dtype, self.max_model_len, self.device)
-        num_blocks = config.num_kv_blocks or _blocks_for_memory(config, mc, self.dtype)
+        num_blocks = config.num_kv_blocks or _blocks_for_memory(config, mc, self.dtype, self.device)
         shm = None
         if config.kv_shared_memory:
             sweep_stale_shm(SHM_PREFIX)  # files of workers that died without cleaning up
@@ -319,9 +319,25 @@ def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
     return config.max_model_len
 
 
-def _blocks_for_memory(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
+def _blocks_for_memory(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
     per_block = KVCacheTensors.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
-    return max(1, int(config.kv_cache_memory_gib * (1 << 30)) // per_block)
+    if config.gpu_memory_utilization is not None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = kv_budget_bytes(total, free, config.gpu_memory_utilization)
+    else:
+        budget = int(config.kv_cache_memory_gib * (1 << 30))
+    return max(1, budget // per_block)
+
+
+def kv_budget_bytes(total: int, free: int, utilization: float, headroom: int = 1 << 30) -> int:
+    """The KV cache's bytes when this engine may use `utilization` of a GPU of `total` bytes of
+    which `free` are free now (after its weights): what is left of that share, less `headroom`
+    for activations. Refuses when nothing is left (raise the share, or lower max_model_len)."""
+    budget = int(total * utilization) - (total - free) - headroom
+    if budget <= 0:
+        raise ConfigError(f"gpu_memory_utilization {utilization} leaves no room for a KV cache: "
+                          f"{(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB are in use already")
+    return budget
 
 
 def _phases(seq: Sequence) -> PhaseTimes:

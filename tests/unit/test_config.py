@@ -6,6 +6,7 @@ import math
 import shutil
 
 import pytest
+import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.config import EngineConfig
@@ -83,3 +84,19 @@ def test_yaml_config(tiny_checkpoint, tmp_path):
     p.write_text(f"engine:\n  model: {tiny_checkpoint('llama')}\n  blok_size: 32\n")
     with pytest.raises(ConfigError, match="blok_size"):
         EngineConfig.from_yaml(p)
+
+
+def test_gpu_memory_utilization(tiny_checkpoint):
+    """The KV budget on a GPU: what is left of the share after what is in use, less headroom."""
+    from splitserve.engine.engine import kv_budget_bytes
+
+    gib = 1 << 30
+    assert kv_budget_bytes(total=80 * gib, free=64 * gib, utilization=0.9) == int(72 * gib) - 16 * gib - gib
+    with pytest.raises(ConfigError, match="leaves no room for a KV cache: 60.0 GiB of 80.0 GiB"):
+        kv_budget_bytes(total=80 * gib, free=20 * gib, utilization=0.5)
+    for bad in (0, 1.5, True, "0.9"):
+        with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):
+            EngineConfig(model=str(tiny_checkpoint("llama")), gpu_memory_utilization=bad)
+    # on a CPU it is not consulted: kv_cache_memory_gib sizes the cache
+    llm = LLM(str(tiny_checkpoint("llama")), device="cpu", gpu_memory_utilization=0.9, kv_cache_memory_gib=0.001)
+    assert llm.engine.pool.num_blocks * llm.engine.kv.bytes_per_block(2, 16, 2, 8, torch.float32) <= 0.001 * gib
