@@ -11,6 +11,7 @@ kernels accumulate in fp32; what differs is the rounding of the softmax weights 
 dtype for the second matmul, and of the output."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ ODD_D = [(torch.float16, 80, 4, 16), (torch.bfloat16, 8, 4, 32), (torch.float32,
 # (new tokens, context) per sequence: a whole prompt, a chunk after a cached prefix, a one-token
 # chunk, a long chunk over a prefix (several query tiles)
 CHUNKS = ((5, 5), (7, 40), (1, 33), (37, 97))
+RANDOM_CASES = int(os.environ.get("SPLITSERVE_RANDOM_CASES", "6"))  # more for a deeper sweep (60 pass)
 
 
 def _ids(cases):
@@ -129,3 +131,24 @@ def test_bad_arguments_name_the_problem():
     for call, msg in bad:
         with pytest.raises(ValueError, match=msg):
             call()
+
+
+@pytest.mark.parametrize("seed", range(RANDOM_CASES))
+def test_random_layouts_match_reference(seed):
+    """Random shapes the grid does not pin down: head dims, GQA ratios, page and step sizes,
+    a batch of chunks of random lengths (an empty one included) over random cached prefixes."""
+    import random
+
+    rnd = random.Random(seed)
+    dtype = rnd.choice(DTYPES)
+    d, ratio, bs, hkv = rnd.choice([16, 32, 48, 64, 80, 128]), rnd.choice([1, 2, 4, 8]), rnd.choice([16, 32]), rnd.choice([1, 2])
+    chunks = [(q, q + rnd.randint(0, 50)) for q in (rnd.randint(1, 40) for _ in range(rnd.randint(1, 4)))] + [(0, 9)]
+    rnd.shuffle(chunks)
+    cu = torch.tensor([0, *itertools.accumulate(n for n, _ in chunks)], dtype=torch.int32, device=DEVICE)
+    q, k, v, tables, ctx = _cache(dtype, d, ratio, bs, [c for _, c in chunks], hkv=hkv, num_q=int(cu[-1]), seed=seed)
+    block_n = rnd.choice([16, 32, 64])
+    out = att.paged_attention_prefill(q, k, v, tables, cu, ctx, d ** -0.5, block_n=block_n)
+    assert _err(out, att.paged_attention_prefill_reference(q, k, v, tables, cu, ctx, d ** -0.5), dtype) <= TOL[dtype]
+    qd = q[: len(chunks)] if q.shape[0] >= len(chunks) else torch.randn(len(chunks), *q.shape[1:]).to(dtype).to(DEVICE)
+    dec = att.paged_attention_decode(qd, k, v, tables, ctx, d ** -0.5, num_splits=rnd.choice([1, 2, 5]), block_n=block_n)
+    assert _err(dec, att.paged_attention_decode_reference(qd, k, v, tables, ctx, d ** -0.5), dtype) <= TOL[dtype]
