@@ -139,7 +139,14 @@ class Cluster:
             raise
         prefills = [make_prefill(cfg, kinds, i, share) for i in range(cfg.prefill)]
         decodes = [make_decode(cfg, kinds, i, share) for i in range(cfg.decode)]
-        _wait_loaded(prefills + decodes, on_ready)
+        try:
+            _wait_loaded(prefills + decodes, on_ready)
+        except ConfigError:
+            for w in prefills + decodes:
+                ray.kill(w)
+            if started:
+                ray.shutdown()
+            raise
         readers = ray.get([d.reader_info.remote() for d in decodes])
         return cls(cfg, prefills, decodes, started, readers)
 
@@ -354,15 +361,32 @@ def _cancel(ref) -> None:
 
 
 def _wait_loaded(workers: list, on_ready=None) -> None:
-    """Block until every worker has loaded its model; a worker that failed to load raises here."""
+    """Block until every worker has loaded its model; a worker that failed to load raises here
+    (a ConfigError as itself, e.g. a backend the machine cannot run, not as Ray's traceback)."""
     import ray
 
     pending = [w.stats.remote() for w in workers]
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done)
+        try:
+            ray.get(done)
+        except ray.exceptions.RayActorError as e:
+            refused = _config_error_in(e)
+            if refused is None:
+                raise
+            raise refused from None
         if on_ready is not None:
             on_ready(len(workers) - len(pending), len(workers))
+
+
+def _config_error_in(e: BaseException) -> ConfigError | None:
+    """The ConfigError a worker's constructor raised, recovered from Ray's actor error (which
+    keeps only its text)."""
+    marker = f"{ConfigError.__module__}.ConfigError: "
+    text = str(e)
+    if not getattr(e, "actor_init_failed", False) or marker not in text:
+        return None
+    return ConfigError(text.rsplit(marker, 1)[1].strip().splitlines()[0])
 
 
 def local_host() -> str:

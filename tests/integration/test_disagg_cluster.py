@@ -163,3 +163,20 @@ def test_abort_on_decode_side_mid_transfer(ray_session, model):
         chunks = asyncio.run(scenario())
         assert [ch.finish_reason.value for ch in chunks] == ["abort"]
         assert_drained(c)
+
+
+def test_a_worker_refusing_its_configuration_is_a_clean_config_error(ray_session, model):
+    """A backend this machine cannot run: the worker's constructor raises ConfigError; the
+    driver gets that ConfigError (its message, not Ray's traceback) and no worker is left."""
+    from splitserve.types import ConfigError
+
+    import time
+
+    cpus = ray_session.available_resources().get("CPU", 0)
+    with pytest.raises(ConfigError, match=r"^attention backend 'flash_attn' cannot run here: flash-attn runs only on CUDA"):
+        Cluster.start(model=model, prefill=1, decode=1, attention_backend="flash_attn", num_kv_blocks=64)
+    assert ray_session.is_initialized()  # a cluster it joined stays up
+    deadline = time.time() + 20  # the workers' CPUs come back once they are gone
+    while ray_session.available_resources().get("CPU", 0) < cpus and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray_session.available_resources().get("CPU", 0) >= cpus
