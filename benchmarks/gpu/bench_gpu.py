@@ -119,106 +119,11 @@ class Bench:
         del src, dst
 
     def kernels(self) -> None:
-        from splitserve.engine.kernels import triton_attention as att
-        from splitserve.engine.kernels import triton_kv as kv
-        from splitserve.engine.kernels import triton_norm as norm
-
+        cases = KernelCases(self)
         out: dict[str, Any] = {}
         self.result["kernels"] = out
-        torch = self.torch
-        s = self.shape
-        hkv, d, h = s["kv_heads"], s["head_dim"], s["heads"]
-        dev, dt, bs = self.device, self.dtype, self.block_size
-        g = torch.Generator(device=dev).manual_seed(0)
-
-        def rand(*shape):
-            return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32).to(dt)
-
-        batch, ctx = (4, 40) if self.smoke else (64, 2048)
-        nblk = -(-ctx // bs)
-        k_cache, v_cache = rand(batch * nblk + 1, bs, hkv, d), rand(batch * nblk + 1, bs, hkv, d)
-        tables = torch.randperm(batch * nblk, device=dev, generator=g).to(torch.int32).view(batch, nblk)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-        q = rand(batch, h, d)
-        kv_bytes = 2 * batch * ctx * hkv * d * k_cache.element_size()
-        iters = 2 if self.smoke else 50
-
-        def decode():
-            ref = att.paged_attention_decode_reference(q, k_cache, v_cache, tables, lens, d ** -0.5)
-            res = att.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5)
-            t = self.timeit(lambda: att.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5,
-                                                                validate=False), iters)
-            t_torch = self.timeit(lambda: _gather_sdpa_decode(torch, q, k_cache, v_cache, tables, ctx, d ** -0.5), iters)
-            return {"batch": batch, "context": ctx, "max_abs_err": _err(res, ref), "seconds": t,
-                    "bandwidth_util": kv_bytes / t / self.copy_bw, "torch_gather_sdpa_seconds": t_torch}
-
-        def prefill():
-            T = 32 if self.smoke else 4096
-            blocks = -(-T // bs)
-            kc, vc = rand(blocks, bs, hkv, d), rand(blocks, bs, hkv, d)
-            tab = torch.arange(blocks, dtype=torch.int32, device=dev)[None]
-            cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
-            ln = torch.tensor([T], dtype=torch.int32, device=dev)
-            qq = rand(T, h, d)
-            res = att.paged_attention_prefill(qq, kc, vc, tab, cu, ln, d ** -0.5)
-            ref = att.paged_attention_prefill_reference(qq, kc, vc, tab, cu, ln, d ** -0.5)
-            t = self.timeit(lambda: att.paged_attention_prefill(qq, kc, vc, tab, cu, ln, d ** -0.5, max_seqlen_q=T,
-                                                                 validate=False), iters)
-            kk = kc.view(-1, hkv, d)[:T].transpose(0, 1)[None].repeat_interleave(h // hkv, dim=1)
-            vv = vc.view(-1, hkv, d)[:T].transpose(0, 1)[None].repeat_interleave(h // hkv, dim=1)
-            qt = qq.transpose(0, 1)[None]
-            t_sdpa = self.timeit(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kk, vv, is_causal=True),
-                                 iters)
-            flops = 2 * T * T * h * d  # QK^T and PV, causal half of 2 * 2 * T^2 * h * d
-            r = {"tokens": T, "max_abs_err": _err(res, ref), "seconds": t,
-                 "tflops": flops / t / 1e12, "torch_sdpa_seconds": t_sdpa, "torch_sdpa_tflops": flops / t_sdpa / 1e12}
-            return r
-
-        def store():
-            n = 64 if self.smoke else 8192
-            key, val = rand(n, hkv, d), rand(n, hkv, d)
-            slots = torch.randperm(k_cache.shape[0] * bs, device=dev, generator=g)[:n]
-            kc, vc, kr, vr = (k_cache.clone() for _ in range(4))
-            kv.store_kv(key, val, kc, vc, slots)
-            kv.store_kv_reference(key, val, kr, vr, slots)
-            t = self.timeit(lambda: kv.store_kv(key, val, kc, vc, slots), iters)
-            t_torch = self.timeit(lambda: kv.store_kv_reference(key, val, kr, vr, slots), iters)
-            return {"tokens": n, "exact": bool(torch.equal(kc, kr) and torch.equal(vc, vr)), "seconds": t,
-                    "gb_per_s": 4 * key.numel() * key.element_size() / t / 1e9, "torch_seconds": t_torch}
-
-        def pack():
-            layers = 2 if self.smoke else 32
-            ks = [k_cache] * layers
-            vs = [v_cache] * layers
-            ids = tables[0].long()
-            buf = kv.pack_blocks(ks, vs, ids)
-            exact = bool(torch.equal(buf, kv.pack_blocks_reference(ks, vs, ids)))
-            t = self.timeit(lambda: kv.pack_blocks(ks, vs, ids), iters)
-            t_torch = self.timeit(lambda: kv.pack_blocks_reference(ks, vs, ids), iters)
-            return {"layers": layers, "blocks": int(ids.numel()), "exact": exact, "seconds": t,
-                    "gb_per_s": 2 * buf.numel() * buf.element_size() / t / 1e9, "torch_seconds": t_torch}
-
-        def rms():
-            n = 8 if self.smoke else 256
-            x, r, w = rand(n, s["hidden"]), rand(n, s["hidden"]), rand(s["hidden"])
-            o, nr = norm.rms_norm(x, w, 1e-5, residual=r)
-            ro, rr = norm.rms_norm_reference(x, w, 1e-5, residual=r)
-            t = self.timeit(lambda: norm.rms_norm(x, w, 1e-5, residual=r), iters)
-            t_torch = self.timeit(lambda: norm.rms_norm_reference(x, w, 1e-5, residual=r), iters)
-            return {"tokens": n, "max_abs_err": max(_err(o, ro), _err(nr, rr)), "seconds": t, "torch_seconds": t_torch}
-
-        def rope():
-            n = 8 if self.smoke else 256
-            qk, cos, sin = rand(n, h + hkv, d), rand(n, 1, d), rand(n, 1, d)
-            res = norm.apply_rotary(qk, cos, sin)
-            t = self.timeit(lambda: norm.apply_rotary(qk, cos, sin), iters)
-            t_torch = self.timeit(lambda: norm.apply_rotary_reference(qk, cos, sin), iters)
-            return {"tokens": n, "max_abs_err": _err(res, norm.apply_rotary_reference(qk, cos, sin)),
-                    "seconds": t, "torch_seconds": t_torch}
-
-        for name, fn in [("decode", decode), ("prefill", prefill), ("store_kv", store), ("pack_blocks", pack),
-                         ("rms_norm_residual", rms), ("rotary", rope)]:
-            out[name] = self.guarded(f"kernels.{name}", fn)
+        for name in KernelCases.NAMES:
+            out[name] = self.guarded(f"kernels.{name}", getattr(cases, name))
             print(f"kernel {name}: {out[name]}", flush=True)
 
     # -- the model ----------------------------------------------------------------------------
@@ -427,41 +332,42 @@ class Bench:
                 "bandwidth_util": read / t / self.copy_bw, "tokens_per_s": b / t, "kv_blocks_shared": shared}
 
     def prefill(self) -> None:
-        torch = self.torch
         lengths = (16, 32) if self.smoke else (512, 2048, 8192)
         rows: list[dict] = []
         self.result["prefill"] = rows
         iters = 2 if self.smoke else 5
-        c = self.cfg
+        backends = self.backends()
         for T in lengths:
-            for name, (be, page) in self.backends().items():
+            for name, (be, page) in backends.items():
                 if self.time_left() < 30:
                     rows.append({"tokens": T, "backend": name, "skipped": "budget"})
                     continue
+                r = self.guarded(f"prefill.{name}.{T}", lambda: self._prefill_row(T, be, page, iters))
+                if r is None:
+                    rows.append({"tokens": T, "backend": name, "skipped": "error"})
+                    continue
+                rows.append({**r, "backend": name})
+                print(f"prefill T={T:5d} {name:10s} {r['seconds'] * 1e3:8.1f} ms {r['tflops']:.1f} TFLOP/s "
+                      f"MFU {r['mfu']}", flush=True)
 
-                def run(T=T, be=be, page=page):
-                    batch, _ = self.batch(1, T, T, page)
-                    kv = self.layers(page)
-                    ids = torch.randint(0, c.vocab_size, (T,), device=self.device)
-                    pos = torch.arange(T, device=self.device)
+    def _prefill_row(self, T: int, be, page: int, iters: int) -> dict:
+        """One prompt of T tokens through the model (logits for its last row), timed on the device."""
+        torch, c = self.torch, self.cfg
+        batch, _ = self.batch(1, T, T, page)
+        kv = self.layers(page)
+        ids = torch.randint(0, c.vocab_size, (T,), device=self.device)
+        pos = torch.arange(T, device=self.device)
+        meta = be.prepare(batch)
 
-                    def step():
-                        hidden = self.model(ids, pos, kv, be, be.prepare(batch))
-                        return self.model.compute_logits(hidden[-1:])
+        def step():
+            return self.model.compute_logits(self.model(ids, pos, kv, be, meta)[-1:])
 
-                    with torch.inference_mode():
-                        t = self.timeit(step, iters)
-                    attn = 2 * T * T * c.num_heads * c.head_dim * c.num_layers  # causal QK^T + PV
-                    flops = 2 * self.prefill_matmul_params * T + 2 * self.lm_head_params + attn
-                    return {"tokens": T, "seconds": t, "tflops": flops / t / 1e12,
-                            "mfu": flops / t / self.peak_flops if self.peak_flops else None}
-
-                r = self.guarded(f"prefill.{name}.{T}", run)
-                if r:
-                    r["backend"] = name
-                    rows.append(r)
-                    print(f"prefill T={T:5d} {name:10s} {r['seconds'] * 1e3:8.1f} ms {r['tflops']:.1f} TFLOP/s "
-                          f"MFU {r['mfu']}", flush=True)
+        with torch.inference_mode():
+            t = self.timeit(step, iters)
+        attn = 2 * T * T * c.num_heads * c.head_dim * c.num_layers  # causal QK^T + PV
+        flops = 2 * self.prefill_matmul_params * T + 2 * self.lm_head_params + attn
+        return {"tokens": T, "seconds": t, "tflops": flops / t / 1e12,
+                "mfu": flops / t / self.peak_flops if self.peak_flops else None}
 
     def summary(self) -> dict:
         """The issue's two goals, read off the rows."""
@@ -473,6 +379,110 @@ class Bench:
             if (r.get("tokens"), r.get("backend")) == (8192, "triton"):
                 out["prefill_mfu_8k"] = r.get("mfu")
         return out
+
+
+class KernelCases:
+    """Each Triton kernel at a serving-sized shape: its error against the torch reference, its
+    time, and the torch path's time for the same work."""
+
+    NAMES = ("decode", "prefill", "store_kv", "pack_blocks", "rms_norm_residual", "rotary")
+
+    def __init__(self, bench: Bench) -> None:
+        from splitserve.engine.kernels import triton_attention, triton_kv, triton_norm
+
+        self.att, self.kv, self.norm = triton_attention, triton_kv, triton_norm
+        self.bench, self.torch = bench, bench.torch
+        s = bench.shape
+        self.hkv, self.d, self.h, self.hidden = s["kv_heads"], s["head_dim"], s["heads"], s["hidden"]
+        self.bs, self.dev, self.dt = bench.block_size, bench.device, bench.dtype
+        self.g = self.torch.Generator(device=self.dev).manual_seed(0)
+        self.iters = 2 if bench.smoke else 50
+        self.batch, self.ctx = (4, 40) if bench.smoke else (64, 2048)
+        nblk = -(-self.ctx // self.bs)
+        self.k_cache = self.rand(self.batch * nblk + 1, self.bs, self.hkv, self.d)
+        self.v_cache = self.rand(self.batch * nblk + 1, self.bs, self.hkv, self.d)
+        perm = self.torch.randperm(self.batch * nblk, device=self.dev, generator=self.g)
+        self.tables = perm.to(self.torch.int32).view(self.batch, nblk)
+
+    def rand(self, *shape):
+        return self.torch.randn(*shape, generator=self.g, device=self.dev, dtype=self.torch.float32).to(self.dt)
+
+    def _times(self, ours: Callable[[], Any], theirs: Callable[[], Any]) -> tuple[float, float]:
+        return self.bench.timeit(ours, self.iters), self.bench.timeit(theirs, self.iters)
+
+    def decode(self) -> dict:
+        att, d, torch = self.att, self.d, self.torch
+        q = self.rand(self.batch, self.h, d)
+        lens = torch.full((self.batch,), self.ctx, dtype=torch.int32, device=self.dev)
+        args = (q, self.k_cache, self.v_cache, self.tables, lens, d ** -0.5)
+        err = _err(att.paged_attention_decode(*args), att.paged_attention_decode_reference(*args))
+        t, t_torch = self._times(lambda: att.paged_attention_decode(*args, validate=False),
+                                 lambda: _gather_sdpa_decode(torch, q, self.k_cache, self.v_cache, self.tables, self.ctx,
+                                                             d ** -0.5))
+        kv_bytes = 2 * self.batch * self.ctx * self.hkv * d * self.k_cache.element_size()
+        return {"batch": self.batch, "context": self.ctx, "max_abs_err": err, "seconds": t,
+                "bandwidth_util": kv_bytes / t / self.bench.copy_bw, "torch_gather_sdpa_seconds": t_torch}
+
+    def prefill(self) -> dict:
+        att, d, h, hkv, torch = self.att, self.d, self.h, self.hkv, self.torch
+        T = 32 if self.bench.smoke else 4096
+        blocks = -(-T // self.bs)
+        kc, vc = self.rand(blocks, self.bs, hkv, d), self.rand(blocks, self.bs, hkv, d)
+        tab = torch.arange(blocks, dtype=torch.int32, device=self.dev)[None]
+        cu = torch.tensor([0, T], dtype=torch.int32, device=self.dev)
+        ln = torch.tensor([T], dtype=torch.int32, device=self.dev)
+        q = self.rand(T, h, d)
+        args = (q, kc, vc, tab, cu, ln, d ** -0.5)
+        err = _err(att.paged_attention_prefill(*args), att.paged_attention_prefill_reference(*args))
+        k = kc.view(-1, hkv, d)[:T].transpose(0, 1)[None].repeat_interleave(h // hkv, dim=1)
+        v = vc.view(-1, hkv, d)[:T].transpose(0, 1)[None].repeat_interleave(h // hkv, dim=1)
+        qt = q.transpose(0, 1)[None]
+        t, t_sdpa = self._times(lambda: att.paged_attention_prefill(*args, max_seqlen_q=T, validate=False),
+                                lambda: torch.nn.functional.scaled_dot_product_attention(qt, k, v, is_causal=True))
+        flops = 2 * T * T * h * d  # QK^T and PV, causal half of 2 * 2 * T^2 * h * d
+        return {"tokens": T, "max_abs_err": err, "seconds": t, "tflops": flops / t / 1e12,
+                "torch_sdpa_seconds": t_sdpa, "torch_sdpa_tflops": flops / t_sdpa / 1e12}
+
+    def store_kv(self) -> dict:
+        kv, torch = self.kv, self.torch
+        n = 64 if self.bench.smoke else 8192
+        key, val = self.rand(n, self.hkv, self.d), self.rand(n, self.hkv, self.d)
+        slots = torch.randperm(self.k_cache.shape[0] * self.bs, device=self.dev, generator=self.g)[:n]
+        kc, vc, kr, vr = (self.k_cache.clone() for _ in range(4))
+        kv.store_kv(key, val, kc, vc, slots)
+        kv.store_kv_reference(key, val, kr, vr, slots)
+        t, t_torch = self._times(lambda: kv.store_kv(key, val, kc, vc, slots),
+                                 lambda: kv.store_kv_reference(key, val, kr, vr, slots))
+        return {"tokens": n, "exact": bool(torch.equal(kc, kr) and torch.equal(vc, vr)), "seconds": t,
+                "gb_per_s": 4 * key.numel() * key.element_size() / t / 1e9, "torch_seconds": t_torch}
+
+    def pack_blocks(self) -> dict:
+        kv = self.kv
+        layers = 2 if self.bench.smoke else 32
+        ks, vs, ids = [self.k_cache] * layers, [self.v_cache] * layers, self.tables[0].long()
+        buf = kv.pack_blocks(ks, vs, ids)
+        exact = bool(self.torch.equal(buf, kv.pack_blocks_reference(ks, vs, ids)))
+        t, t_torch = self._times(lambda: kv.pack_blocks(ks, vs, ids), lambda: kv.pack_blocks_reference(ks, vs, ids))
+        return {"layers": layers, "blocks": int(ids.numel()), "exact": exact, "seconds": t,
+                "gb_per_s": 2 * buf.numel() * buf.element_size() / t / 1e9, "torch_seconds": t_torch}
+
+    def rms_norm_residual(self) -> dict:
+        norm = self.norm
+        n = 8 if self.bench.smoke else 256
+        x, r, w = self.rand(n, self.hidden), self.rand(n, self.hidden), self.rand(self.hidden)
+        (o, nr), (ro, rr) = norm.rms_norm(x, w, 1e-5, residual=r), norm.rms_norm_reference(x, w, 1e-5, residual=r)
+        t, t_torch = self._times(lambda: norm.rms_norm(x, w, 1e-5, residual=r),
+                                 lambda: norm.rms_norm_reference(x, w, 1e-5, residual=r))
+        return {"tokens": n, "max_abs_err": max(_err(o, ro), _err(nr, rr)), "seconds": t, "torch_seconds": t_torch}
+
+    def rotary(self) -> dict:
+        norm = self.norm
+        n = 8 if self.bench.smoke else 256
+        qk, cos, sin = self.rand(n, self.h + self.hkv, self.d), self.rand(n, 1, self.d), self.rand(n, 1, self.d)
+        err = _err(norm.apply_rotary(qk, cos, sin), norm.apply_rotary_reference(qk, cos, sin))
+        t, t_torch = self._times(lambda: norm.apply_rotary(qk, cos, sin),
+                                 lambda: norm.apply_rotary_reference(qk, cos, sin))
+        return {"tokens": n, "max_abs_err": err, "seconds": t, "torch_seconds": t_torch}
 
 
 def _err(a, b) -> float:
