@@ -12,6 +12,8 @@ the JSON.
             eager, torch (gather + SDPA), flash_attn when it imports
   prefill   one prompt of 512 / 2K / 8K tokens: time and MFU = (2 × non-embedding params ×
             tokens + causal attention FLOPs) / time / peak; triton vs torch SDPA (vs flash_attn)
+  fused_ablation  decode (batch 64 × 2K) and a 2K prefill with the fused residual+RMSNorm and
+            rotary kernels vs the torch ops: whether they matter
 
 Every measurement is guarded: an error is recorded in the JSON and the run goes on, and a
 section is skipped once --budget-s is spent, so one shot always leaves a result.
@@ -369,6 +371,27 @@ class Bench:
         return {"tokens": T, "seconds": t, "tflops": flops / t / 1e12,
                 "mfu": flops / t / self.peak_flops if self.peak_flops else None}
 
+    def fused_ablation(self) -> None:
+        """What the fused residual+RMSNorm and rotary kernels buy in the model: decode at batch
+        64 × 2K and a 2K prefill, triton eager (no graph, so launch savings count), fused vs
+        torch ops."""
+        if not self.result.get("fused_norm_rotary") and not self.smoke:
+            return
+        triton = self.backends().get("triton")
+        if triton is None:
+            return
+        be, page = triton
+        b, c, T = (2, 40, 32) if self.smoke else (64, 2048, 2048)
+        rows = self.result["fused_ablation"] = []
+        for fused in (True, False):
+            self.model.use_triton_kernels(fused)
+            dec = self.guarded(f"ablation.decode.{fused}", lambda: self._decode_row(b, c, be, page, None, 5))
+            pre = self.guarded(f"ablation.prefill.{fused}", lambda: self._prefill_row(T, be, page, 3))
+            rows.append({"fused": fused, "decode_step_ms": dec and dec["step_ms"],
+                         "prefill_ms": pre and pre["seconds"] * 1e3})
+            print(f"fused={fused}: {rows[-1]}", flush=True)
+        self.model.use_triton_kernels(self.device.type == "cuda" and bool(self.result.get("fused_norm_rotary")))
+
     def summary(self) -> dict:
         """The issue's two goals, read off the rows."""
         out: dict[str, Any] = {}
@@ -506,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, if the GPU name is not known")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    ap.add_argument("--sections", default="kernels,decode,prefill")
+    ap.add_argument("--sections", default="kernels,decode,prefill,fused_ablation")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -519,12 +542,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.copy_bandwidth()
     if "kernels" in sections:
         bench.guarded("kernels", bench.kernels)
-    if {"decode", "prefill"} & set(sections):
+    if {"decode", "prefill", "fused_ablation"} & set(sections):
         bench.guarded("model", bench.build_model)
         need = 512 if args.smoke else 256 * (8192 + 16)  # the largest batch x context (capped by memory)
         if hasattr(bench, "model"):
             bench.guarded("kv", lambda: bench.allocate_kv(need))
-        for name in ("decode", "prefill"):
+        for name in ("decode", "prefill", "fused_ablation"):
             if name in sections and hasattr(bench, "kv_storage"):
                 bench.guarded(name, getattr(bench, name))
     bench.result["summary"] = bench.summary()

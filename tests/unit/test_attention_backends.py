@@ -119,6 +119,9 @@ def test_fused_norm_and_rotary_give_the_same_tokens(tiny_checkpoint, shape):
     model.use_triton_kernels()
     fused = hidden()
     assert (fused - plain).abs().max().item() < 1e-4 * plain.abs().max().item()
+    model.use_triton_kernels(False)
+    assert not model.fused and torch.equal(hidden(), plain)  # back to the torch ops exactly
+    model.use_triton_kernels()
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)] == ref
 

@@ -40,3 +40,5 @@ def test_gpu_bench_smoke(tmp_path):
     assert {(r["tokens"], r["backend"]) for r in res["prefill"]} == {(16, "triton"), (16, "torch"),
                                                                       (32, "triton"), (32, "torch")}
     assert res["copy"]["gb_per_s"] > 0
+    assert [r["fused"] for r in res["fused_ablation"]] == [True, False]
+    assert all(r["decode_step_ms"] > 0 and r["prefill_ms"] > 0 for r in res["fused_ablation"])

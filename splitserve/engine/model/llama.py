@@ -94,12 +94,15 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.fused = False
 
-    def use_triton_kernels(self) -> None:
+    def use_triton_kernels(self, enabled: bool = True) -> None:
         """Residual add + RMSNorm and rotary through the fused Triton kernels (same results:
-        they round as the torch ops do). Needs CUDA, or the Triton interpreter."""
-        from splitserve.engine.kernels.triton_norm import apply_rotary, rms_norm  # triton: a GPU extra
-
-        self.fused = True
+        they round as the torch ops do), or back to the torch ops. Needs CUDA, or the Triton
+        interpreter."""
+        if enabled:
+            from splitserve.engine.kernels.triton_norm import apply_rotary, rms_norm  # triton: a GPU extra
+        else:
+            apply_rotary, rms_norm = apply_rope, None
+        self.fused = enabled
         for layer in self.layers:
             layer.fused_rms_norm = rms_norm
             layer.self_attn.rope = apply_rotary
