@@ -59,7 +59,21 @@ def build_paged_meta(batch: AttentionBatch, device: torch.device) -> PagedMeta:
     )
 
 
-class TritonBackend:
+class _PagedBackend:
+    """What both GPU backends share: the step's `PagedMeta`, and our `store_kv` (`_kv`), which
+    writes the new tokens' K/V into the cache before attention."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        from splitserve.engine.kernels import triton_kv
+
+        self._kv = triton_kv
+        self.dtype, self.device = dtype, device
+
+    def prepare(self, batch: AttentionBatch) -> PagedMeta:
+        return build_paged_meta(batch, self.device)
+
+
+class TritonBackend(_PagedBackend):
     """store_kv, then decode rows through the split-K decode kernel and prefill rows through the
     prefill kernel, each reading the cache in place. The kernels' device-reading checks are off:
     the metadata is built here from the scheduler's slices, and a check that reads the device
@@ -68,13 +82,10 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        from splitserve.engine.kernels import triton_attention, triton_kv
+        super().__init__(dtype, device)
+        from splitserve.engine.kernels import triton_attention
 
-        self._att, self._kv = triton_attention, triton_kv
-        self.dtype, self.device = dtype, device
-
-    def prepare(self, batch: AttentionBatch) -> PagedMeta:
-        return build_paged_meta(batch, self.device)
+        self._att = triton_attention
 
     def forward(self, q, k, v, k_cache, v_cache, meta: PagedMeta, scale: float) -> torch.Tensor:
         self._kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -90,7 +101,7 @@ class TritonBackend:
         return out
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(_PagedBackend):
     """flash-attn 2: `store_kv` (ours), then one `flash_attn_varlen_func` over every sequence with
     the block table; its causal mask aligns bottom-right, so a chunk sees its cached prefix.
     flash-attn 2 pages KV only in blocks of a multiple of 256 tokens and only in fp16 / bf16."""
@@ -98,15 +109,10 @@ class FlashAttnBackend:
     name = "flash_attn"
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(dtype, device)
         from flash_attn import flash_attn_varlen_func
 
-        from splitserve.engine.kernels import triton_kv
-
-        self._varlen, self._kv = flash_attn_varlen_func, triton_kv
-        self.dtype, self.device = dtype, device
-
-    def prepare(self, batch: AttentionBatch) -> PagedMeta:
-        return build_paged_meta(batch, self.device)
+        self._varlen = flash_attn_varlen_func
 
     def forward(self, q, k, v, k_cache, v_cache, meta: PagedMeta, scale: float) -> torch.Tensor:
         self._kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
