@@ -92,7 +92,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.fused = False
+
+    @property
+    def fused(self) -> bool:
+        """Whether the layers run the fused Triton kernels (`use_triton_kernels`)."""
+        return self.layers[0].fused_rms_norm is not None
 
     def use_triton_kernels(self, enabled: bool = True) -> None:
         """Residual add + RMSNorm and rotary through the fused Triton kernels (same results:
@@ -102,7 +106,6 @@ class LlamaModel(nn.Module):
             from splitserve.engine.kernels.triton_norm import apply_rotary, rms_norm  # triton: a GPU extra
         else:
             apply_rotary, rms_norm = apply_rope, None
-        self.fused = enabled
         for layer in self.layers:
             layer.fused_rms_norm = rms_norm
             layer.self_attn.rope = apply_rotary
