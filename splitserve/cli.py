@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"splitserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_serve(subparsers)
+    _add_scale(subparsers)
+    _add_status(subparsers)
     _add_demo_model(subparsers)
     _add_generate(subparsers, "chat")
     _add_generate(subparsers, "generate")
@@ -110,7 +112,13 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    choices=["cache_aware", "round_robin", "least_loaded", "power_of_two"])
     p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "nixl"])
     p.add_argument("--disagg-min-tokens", type=int, default=32)
-    p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    p.add_argument("--address", default=None, help="join this Ray cluster ('auto': the one running here; by "
+                                                   "default a cluster running here is joined, else one is started)")
+    p.add_argument("--prefill-resources", type=_json_object, default={}, metavar="JSON",
+                   help="extra Ray resources each prefill worker asks for, e.g. '{\"prefill_node\": 1}'")
+    p.add_argument("--decode-resources", type=_json_object, default={}, metavar="JSON",
+                   help="extra Ray resources each decode worker asks for, e.g. '{\"decode_node\": 1}'")
+    p.add_argument("--ingress-replicas", type=int, default=1, help="router replicas (default: %(default)s)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N: where workers run (auto: a GPU "
                                                     "each when the cluster has GPUs)")
@@ -125,6 +133,63 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="admission: default TPOT target")
     p.add_argument("--no-admission", action="store_true", help="admit everything (for comparisons)")
     p.set_defaults(func=_run_serve, engine={})
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"prefill_node\": 1}'")
+    return value
+
+
+def _add_app_address(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="auto", help="the Ray cluster (default: the one running here)")
+    p.add_argument("--name", default="splitserve", help="the app's name (default: %(default)s)")
+    p.add_argument("--namespace", default="splitserve", help="its Controller's Ray namespace (default: %(default)s)")
+
+
+def _add_scale(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("scale", help="resize the prefill and decode pools of a running app",
+                              description="Set the pools' target sizes; new workers start at once, extra ones "
+                                          "drain (leave placement, finish what they hold, stop): no request fails.")
+    _add_app_address(p)
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers")
+    p.add_argument("--decode", type=int, default=None, help="decode workers")
+    p.set_defaults(func=_run_scale)
+
+
+def _add_status(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("status", help="the pools of a running app: every worker, its state, node and load")
+    _add_app_address(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_run_status)
+
+
+def _run_scale(args: argparse.Namespace) -> int:
+    from splitserve.cluster.admin import scale
+
+    if args.prefill is None and args.decode is None:
+        raise ValueError("say --prefill N and/or --decode M")
+    print(scale(args.address, args.name, args.namespace, args.prefill, args.decode))
+    return 0
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from splitserve.cluster.admin import status, status_table
+
+    st = status(args.address, args.name, args.namespace)
+    if args.json:
+        import json
+
+        print(json.dumps(st.to_json(), indent=2))
+    else:
+        print(status_table(st))
+    return 0
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -79,3 +79,119 @@ class EngineConfig:
 
         data = yaml.safe_load(Path(path).read_text()) or {}
         return cls.from_dict(data.get("engine", data))
+
+
+POOL_KEYS = ("prefill", "decode")
+TRANSPORTS = ("auto", "shm", "tcp", "nixl")
+ENGINE_FLAG_KEYS = ("dtype", "device", "attention_backend", "kv_cache_memory_gib", "gpu_memory_utilization")
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    """One splitserve application on Ray: what `serve --config` and the Serve app's args
+    (`splitserve.deploy:build_app`, a RayService's serveConfigV2) hold. Frozen and checked here,
+    so a bad key or value fails before any actor starts."""
+
+    model: str
+    served_model_name: str | None = None
+    prefill: int = 1
+    decode: int = 1
+    prefill_resources: dict = dataclasses.field(default_factory=dict)  # extra Ray resources per worker
+    decode_resources: dict = dataclasses.field(default_factory=dict)
+    transport: str = "auto"
+    policy: str = "cache_aware"
+    disagg_min_tokens: int = 32
+    engine: dict = dataclasses.field(default_factory=dict)  # EngineConfig keys (model aside)
+    max_inflight: int = 256
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    admission: bool = True
+    ingress_replicas: int = 1
+    name: str = "splitserve"  # the Serve app's name and its Controller's
+    namespace: str = "splitserve"  # the Ray namespace the Controller is named in
+    on_transfer_failure: str = "recompute"
+    lease_s: float = 30.0
+    probe_interval_s: float = 0.5  # Controller health probes
+    probe_timeout_s: float = 1.0  # a probe unanswered this long: the worker is DEAD
+    drain_grace_s: float = 1.0  # a draining worker idle this long (routers have seen it leave) stops
+    decode_fault: str | None = None  # test hooks, see DecodeWorker / the transports
+    prefill_transport_options: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from splitserve.router.policy import POLICIES
+
+        def integer(name: str, low: int) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}")
+
+        for name, low in (("prefill", 0), ("decode", 1), ("disagg_min_tokens", 0), ("max_inflight", 1),
+                          ("ingress_replicas", 1)):
+            integer(name, low)
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.on_transfer_failure not in ("recompute", "fail"):
+            raise ConfigError(f"on_transfer_failure must be recompute or fail, got {self.on_transfer_failure!r}")
+        for role in POOL_KEYS:
+            _check_resources(f"{role}_resources", getattr(self, f"{role}_resources"))
+        for name in ("lease_s", "probe_interval_s", "probe_timeout_s", "drain_grace_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0):
+                raise ConfigError(f"{name} must be a positive number of milliseconds, got {v!r}")
+        if not isinstance(self.engine, dict) or "model" in self.engine:
+            raise ConfigError("engine: must be a mapping of engine settings (the model is set by model:)")
+        EngineConfig.from_dict({"model": self.model, **self.engine})  # every engine key checked now
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "DeployConfig":
+        """From a config file's or the Serve app's args. Values may be strings (`serve run ...
+        prefill=2 decode_resources='{"decode_node": 1}'`): each is read as YAML then. Engine
+        settings may sit at the top level too (dtype, device, ...: the serve flags)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        opts, engine = {}, dict(_as_value(options.get("engine"), "engine") or {})
+        for key, value in options.items():
+            if key in ENGINE_FLAG_KEYS:
+                if value is not None:
+                    engine.setdefault(key, _as_value(value, key) if key != "device" else str(value))
+            elif key == "no_admission":
+                opts["admission"] = not _as_value(value, key)
+            elif key not in known:
+                raise ConfigError(f"unknown option {key!r}; known: {', '.join(sorted(known | set(ENGINE_FLAG_KEYS)))}")
+            elif key != "engine":
+                opts[key] = value if types[key] in ("str", "str | None") else _as_value(value, key)
+        if not opts.get("model"):
+            from splitserve.demo import ensure_demo_model
+
+            opts["model"] = str(ensure_demo_model())
+        return cls(**opts, engine=engine)
+
+    def resources(self, role: str) -> dict:
+        return dict(getattr(self, f"{role}_resources"))
+
+
+def _as_value(value: Any, key: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    import yaml
+
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}: cannot read {value!r}: {e}") from None
+
+
+def _check_resources(name: str, res: Any) -> None:
+    if not isinstance(res, dict):
+        raise ConfigError(f"{name} must be a mapping of Ray resource names to amounts, got {res!r}")
+    for k, v in res.items():
+        if k in ("CPU", "GPU", "memory"):
+            raise ConfigError(f"{name}: {k!r} is set by splitserve itself (device / one CPU per worker)")
+        if not isinstance(k, str) or not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise ConfigError(f"{name}: {k!r}: {v!r} must be a positive amount")

@@ -71,6 +71,15 @@ class EngineLoop:
         self._queues[request_id] = q
         return q
 
+    @property
+    def num_active(self) -> int:
+        """Requests with a consumer here (submitted or watched, not finished): in flight even
+        when the last stats snapshot does not show them yet."""
+        return len(self._queues)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._queues
+
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 

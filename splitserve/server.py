@@ -52,29 +52,64 @@ def _listening(args: argparse.Namespace, name: str) -> None:
          f"(splitserve.v1.Generation) · metrics http://{args.host}:{args.port}/metrics — Ctrl-C to stop")
 
 
-def _serve_on_ray(args: argparse.Namespace, model: str, admission: AdmissionConfig) -> int:
-    from splitserve.cluster import Cluster
-    from splitserve.cluster.serve_app import run_serve_app, stop_serve_app
+def deploy_options(args: argparse.Namespace, model: str) -> dict:
+    """The app's args (config.DeployConfig keys) from the serve flags and the config file."""
+    keys = ("prefill", "decode", "prefill_resources", "decode_resources", "transport", "policy",
+            "disagg_min_tokens", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
+            "ingress_replicas", "no_admission")
+    return {"model": model, "engine": _engine_options(args), **{k: getattr(args, k) for k in keys}}
 
-    started = time.monotonic()
-    cluster = Cluster.start(model=model, prefill=args.prefill, decode=max(1, args.decode), transport=args.transport,
-                            disagg_min_tokens=args.disagg_min_tokens, address=args.address, policy=args.policy,
-                            on_ready=lambda done, total: _say(f"workers ready {done}/{total} "
-                                                              f"({time.monotonic() - started:.0f} s)"),
-                            **_engine_options(args))
+
+def _serve_on_ray(args: argparse.Namespace, model: str, admission: AdmissionConfig) -> int:
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from splitserve.cluster import controller as controller_mod
+    from splitserve.cluster.launch import connect_ray, precheck, wait_ready
+    from splitserve.cluster.serve_app import GRPC_SERVICER
+    from splitserve.config import DeployConfig
+    from splitserve.deploy import build_app
+
+    cfg = DeployConfig.from_options(deploy_options(args, model))
+    began = time.monotonic()
+    started = connect_ray(args.address, cfg.prefill + cfg.decode)
+    _say(f"{'started a local Ray cluster' if started else 'joined the Ray cluster'}")
     try:
-        _say("starting the Ray Serve ingress")
-        run_serve_app(cluster, admission, args.served_model_name, args.host, args.port, args.grpc_port)
-        _listening(args, args.served_model_name or model.rstrip("/").rsplit("/", 1)[-1])
+        precheck(cfg, joined=not started)
+        serve.start(http_options={"host": args.host, "port": args.port},
+                    grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
+        _say("starting the Controller and the Ray Serve ingress")
+        serve.run(build_app(cfg, joined=not started), name=cfg.name, route_prefix="/")
+        controller = controller_mod.find(cfg.name, cfg.namespace)
+        wait_ready(controller, lambda done, total: _say(f"workers ready {done}/{total} "
+                                                        f"({time.monotonic() - began:.0f} s)"))
+        _listening(args, cfg.served_model_name or model.rstrip("/").rsplit("/", 1)[-1])
         _wait_for_signal()
     finally:
         _say("shutting down")
-        try:
-            if args.address is not None:
-                stop_serve_app()
-        finally:
-            cluster.shutdown()
+        _stop_app(cfg, started)
+        if started:
+            ray.shutdown()
     return 0
+
+
+def _stop_app(cfg, started: bool) -> None:
+    """Delete the app and stop its workers (on a cluster we joined, Serve and its other apps
+    stay). On a cluster we started, shutting Ray down takes everything with it, and waiting on
+    Serve's controller could hang if a signal already reached Ray's worker processes."""
+    from ray import serve
+
+    from splitserve.cluster import controller as controller_mod
+    from splitserve.cluster.cluster import _stop_controller
+
+    if started:
+        return
+    try:
+        serve.delete(cfg.name, _blocking=False)
+        _stop_controller(controller_mod.find(cfg.name, cfg.namespace))
+    except Exception as e:
+        _say(f"stopping the app: {e}")
 
 
 def _wait_for_signal() -> None:

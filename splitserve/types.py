@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -198,6 +199,72 @@ class WorkerStats:
     def kv_usage(self) -> float:
         used = self.kv_blocks_total - self.kv_blocks_free - self.kv_blocks_cached
         return used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What a worker reports to health probes: its engine's load, and what it holds for others
+    (a prefill worker's granted leases, a decode worker's pulls in flight). A draining worker
+    stops once both are zero."""
+
+    stats: WorkerStats
+    held: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return self.stats.num_waiting == 0 and self.stats.num_running == 0 and self.held == 0
+
+
+# -- KV events: a BlockPool's cache changes, for the router's cluster KV index -----------------
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: tuple[bytes, ...]
+
+
+KVEvent = BlockStored | BlockRemoved
+
+
+# -- workers: who they are and where they stand (the Controller's registry) ----------------------
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, order=True)
+class WorkerId:
+    """A worker's stable id: its role and a random suffix, e.g. `prefill-3f9a1c2e`. Never
+    reused, so a replacement is a new worker to every router (its cache starts empty)."""
+
+    role: Role
+    uid: str
+
+    @classmethod
+    def new(cls, role: Role) -> "WorkerId":
+        return cls(Role(role), uuid.uuid4().hex[:8])
+
+    def __str__(self) -> str:
+        return f"{self.role.value}-{self.uid}"
+
+
+class WorkerState(str, enum.Enum):
+    """STARTING → READY → DRAINING → STOPPED, and DEAD from any live state."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    DEAD = "dead"
+
+    @property
+    def live(self) -> bool:
+        return self in (WorkerState.STARTING, WorkerState.READY, WorkerState.DRAINING)
 
 
 def as_token_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:

@@ -1,29 +1,63 @@
-"""The thin Ray shells: worker classes become actors here and nowhere else."""
+"""The thin Ray shells: worker classes become actors here and nowhere else.
+
+Each shell reads, inside the actor process, the Ray node it landed on (node id and IP) and
+hands them to the worker, whose TCP KV server then listens on that IP. `spawn` asks Ray for one
+CPU (and the GPU share), plus the pool's own resources (`prefill_resources` /
+`decode_resources`: on KubeRay, a custom resource of that pool's worker group), so the pools
+sit on their node groups.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import ray
 
-from splitserve.config import EngineConfig
+from splitserve.config import DeployConfig, EngineConfig
 from splitserve.decode_worker.worker import DecodeWorker
 from splitserve.prefill_worker.worker import PrefillWorker
-from splitserve.types import ConfigError
-
-PrefillActor = ray.remote(PrefillWorker)
-DecodeActor = ray.remote(DecodeWorker)
+from splitserve.types import ConfigError, Role, WorkerId
 
 
-def _engine_config(cfg, **overrides) -> EngineConfig:
-    return EngineConfig.from_dict({"model": cfg.model, **cfg.engine, **overrides})
+def _where() -> tuple[str, str]:
+    return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+
+
+@ray.remote
+class PrefillActor(PrefillWorker):
+    def __init__(self, config: EngineConfig, transports: list[str], lease_s: float, transport_options: dict) -> None:
+        ip, node = _where()
+        super().__init__(config, transports, lease_s=lease_s, transport_options=transport_options, host=ip,
+                         node_id=node)
+
+
+@ray.remote
+class DecodeActor(DecodeWorker):
+    def __init__(self, config: EngineConfig, transports: list[str], on_transfer_failure: str,
+                 fault: str | None) -> None:
+        ip, node = _where()
+        super().__init__(config, transports, on_transfer_failure=on_transfer_failure, fault=fault, host=ip,
+                         node_id=node)
 
 
 class Placement(NamedTuple):
     engine: EngineConfig
     transports: list[str]
     resources: dict  # Ray actor options
+
+
+def resolve_transports(name: str) -> list[str]:
+    """The transports every worker offers. `auto`: all that work here, in order of preference;
+    each handoff then takes the one that suits its pair (kv_transfer.choose_transport)."""
+    if name != "auto":
+        return [name]
+    try:
+        import nixl  # noqa: F401
+
+        return ["shm", "nixl", "tcp"]
+    except ImportError:
+        return ["shm", "tcp"]
 
 
 def gpu_share(device: str, cluster_gpus: float, workers: int, joined: bool) -> float:
@@ -41,7 +75,7 @@ def gpu_share(device: str, cluster_gpus: float, workers: int, joined: bool) -> f
     return 1.0 / math.ceil(workers / cluster_gpus) if workers > cluster_gpus else 1.0
 
 
-def worker_placement(cfg, transports: list[str], share: float) -> Placement:
+def worker_placement(cfg: DeployConfig, role: Role, transports: list[str], share: float) -> Placement:
     """What a worker runs, which KV transports it offers, what it asks Ray for (`gpu_share`).
     Inside the actor Ray's GPU is device 0: `cuda:N` becomes `cuda`. shm shares CPU caches
     only, so a GPU worker offers the others (tcp stages through host memory, nixl reads GPU
@@ -51,22 +85,24 @@ def worker_placement(cfg, transports: list[str], share: float) -> Placement:
     if not offered:
         raise ConfigError("the shm transport shares CPU KV caches only; GPU workers need tcp or nixl "
                           "(transport auto picks them), or run them on the CPU (device cpu)")
-    overrides = {"kv_shared_memory": "shm" in offered}
+    overrides: dict[str, Any] = {"kv_shared_memory": "shm" in offered}
     if device.startswith("cuda:"):
         overrides["device"] = "cuda"
-    return Placement(_engine_config(cfg, **overrides), offered, {"num_cpus": 1, "num_gpus": share})
+    engine = EngineConfig.from_dict({"model": cfg.model, **cfg.engine, **overrides})
+    options = {"num_cpus": 1, "num_gpus": share}
+    if cfg.resources(role.value):
+        options["resources"] = cfg.resources(role.value)
+    return Placement(engine, offered, options)
 
 
-def make_prefill(cfg, transports: list[str], index: int, share: float):
-    p = worker_placement(cfg, transports, share)
-    return PrefillActor.options(**p.resources).remote(
-        p.engine, p.transports, lease_s=cfg.lease_s, transport_options=cfg.prefill_transport_options)
+def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float):
+    """A new worker actor (it loads its model in the background; `describe` answers when done).
+    Not detached: its owner, the Controller, takes it along if it goes."""
+    p = worker_placement(cfg, wid.role, transports, share)
+    opts = {**p.resources, "max_restarts": 0}
+    if wid.role is Role.PREFILL:
+        return PrefillActor.options(**opts).remote(p.engine, p.transports, cfg.lease_s, cfg.prefill_transport_options)
+    return DecodeActor.options(**opts).remote(p.engine, p.transports, cfg.on_transfer_failure, cfg.decode_fault)
 
 
-def make_decode(cfg, transports: list[str], index: int, share: float):
-    p = worker_placement(cfg, transports, share)
-    return DecodeActor.options(**p.resources).remote(
-        p.engine, p.transports, on_transfer_failure=cfg.on_transfer_failure, fault=cfg.decode_fault)
-
-
-__all__ = ["PrefillActor", "DecodeActor", "make_prefill", "make_decode", "worker_placement", "gpu_share"]
+__all__ = ["PrefillActor", "DecodeActor", "spawn", "worker_placement", "gpu_share", "resolve_transports"]

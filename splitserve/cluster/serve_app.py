@@ -1,38 +1,44 @@
-"""The ingress as a Ray Serve application (DESIGN.md §3 "Ray"): one deployment whose replica holds
-the router (a `Cluster` view over the worker actors: KV index, placement, admission) and answers
-HTTP through Serve's HTTP proxy (the OpenAI ASGI app) and gRPC through Serve's gRPC proxy
-(`Generate` / `Health`, reflection on). A KubeRay `RayService` deploys and upgrades it like
-any Serve app.
+"""The ingress as a Ray Serve application (DESIGN.md §4 "Ray"): `Ingress` replicas (as many as
+`ingress_replicas`) each hold a router — a `ClusterBackend` over the registry of the app's
+Controller, its own KV index and worker views — and answer HTTP through Serve's HTTP proxy
+(the OpenAI ASGI app) and gRPC through Serve's gRPC proxy (`Generate` / `Health`).
 
-`run_serve_app` is what `splitserve serve` calls once the worker pools exist: it starts Serve
-with both proxies and deploys the app at route prefix "/" (the gRPC proxy only sees apps that
-have one).
+A replica starting gets or creates the app's Controller (which creates the pools) and attaches
+to it as an owner; a replica stopping detaches, and when the app is deleted the last one
+leaving makes the Controller stop every worker. `splitserve.deploy:build_app` binds it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import uuid
 
 from ray import serve
-from ray.serve.config import gRPCOptions
 
-from splitserve.cluster.cluster import Cluster, ClusterConfig
+from splitserve.cluster import controller as controller_mod
+from splitserve.cluster.backend import ClusterBackend, ControllerSource
+from splitserve.config import DeployConfig
 from splitserve.router.admission import Admission, AdmissionConfig
-from splitserve.router.backend import ClusterBackend
 from splitserve.router.grpc_service import GenerationService, RpcFailure
 from splitserve.router.http import OpenAIServer
 
-APP_NAME = "splitserve"
 GRPC_SERVICER = "splitserve.v1.generation_pb2_grpc.add_GenerationServicer_to_server"
+
+
+def admission_config(cfg: DeployConfig) -> AdmissionConfig:
+    return AdmissionConfig(cfg.max_inflight, cfg.ttft_slo_ms, cfg.tpot_slo_ms, enabled=cfg.admission)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress()
 class Ingress:
-    def __init__(self, cfg: ClusterConfig, prefills: list, decodes: list, readers: list,
-                 admission: AdmissionConfig, model_name: str | None) -> None:
-        cluster = Cluster(cfg, prefills, decodes, started_ray=False, readers=readers)
-        self.http = OpenAIServer(ClusterBackend(cluster, model_name), admission=Admission(admission))
+    async def __init__(self, cfg: DeployConfig, joined: bool = True) -> None:
+        self.owner = uuid.uuid4().hex
+        self.controller = controller_mod.get_or_create(cfg, joined)
+        await self.controller.attach.remote(self.owner)
+        await self.controller.configure.remote(cfg)
+        self.backend = ClusterBackend(cfg, ControllerSource(self.controller))
+        await self.backend.start()
+        self.http = OpenAIServer(self.backend, admission=Admission(admission_config(cfg)))
         self.grpc = GenerationService(self.http.front)
 
     def __serve_build_asgi_app__(self):
@@ -51,19 +57,15 @@ class Ingress:
     async def Health(self, request, grpc_context=None):  # noqa: N802
         return self.grpc.health()
 
-
-def run_serve_app(cluster: Cluster, admission: AdmissionConfig, model_name: str | None, host: str, http_port: int,
-                  grpc_port: int) -> Any:
-    """Start Serve (HTTP on host:http_port, gRPC on grpc_port) and deploy the ingress over
-    `cluster`'s workers; returns the app's handle once it is running."""
-    serve.start(http_options={"host": host, "port": http_port},
-                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
-    app = Ingress.bind(cluster.cfg, cluster.prefills, cluster.decodes, cluster.readers, admission, model_name)
-    return serve.run(app, name=APP_NAME, route_prefix="/")
-
-
-def stop_serve_app() -> None:
-    """Delete the app from a cluster we joined (Serve and its other apps stay). On a cluster we
-    started there is nothing to do here: shutting Ray down takes Serve with it, and waiting on
-    Serve's controller could hang if a signal already reached Ray's worker processes."""
-    serve.delete(APP_NAME, _blocking=False)
+    def __del__(self) -> None:
+        # Serve calls this when the replica stops (the app deleted, or scaled down); fire and
+        # forget, so it also works when the interpreter collects the object.
+        owner, self.owner = getattr(self, "owner", None), None
+        if owner is None:
+            return
+        if getattr(self, "backend", None) is not None:
+            self.backend.stop()
+        try:
+            self.controller.detach.remote(owner)
+        except Exception:
+            pass

@@ -12,17 +12,18 @@ lease is always settled, and a caller that goes away aborts the request here.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
 from typing import Any, AsyncIterator, Sequence
 
 from splitserve.config import EngineConfig
-from splitserve.kv_worker import KVWorker
+from splitserve.worker.kv_worker import KVWorker
 from splitserve.engine.kv_cache import OutOfBlocks
 from splitserve.kv_transfer.base import KVHandoff, TransferError, TransferState
 from splitserve.kv_transfer.verify import check_header, verify_landed
-from splitserve.types import PhaseTimes, Request, TokenChunk
+from splitserve.types import FinishReason, PhaseTimes, Request, TokenChunk
 
 log = logging.getLogger(__name__)
 POLICIES = ("recompute", "fail")
@@ -30,23 +31,34 @@ POLICIES = ("recompute", "fail")
 
 class DecodeWorker(KVWorker):
     def __init__(self, config: EngineConfig, transports: Sequence[str], on_transfer_failure: str = "recompute",
-                 transport_options: dict | None = None, fault: str | None = None, host: str | None = None) -> None:
+                 transport_options: dict | None = None, fault: str | None = None, host: str | None = None,
+                 node_id: str = "") -> None:
         if on_transfer_failure not in POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {POLICIES}, got {on_transfer_failure!r}")
-        super().__init__(config, transports, transport_options, host)
+        super().__init__(config, transports, transport_options, host, node_id)
+        self._streams = 0  # generate() calls in progress: a draining worker waits for them
         self.transfers_by_transport: dict[str, int] = {}
         self.policy = on_transfer_failure
         # Test hooks: "flip" corrupts landed data, "slow" starts the read after the lease lapsed,
         # "kill_prefill" kills the prefill actor before reading, "hold" keeps a pull in flight.
         self.fault = fault
         self.transfer_failures: dict[str, int] = {}
-        self._aborted: set[str] = set()  # aborts that arrive while a pull is in flight
+        self._aborted: set[str] = set()  # aborts that arrive during a handoff
+        self._handoffs: set[str] = set()  # requests landing pulled KV (add_pulled → kv_ready)
+        self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     async def generate(self, req: Request, handoff: KVHandoff | None = None, prefill: Any = None
                        ) -> AsyncIterator[TokenChunk]:
         rid = req.request_id
         finished = False
+        self._streams += 1
         try:
+            if self._early_aborts.pop(rid, None) is not None:  # aborted before it got here
+                if handoff is not None:
+                    await self._settle(handoff, prefill)
+                finished = True
+                yield TokenChunk(rid, (), finish_reason=FinishReason.ABORT)
+                return
             started = time.monotonic()
             q = await (self._admit_pulled(req, handoff, prefill) if handoff else self.loop.submit(req))
             phases = None
@@ -64,33 +76,53 @@ class DecodeWorker(KVWorker):
                 if finished:
                     return
         finally:
+            self._streams -= 1
             if not finished:
                 await self.loop.abort(rid)
 
+    def held(self) -> int:
+        return super().held() + self._streams
+
     async def _admit_pulled(self, req: Request, h: KVHandoff, prefill: Any) -> asyncio.Queue:
+        """Land the handoff's KV; an abort that arrives meanwhile is honoured once no transfer
+        can write into the blocks any more."""
+        rid = req.request_id
+        self._handoffs.add(rid)
+        try:
+            return await self._land(req, h, prefill)
+        finally:
+            self._handoffs.discard(rid)
+            if rid in self._aborted:
+                self._aborted.discard(rid)
+                await self.loop.abort(rid)
+
+    async def _land(self, req: Request, h: KVHandoff, prefill: Any) -> asyncio.Queue:
+        rid = req.request_id
         try:
             dst = await self.loop.call(self.engine.add_pulled, req, h.first_token)
         except OutOfBlocks:  # no room to land it now: the scheduler will compute it when it can
             await self._settle(h, prefill)
             return await self.loop.submit(req, outputs=(h.first_token,))
-        q = self.loop.watch(req.request_id)
+        q = self.loop.watch(rid)
+        if rid in self._aborted:  # before any byte moved
+            await self._settle(h, prefill)
+            return q
         try:
             await self._pull(h, dst, prefill)
         except TransferError as e:
             if e.kind == "aborted":
-                self._aborted.discard(req.request_id)
-                await self.loop.abort(req.request_id)  # the transfer has stopped: blocks can go
                 return q
             self.transfer_failures[e.kind] = self.transfer_failures.get(e.kind, 0) + 1
             if self.policy == "fail":
-                await self.loop.abort(req.request_id)
+                self._aborted.add(rid)  # freed as the handoff ends
                 raise
-            log.warning("KV pull for %s failed (%s): recomputing locally", req.request_id, e)
-            await self.loop.call(self.engine.kv_failed, req.request_id)
+            log.warning("KV pull for %s failed (%s): recomputing locally", rid, e)
+            await self.loop.call(self.engine.kv_failed, rid)
             self.loop.wake()
             return q
-        await self.loop.call(self.engine.kv_ready, req.request_id)
-        self.loop.wake()
+        if rid not in self._aborted:
+            await self.loop.call(self.engine.kv_ready, rid)
+            self.loop.wake()
         return q
 
     async def _pull(self, h: KVHandoff, dst: list[int], prefill: Any) -> None:
@@ -157,17 +189,19 @@ class DecodeWorker(KVWorker):
             return False
 
     async def abort(self, request_id: str) -> None:
-        """Abort wherever the request is; during a pull, once the transfer has stopped."""
-        if self.engine.is_pulling(request_id):
+        """Abort wherever the request is; during a handoff, once the transfer has stopped; before
+        its stream began here (Ray does not order an async actor's calls), when it begins."""
+        if request_id in self._handoffs:
             self._aborted.add(request_id)
-        else:
+        elif self.loop.has(request_id):
             await self.loop.abort(request_id)
+        else:
+            self._early_aborts[request_id] = None
+            while len(self._early_aborts) > 4096:  # bounded: most belong to requests long finished
+                self._early_aborts.popitem(last=False)
 
     async def check_invariants(self) -> dict:
         counts = await self.loop.call(self.engine.block_counts)
         return {**counts, "transfer_failures": dict(self.transfer_failures),
                 "transfers_by_transport": dict(self.transfers_by_transport)}
 
-    async def reader_info(self) -> tuple[str, list[str]]:
-        """(host, transports): what a prefill worker needs to pick an endpoint for this reader."""
-        return self.host, list(self.transports)

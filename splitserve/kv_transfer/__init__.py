@@ -44,14 +44,20 @@ def make_transport(name: str, **opts) -> KVTransport:
     raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(KNOWN_TRANSPORTS)}")
 
 
-def choose_transport(local_host: str, remote: TransportEndpoint, available: Sequence[str]) -> str:
-    """Locality first: shared memory when both workers share a host, else NIXL, else TCP."""
-    if local_host == remote.host and "shm" in available:
+def choose_transport(same_node: bool, source: Sequence[str], reader: Sequence[str]) -> str:
+    """The transport for one (prefill, decode) pair, from what each offers: shared memory when
+    both run on one node, else NIXL, else TCP. A pair that shares only one takes that one (a
+    transport chosen by name)."""
+    common = [t for t in source if t in reader]
+    if len(common) == 1:
+        return common[0]
+    if same_node and "shm" in common:
         return "shm"
     for name in ("nixl", "tcp"):
-        if name in available:
+        if name in common:
             return name
-    raise ValueError(f"no usable KV transport among {list(available)}; known: {', '.join(KNOWN_TRANSPORTS)}")
+    raise ValueError(f"no KV transport in common: the source offers {list(source)}, the reader {list(reader)}; "
+                     f"known: {', '.join(KNOWN_TRANSPORTS)}")
 
 
 __all__ = [

@@ -16,12 +16,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from splitserve.config import EngineConfig
-from splitserve.kv_worker import KVWorker
-from splitserve.kv_transfer import choose_transport
+from splitserve.worker.kv_worker import KVWorker
 from splitserve.kv_transfer.base import KVHandoff, TransferHeader, TransportEndpoint
 from splitserve.kv_transfer.regions import kv_checksum
 from splitserve.prefill_worker.leases import LeaseTable
-from splitserve.types import Request, TokenChunk
+from splitserve.types import ConfigError, Request, TokenChunk
 
 
 @dataclass(frozen=True)
@@ -33,27 +32,35 @@ class PrefillResult:
 
 class PrefillWorker(KVWorker):
     def __init__(self, config: EngineConfig, transports: Sequence[str], lease_s: float = 30.0,
-                 host: str | None = None, transport_options: dict | None = None) -> None:
-        # Every transport this worker offers; each reader gets the endpoint that suits the pair.
-        super().__init__(config, transports, transport_options, host)
+                 host: str | None = None, transport_options: dict | None = None, node_id: str = "") -> None:
+        # Every transport this worker offers; the router picks one per handoff (by locality).
+        super().__init__(config, transports, transport_options, host, node_id)
         self.leases = LeaseTable(lease_s)
         self._reaper: asyncio.Task | None = None
+        self._prefilling = 0
 
-    def endpoint_for(self, reader_host: str | None, reader_transports: Sequence[str] | None) -> TransportEndpoint:
-        """Locality first (choose_transport): shm on the same host, else nixl, else tcp."""
-        offered = [t for t in self.transports if reader_transports is None or t in reader_transports]
-        if not offered:
-            raise ValueError(f"no transport in common: this worker offers {list(self.transports)}, "
-                             f"the reader takes {list(reader_transports or [])}")
-        if len(offered) == 1 or reader_host is None:
-            return self.endpoints[offered[0]]
-        some = next(iter(self.endpoints.values()))
-        return self.endpoints[choose_transport(reader_host, some, offered)]
+    def held(self) -> int:
+        return super().held() + self._prefilling + len(self.leases)
 
-    async def prefill(self, req: Request, reader_host: str | None = None,
-                      reader_transports: Sequence[str] | None = None) -> PrefillResult:
-        endpoint = self.endpoint_for(reader_host, reader_transports)
+    def endpoint(self, transport: str | None) -> TransportEndpoint:
+        """The endpoint a reader pulls this handoff through (None: this worker's first)."""
+        if transport is None:
+            return next(iter(self.endpoints.values()))
+        if transport not in self.endpoints:
+            raise ConfigError(f"KV transport {transport!r} is not offered by this worker; it offers "
+                              f"{', '.join(self.endpoints)}")
+        return self.endpoints[transport]
+
+    async def prefill(self, req: Request, transport: str | None = None) -> PrefillResult:
+        endpoint = self.endpoint(transport)
         self._ensure_reaper()
+        self._prefilling += 1
+        try:
+            return await self._prefill(req, endpoint)
+        finally:
+            self._prefilling -= 1
+
+    async def _prefill(self, req: Request, endpoint: TransportEndpoint) -> PrefillResult:
         q = await self.loop.submit(req, prefill_only=True)
         try:
             item = await q.get()

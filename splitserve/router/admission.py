@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Hashable
 
 from splitserve.types import Priority, WorkerStats
 
@@ -68,9 +68,9 @@ class Plan:
     decode worker itself on the aggregated path) and the one that decodes it, with their load
     snapshots (None: unknown) and the prompt tokens the first already has cached."""
 
-    first_worker: str
+    first_worker: Hashable  # a WorkerId (or "local": the in-process engine)
     first_stats: WorkerStats | None
-    decode_worker: str
+    decode_worker: Hashable
     decode_stats: WorkerStats | None
     cached_tokens: int = 0
     route: Any = None  # the backend's own placement, handed back to its generate()

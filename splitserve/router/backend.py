@@ -1,7 +1,7 @@
 """What the HTTP and gRPC ingresses generate with: a `Backend` plans where one engine request
 would run (for admission) and then streams its TokenChunks. `LocalBackend` runs one engine in
-this process (the aggregated path: a single worker that prefills and decodes); `ClusterBackend`
-places each request on Ray workers through the router.
+this process (the aggregated path: a single worker that prefills and decodes);
+`cluster.backend.ClusterBackend` places each request on Ray workers through the router.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ class Backend(Protocol):
 
     def generate(self, req: Request, plan: Plan | None = None) -> AsyncIterator[TokenChunk]: ...
 
+    def abandon(self, plan: Plan) -> None:
+        """A plan that will not run (admission refused it): forget what it reserved."""
+
     def worker_views(self) -> list[WorkerView]: ...
 
 
@@ -50,6 +53,9 @@ class LocalBackend:
         stats = self.loop.latest_stats  # the snapshot after the last step: no waiting on the engine
         return Plan(LOCAL, stats, LOCAL, stats)
 
+    def abandon(self, plan: Plan) -> None:
+        pass
+
     def worker_views(self) -> list[WorkerView]:
         s = self.loop.latest_stats
         return [WorkerView(LOCAL, "decode", "localhost", s.num_waiting, s.num_running, s.kv_usage)]
@@ -67,29 +73,3 @@ class LocalBackend:
         finally:
             if not done:  # the consumer went away (client disconnect, stop string): free it now
                 await self.loop.abort(req.request_id)
-
-
-class ClusterBackend:
-    """Requests placed on a `Cluster`'s prefill and decode pools (the disaggregated path)."""
-
-    def __init__(self, cluster, model_name: str | None = None) -> None:
-        from splitserve.engine.model.config import ModelConfig
-
-        self.cluster = cluster
-        self.tokenizer = cluster.tokenizer
-        mc = ModelConfig.from_dir(cluster.cfg.model)
-        self.model_name = model_name or cluster.cfg.model.rstrip("/").rsplit("/", 1)[-1]
-        self.max_model_len = cluster.cfg.engine.get("max_model_len") or mc.max_context
-        self.vocab_size = mc.vocab_size
-
-    def ready(self) -> bool:
-        return bool(self.cluster.decodes)
-
-    async def plan(self, req: Request) -> Plan:
-        return await self.cluster.plan(req)
-
-    def generate(self, req: Request, plan: Plan | None = None) -> AsyncIterator[TokenChunk]:
-        return self.cluster.stream(req, plan)
-
-    def worker_views(self) -> list[WorkerView]:
-        return self.cluster.worker_views()

@@ -118,6 +118,7 @@ class Frontend:
                 d = self.admission.decide(c.plan, opts.priority, len(req.prompt_token_ids), opts.ttft_slo_ms,
                                           opts.tpot_slo_ms)
                 if not d.admit:
+                    self.backend.abandon(c.plan)
                     self.metrics.rejections.labels(reason=d.reason).inc()
                     raise APIError(429, f"rejected ({d.reason}): the request cannot be served within its targets "
                                         f"now; retry in {d.retry_after_s:.0f} s", code=d.reason,

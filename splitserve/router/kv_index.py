@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-from splitserve.engine.kv_cache.block_pool import BlockRemoved, BlockStored, KVEvent
+from splitserve.types import BlockRemoved, BlockStored, KVEvent
 from splitserve.hashing import BlockHash
 
 

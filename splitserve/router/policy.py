@@ -18,13 +18,17 @@ from typing import Protocol, Sequence
 
 from splitserve.hashing import BlockHash
 from splitserve.router.kv_index import KVIndex
+from splitserve.types import Role, WorkerId
 
 
 @dataclass(frozen=True)
 class WorkerView:
-    worker_id: str
-    role: str  # "prefill" | "decode"
-    host: str
+    """One worker as the router sees it: the registry's facts (role, node) and its last
+    reported load, plus what this router placed there since (see cluster/directory.py)."""
+
+    worker_id: WorkerId
+    role: Role
+    host: str  # the worker's node (its IP): same host means the KV moves over shared memory
     num_waiting: int = 0
     num_running: int = 0
     kv_usage: float = 0.0  # in [0, 1]
@@ -47,8 +51,8 @@ class RouteRequest:
 
 @dataclass(frozen=True)
 class Placement:
-    prefill: str | None  # None: aggregated (the decode worker prefills)
-    decode: str
+    prefill: WorkerId | None  # None: aggregated (the decode worker prefills)
+    decode: WorkerId
     cached_tokens: int  # expected prefix-cache hit on the worker that prefills
     scores: tuple[tuple[str, float], ...] = ()
 
@@ -62,8 +66,10 @@ class Scorer(Protocol):
 
 
 def available(req: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerView]:
-    """Healthy, not draining, with room for the request's blocks."""
-    return [w for w in workers if w.healthy and not w.draining and w.free_blocks >= req.blocks_needed]
+    """Healthy and not draining; of those, the ones with room for the request's blocks, or all
+    of them when none has room (its scheduler queues the request until blocks free up)."""
+    up = [w for w in workers if w.healthy and not w.draining]
+    return [w for w in up if w.free_blocks >= req.blocks_needed] or up
 
 
 class PrefixScorer:
@@ -126,7 +132,7 @@ class Router:
     def place(self, req: RouteRequest, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView]) -> Placement:
         decodes = available(req, decodes)
         if not decodes:
-            raise NoCapacity("no healthy decode worker with room for this request")
+            raise NoCapacity("no decode worker is ready")
         prefills = available(req, prefills)
         hits = self.index.overlap(req.block_hashes)
         d_scores = self.rank(req, decodes)
@@ -161,7 +167,7 @@ class NoCapacity(RuntimeError):
 def _order(w: WorkerView) -> int:
     # A stable, id-derived order for ties: the same on every router replica and every run
     # (str hash() is salted per process).
-    return zlib.crc32(w.worker_id.encode())
+    return zlib.crc32(str(w.worker_id).encode())
 
 
 class RoundRobin(Router):

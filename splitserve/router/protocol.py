@@ -32,8 +32,8 @@ class APIError(Exception):
 
     @property
     def retry_after_s(self) -> int | None:
-        """For a 429: whole seconds to wait, at least 1 (HTTP Retry-After, gRPC retry-after)."""
-        return max(1, math.ceil(self.retry_after or 1)) if self.status == 429 else None
+        """For a 429 or 503: whole seconds to wait, at least 1 (HTTP Retry-After, gRPC retry-after)."""
+        return max(1, math.ceil(self.retry_after or 1)) if self.status in (429, 503) else None
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

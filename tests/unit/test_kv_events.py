@@ -3,7 +3,7 @@ resend is harmless, a router that lost track (or a backlog past the limit) gets 
 listing flagged reset, and several routers acknowledge independently."""
 
 from splitserve.engine.kv_cache.block_pool import BlockRemoved, BlockStored
-from splitserve.kv_events import EventOutbox, RouterOutboxes
+from splitserve.worker.kv_events import EventOutbox, RouterOutboxes
 from splitserve.router.kv_index import KVIndex
 
 

@@ -336,11 +336,14 @@ def test_make_and_choose_transport():
         t.close()
     with pytest.raises(ValueError, match="nixl, shm, tcp"):
         make_transport("carrier-pigeon")
-    ep = TransportEndpoint("tcp", "host-a", "x", layout(1))
-    assert choose_transport("host-a", ep, ["tcp", "shm", "nixl"]) == "shm"
-    assert choose_transport("host-b", ep, ["tcp", "shm", "nixl"]) == "nixl"
-    assert choose_transport("host-a", ep, ["tcp", "nixl"]) == "nixl"
-    assert choose_transport("host-b", ep, ["tcp", "shm"]) == "tcp"
+    every = ["shm", "nixl", "tcp"]
+    assert choose_transport(True, every, every) == "shm"
+    assert choose_transport(False, every, every) == "nixl"  # shm never crosses nodes
+    assert choose_transport(True, ["tcp", "nixl"], every) == "nixl"
+    assert choose_transport(False, ["shm", "tcp"], ["shm", "tcp"]) == "tcp"
+    assert choose_transport(False, ["shm"], ["shm"]) == "shm"  # chosen by name: the only one offered
+    with pytest.raises(ValueError, match="no KV transport in common"):
+        choose_transport(True, ["tcp"], ["nixl"])
 
 
 def test_sweep_removes_only_files_of_dead_owners(tmp_path):

@@ -4,7 +4,7 @@ analytic maximum prefix-cache hit rate that round_robin cannot."""
 
 import pytest
 
-from splitserve.engine.kv_cache.block_pool import BlockRemoved, BlockStored
+from splitserve.types import BlockRemoved, BlockStored
 from splitserve.hashing import block_hashes
 from splitserve.router import KVIndex, NoCapacity, RouteRequest, WorkerView, make_router
 from splitserve.router.policy import WeightedPicker
@@ -42,12 +42,14 @@ def test_index_is_bounded():
 
 def test_filters_and_no_capacity():
     r = req(list(range(100)))
-    dec = [WorkerView("d0", "decode", "h", healthy=False), WorkerView("d1", "decode", "h", draining=True),
-           WorkerView("d2", "decode", "h", free_blocks=3)]
+    down = [WorkerView("d0", "decode", "h", healthy=False), WorkerView("d1", "decode", "h", draining=True)]
     with pytest.raises(NoCapacity):
-        make_router("least_loaded").place(r, [], dec)
-    ok = dec + [WorkerView("d3", "decode", "h", free_blocks=100)]
-    assert make_router("least_loaded").place(r, [], ok).decode == "d3"
+        make_router("least_loaded").place(r, [], down)
+    full = down + [WorkerView("d2", "decode", "h", free_blocks=3)]
+    # the only worker up is full: placed there all the same (its scheduler queues it), not refused
+    assert make_router("least_loaded").place(r, [], full).decode == "d2"
+    ok = full + [WorkerView("d3", "decode", "h", free_blocks=100, num_running=4)]
+    assert make_router("least_loaded").place(r, [], ok).decode == "d3"  # room beats load
 
 
 def test_round_robin_alternates_and_least_loaded_picks_min():

@@ -5,8 +5,8 @@ transports their cache can serve."""
 
 import pytest
 
-from splitserve.cluster.cluster import ClusterConfig
-from splitserve.types import ConfigError
+from splitserve.config import DeployConfig
+from splitserve.types import ConfigError, Role
 
 actors = pytest.importorskip("splitserve.cluster.actors")
 
@@ -31,8 +31,8 @@ def test_cuda_without_a_gpu_on_our_own_cluster_is_refused():
 
 @pytest.mark.parametrize("device,share,runs_on", [("auto", 0.0, "auto"), ("auto", 0.5, "auto"), ("cuda:3", 1.0, "cuda")])
 def test_worker_placement(tiny_checkpoint, device, share, runs_on):
-    cfg = ClusterConfig(str(tiny_checkpoint("llama")), engine={"device": device, "block_size": 32})
-    p = actors.worker_placement(cfg, ["shm", "tcp"], share)
+    cfg = DeployConfig(str(tiny_checkpoint("llama")), engine={"device": device, "block_size": 32})
+    p = actors.worker_placement(cfg, Role.DECODE, ["shm", "tcp"], share)
     assert p.resources == {"num_cpus": 1, "num_gpus": share}
     assert p.engine.device == runs_on and p.engine.block_size == 32  # Ray's GPU is device 0 in the actor
     # a GPU cache cannot live in /dev/shm: GPU workers offer tcp (and nixl), never shm
@@ -41,6 +41,6 @@ def test_worker_placement(tiny_checkpoint, device, share, runs_on):
 
 
 def test_shm_alone_cannot_serve_gpu_workers(tiny_checkpoint):
-    cfg = ClusterConfig(str(tiny_checkpoint("llama")), engine={"device": "cuda"})
+    cfg = DeployConfig(str(tiny_checkpoint("llama")), engine={"device": "cuda"})
     with pytest.raises(ConfigError, match="shm transport shares CPU KV caches only"):
-        actors.worker_placement(cfg, ["shm"], 1.0)
+        actors.worker_placement(cfg, Role.PREFILL, ["shm"], 1.0)

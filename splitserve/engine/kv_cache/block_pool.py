@@ -19,23 +19,11 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from splitserve.hashing import BlockHash
+from splitserve.types import BlockRemoved, BlockStored, KVEvent  # noqa: F401 (re-exported)
 
 
 class OutOfBlocks(RuntimeError):
     """Not enough free or evictable blocks; nothing was allocated."""
-
-
-@dataclass(frozen=True)
-class BlockStored:
-    block_hashes: tuple[BlockHash, ...]
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    block_hashes: tuple[BlockHash, ...]
-
-
-KVEvent = BlockStored | BlockRemoved
 
 
 @dataclass(frozen=True)

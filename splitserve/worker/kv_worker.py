@@ -1,36 +1,58 @@
 """What both worker roles are (DESIGN.md §1 steps 5–6): an Engine on its own thread inside the
 actor's event loop, warmed up before it serves, with its KV cache registered with every
 transport the worker offers. `PrefillWorker` adds handoffs and leases, `DecodeWorker` pulls.
+
+A worker knows where it runs (`node_id`, `node_ip`: the Ray shell reads them inside the actor
+process and passes them in) and says so once, at registration (`describe`); its TCP KV server
+listens on the node's IP, so a peer on another node can reach it. Health probes call `load`.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Sequence
 
 from splitserve.config import EngineConfig
 from splitserve.engine_loop import EngineLoop
-from splitserve.kv_events import RouterOutboxes, Snapshot
 from splitserve.kv_transfer import make_transport
 from splitserve.kv_transfer.base import TransportEndpoint
 from splitserve.kv_transfer.layout import layout_of
-from splitserve.types import WorkerStats
+from splitserve.types import WorkerLoad, WorkerStats
+from splitserve.worker.info import WorkerInfo
+from splitserve.worker.kv_events import RouterOutboxes, Snapshot
 
 
 class KVWorker:
     def __init__(self, config: EngineConfig, transports: Sequence[str], transport_options: dict | None = None,
-                 host: str | None = None) -> None:
+                 host: str | None = None, node_id: str = "") -> None:
         self.loop = EngineLoop.start(config)
         self.engine = self.loop.engine
         self.layout = layout_of(self.engine)
         self.host = host or socket.gethostname()
-        self.transports = {t: make_transport(t, **(transport_options or {}).get(t, {})) for t in transports}
+        self.node_id = node_id or self.host
+        options = dict(transport_options or {})
+        if host and "tcp" in transports:  # listen where peers on other nodes can reach us
+            options["tcp"] = {"bind_host": host, **options.get("tcp", {})}
+        self.transports = {t: make_transport(t, **options.get(t, {})) for t in transports}
         self.endpoints: dict[str, TransportEndpoint] = {
             t: tr.register(self.engine.kv.storage, self.layout, self.host) for t, tr in self.transports.items()}
         self.outboxes = RouterOutboxes()  # touched on the engine thread only
 
+    def describe(self) -> WorkerInfo:
+        return WorkerInfo(self.node_id, self.host, os.getpid(), tuple(self.endpoints.values()))
+
     async def stats(self) -> WorkerStats:
         return await self.loop.call(self.engine.stats)
+
+    def held(self) -> int:
+        """Requests in flight here, plus what the role holds for others (a prefill worker's
+        leases)."""
+        return self.loop.num_active
+
+    async def load(self) -> WorkerLoad:
+        # The stats the engine thread left after its last step: a probe never waits on a step.
+        return WorkerLoad(self.loop.latest_stats, self.held())
 
     async def snapshot(self, ack: int | None = None, router: str = "") -> Snapshot:
         """Load and the KV events `router` has not acknowledged (`ack`: the last `seq` it

@@ -18,8 +18,7 @@ import time
 from collections import deque
 from typing import Callable, NamedTuple
 
-from splitserve.engine.kv_cache.block_pool import KVEvent
-from splitserve.types import WorkerStats
+from splitserve.types import KVEvent, WorkerStats
 
 
 class Snapshot(NamedTuple):

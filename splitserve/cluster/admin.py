@@ -1,0 +1,46 @@
+"""`splitserve scale` and `splitserve status`: a short-lived driver that finds the app's
+Controller on a running Ray cluster and asks it."""
+
+from __future__ import annotations
+
+from splitserve.cluster.controller import ClusterStatus
+
+
+def _controller(address: str, name: str, namespace: str):
+    import ray
+
+    from splitserve.cluster import controller as controller_mod
+    from splitserve.cluster.launch import connect_ray
+
+    if connect_ray(address, 1):  # nothing was running: there is no app to ask
+        ray.shutdown()
+        raise ValueError("no Ray cluster is running here; start one with `splitserve serve`")
+    return controller_mod.find(name, namespace)
+
+
+def scale(address: str, name: str, namespace: str, prefill: int | None, decode: int | None) -> str:
+    import ray
+
+    c = _controller(address, name, namespace)
+    targets = {}
+    for role, n in (("prefill", prefill), ("decode", decode)):
+        if n is not None:
+            targets = ray.get(c.scale.remote(role, n))
+    return f"targets: prefill {targets['prefill']}, decode {targets['decode']}"
+
+
+def status(address: str, name: str, namespace: str) -> ClusterStatus:
+    import ray
+
+    return ray.get(_controller(address, name, namespace).status.remote())
+
+
+def status_table(st: ClusterStatus) -> str:
+    head = ("ID", "ROLE", "STATE", "NODE", "WAITING", "RUNNING", "KV USAGE")
+    rows = [(w.id, w.role, w.state, w.node_ip or "-", str(w.num_waiting), str(w.num_running),
+             f"{100 * w.kv_usage:.1f}%") for w in st.workers]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = [f"targets: prefill {st.targets['prefill']}, decode {st.targets['decode']}"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]
+    lines += [f"error ({role}): {e}" for role, e in st.errors.items()]
+    return "\n".join(lines)

@@ -1,0 +1,307 @@
+"""The Controller (DESIGN.md §4 "Ray"): a named, detached Ray actor, one per app, that owns the
+worker registry and keeps each pool at its target size.
+
+Every `probe_interval_s` it reconciles:
+  * a STARTING worker whose model has loaded registers (`describe`: node, endpoints) → READY;
+    one whose constructor refused its configuration is DEAD with that reason, and its pool
+    stops growing until the targets change (a crash loop would only repeat the refusal);
+  * every live worker is probed (`load`, answered without waiting on the engine); an actor
+    that died, or a probe unanswered for `probe_timeout_s`, makes it DEAD (killed, out of the
+    registry, so routers drop it at their next refresh) and the pool gets a replacement;
+  * a pool above target drains its least loaded workers: DRAINING leaves placement at once;
+    once idle (nothing running, waiting, pulling or leased) for `drain_grace_s` (routers have
+    seen it leave by then) its block counts are checked and recorded and it STOPs;
+  * a pool below target spawns workers.
+
+The Serve ingress replicas are its owners (`attach` / `detach`, from their constructor and
+`__del__`): when the last one leaves — the app was deleted — it stops every worker and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+
+from splitserve.cluster.actors import gpu_share, resolve_transports, spawn
+from splitserve.cluster.registry import Registry, RegistrySnapshot, WorkerRecord
+from splitserve.config import DeployConfig
+from splitserve.types import ConfigError, Role, WorkerId, WorkerLoad, WorkerState
+
+log = logging.getLogger(__name__)
+S = WorkerState
+ORPHAN_GRACE_S = 5.0  # an app being redeployed re-attaches within this
+# what a worker runs: a change to any of these replaces every worker
+WORKER_KEYS = ("model", "engine", "transport", "prefill_resources", "decode_resources", "on_transfer_failure",
+               "lease_s", "decode_fault", "prefill_transport_options")
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One line of `splitserve status`."""
+
+    id: str
+    role: str
+    state: str
+    node_ip: str
+    node_id: str
+    num_waiting: int
+    num_running: int
+    kv_usage: float
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    targets: dict
+    workers: tuple[WorkerStatus, ...]
+    errors: dict  # role -> why the pool cannot grow (a worker refused its configuration)
+    version: int
+
+    def to_json(self) -> dict:
+        from dataclasses import asdict
+
+        return {"targets": dict(self.targets), "workers": [asdict(w) for w in self.workers],
+                "errors": dict(self.errors)}
+
+
+class Controller:
+    def __init__(self, cfg: DeployConfig, joined: bool = True) -> None:
+        self.cfg = cfg
+        self.registry = Registry()
+        self.targets = {Role.PREFILL: cfg.prefill, Role.DECODE: cfg.decode}
+        self.errors: dict[Role, str] = {}
+        self._kinds = resolve_transports(cfg.transport)
+        self._joined = joined
+        self._owners: set[str] = set()
+        self._orphaned_at: float | None = None
+        self._describing: dict[WorkerId, asyncio.Task] = {}
+        self._probes: dict[WorkerId, asyncio.Task] = {}
+        self._loop: asyncio.Task | None = None
+        self._closed = False
+
+    # -- the API (Ray methods) ------------------------------------------------------------------
+    async def start(self) -> int:
+        """Begin reconciling (idempotent); returns the registry version."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop().create_task(self._reconcile_forever())
+            self._reconcile()
+        return self.registry.version
+
+    async def configure(self, cfg: DeployConfig) -> None:
+        """The app's config, from each ingress replica as it starts. Only a changed config
+        changes anything (so a restarted replica does not undo `scale`): new targets, and when
+        what the workers run changed, every worker is replaced (drained, new ones started)."""
+        if cfg == self.cfg:
+            return
+        replace = any(getattr(cfg, k) != getattr(self.cfg, k) for k in WORKER_KEYS)
+        self.cfg, self._kinds = cfg, resolve_transports(cfg.transport)
+        self.targets = {Role.PREFILL: cfg.prefill, Role.DECODE: cfg.decode}
+        self.errors.clear()
+        if replace:
+            for rec in self.registry:
+                if rec.state is S.STARTING:
+                    self._end(rec.id, S.STOPPED, "the app's configuration changed")
+                elif rec.state is S.READY:
+                    self.registry.move(rec.id, S.DRAINING)
+        self._reconcile()
+
+    async def snapshot(self, known_version: int = -1) -> RegistrySnapshot | None:
+        """The registry for routers; None when it has not changed since `known_version`."""
+        if known_version == self.registry.version:
+            return None
+        return self.registry.snapshot(self.targets)
+
+    async def scale(self, role: str, n: int) -> dict:
+        role = Role(role)
+        if not isinstance(n, int) or n < (1 if role is Role.DECODE else 0):
+            raise ConfigError(f"{role.value} pool size must be an integer >= {1 if role is Role.DECODE else 0}, "
+                              f"got {n!r}")
+        self.targets[role] = n
+        self.errors.pop(role, None)  # new targets: try again
+        self._reconcile()
+        return {r.value: t for r, t in self.targets.items()}
+
+    async def status(self) -> ClusterStatus:
+        rows = [self._status_row(r) for r in self.registry]
+        rows += [self._status_row(r) for r in self.registry.ended()[-16:]]
+        return ClusterStatus({r.value: t for r, t in self.targets.items()}, tuple(rows),
+                             {r.value: e for r, e in self.errors.items()}, self.registry.version)
+
+    async def ended(self) -> list[WorkerRecord]:
+        """Workers that stopped or died, newest last (with a drained worker's final counts)."""
+        return self.registry.ended()
+
+    async def attach(self, owner: str) -> None:
+        self._owners.add(owner)
+        self._orphaned_at = None
+
+    async def detach(self, owner: str) -> None:
+        self._owners.discard(owner)
+        if not self._owners:
+            self._orphaned_at = time.monotonic()
+
+    async def shutdown(self) -> None:
+        """Stop every worker and this actor."""
+        await self._stop_all()
+        ray.actor.exit_actor()
+
+    # -- reconciling ----------------------------------------------------------------------------
+    async def _reconcile_forever(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.cfg.probe_interval_s)
+            try:
+                self._reconcile()
+                if self._orphaned_at is not None and time.monotonic() - self._orphaned_at > ORPHAN_GRACE_S:
+                    log.warning("the app's ingress is gone: stopping every worker")
+                    await self._stop_all()
+                    ray.actor.exit_actor()
+            except Exception:  # never let one bad round stop the control loop
+                log.exception("reconcile failed")
+
+    def _reconcile(self) -> None:
+        for rec in self.registry:
+            if rec.state is S.STARTING and rec.id not in self._describing:
+                self._describing[rec.id] = asyncio.get_running_loop().create_task(self._register(rec))
+            elif rec.state in (S.READY, S.DRAINING) and rec.id not in self._probes:
+                self._probes[rec.id] = asyncio.get_running_loop().create_task(self._probe(rec.id))
+        for role in Role:
+            self._resize(role)
+
+    def _resize(self, role: Role) -> None:
+        active = self.registry.pool(role, S.STARTING, S.READY)
+        extra = len(active) - self.targets[role]
+        if extra > 0:
+            # starting ones first (nothing placed there yet), then the least loaded, newest first
+            order = sorted(active, key=lambda r: (r.state is S.READY, _busy(r.load), -r.since))
+            for rec in order[:extra]:
+                if rec.state is S.STARTING:
+                    self._end(rec.id, S.STOPPED, "scaled down before it was ready")
+                else:
+                    self.registry.move(rec.id, S.DRAINING)
+        elif extra < 0 and role not in self.errors:
+            for _ in range(-extra):
+                self._spawn(role)
+
+    def _spawn(self, role: Role) -> None:
+        wid = WorkerId.new(role)
+        try:
+            share = gpu_share(str(self.cfg.engine.get("device", "auto")), ray.cluster_resources().get("GPU", 0.0),
+                              sum(self.targets.values()), joined=self._joined)
+            handle = spawn(self.cfg, wid, self._kinds, share)
+        except ConfigError as e:
+            self.errors[role] = str(e)
+            return
+        self.registry.add(wid, handle)
+
+    async def _register(self, rec: WorkerRecord) -> None:
+        try:
+            info = await rec.handle.describe.remote()
+        except Exception as e:
+            refused = config_error_in(e)
+            if refused is not None:
+                self.errors[rec.role] = str(refused)
+            if rec.id in self.registry and self.registry[rec.id].state is S.STARTING:
+                self._end(rec.id, S.DEAD, str(refused) if refused else "failed to start")
+            return
+        finally:
+            self._describing.pop(rec.id, None)
+        if rec.id in self.registry and self.registry[rec.id].state is S.STARTING:
+            self.registry.move(rec.id, S.READY, info=info)
+            log.info("worker %s ready on %s", rec.id, info.node_ip)
+
+    async def _probe(self, wid: WorkerId) -> None:
+        """Probe one worker until it leaves the registry."""
+        try:
+            while wid in self.registry and not self._closed:
+                rec = self.registry[wid]
+                try:
+                    load = await asyncio.wait_for(rec.handle.load.remote(), self.cfg.probe_timeout_s)
+                except asyncio.TimeoutError:
+                    self._end(wid, S.DEAD, f"no answer to a health probe within {self.cfg.probe_timeout_s:g} s")
+                    return
+                except Exception as e:
+                    self._end(wid, S.DEAD, f"its actor died ({type(e).__name__})")
+                    return
+                self.registry.observe(wid, load)
+                if rec.state is S.DRAINING and load.idle and time.time() - rec.since >= self.cfg.drain_grace_s:
+                    await self._stop_drained(wid)
+                    return
+                await asyncio.sleep(self.cfg.probe_interval_s)
+        finally:
+            self._probes.pop(wid, None)
+
+    async def _stop_drained(self, wid: WorkerId) -> None:
+        handle = self.registry[wid].handle
+        try:
+            counts = await asyncio.wait_for(handle.check_invariants.remote(), 10)
+            await asyncio.wait_for(handle.close.remote(), 10)
+        except Exception as e:  # the invariant broke, or it died on the way out
+            self._end(wid, S.DEAD, f"failed while stopping: {type(e).__name__}: {e}")
+            return
+        self._end(wid, S.STOPPED, "drained", final_counts=counts)
+
+    def _end(self, wid: WorkerId, state: WorkerState, reason: str, **changes) -> None:
+        handle = self.registry[wid].handle
+        self.registry.move(wid, state, reason=reason, **changes)
+        if state is S.DEAD:
+            log.warning("worker %s is dead: %s", wid, reason)
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:
+            pass
+
+    async def _stop_all(self) -> None:
+        self._closed = True
+        self.targets = {r: 0 for r in Role}
+        for rec in self.registry:
+            try:
+                await asyncio.wait_for(rec.handle.close.remote(), 5)
+            except Exception:
+                pass
+            if rec.state is S.READY:
+                self.registry.move(rec.id, S.DRAINING)
+            self._end(rec.id, S.STOPPED, "the app stopped")
+
+    def _status_row(self, r: WorkerRecord) -> WorkerStatus:
+        s = r.load.stats if r.load else None
+        return WorkerStatus(str(r.id), r.role.value, r.state.value, r.node_ip, r.info.node_id if r.info else "",
+                            s.num_waiting if s else 0, s.num_running if s else 0,
+                            round(s.kv_usage, 4) if s else 0.0, r.reason)
+
+
+def _busy(load: WorkerLoad | None) -> int:
+    return 0 if load is None else load.stats.num_waiting + load.stats.num_running + load.held
+
+
+def config_error_in(e: BaseException) -> ConfigError | None:
+    """The ConfigError a worker's constructor raised, recovered from Ray's actor error (which
+    keeps only its text)."""
+    marker = f"{ConfigError.__module__}.ConfigError: "
+    text = str(e)
+    if marker not in text:
+        return None
+    return ConfigError(text.rsplit(marker, 1)[1].strip().splitlines()[0])
+
+
+ControllerActor = ray.remote(Controller)
+
+
+def get_or_create(cfg: DeployConfig, joined: bool = True):
+    """The app's Controller: the running one if there is one, else a new detached one. Its
+    pools start at once."""
+    handle = ControllerActor.options(name=cfg.name, namespace=cfg.namespace, lifetime="detached",
+                                     get_if_exists=True, num_cpus=0, max_concurrency=1000).remote(cfg, joined)
+    return handle
+
+
+def find(name: str = "splitserve", namespace: str = "splitserve"):
+    """The running Controller of app `name` (ValueError when there is none)."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        raise ValueError(f"no splitserve app {name!r} is running on this Ray cluster (namespace {namespace!r})") \
+            from None

@@ -1,0 +1,246 @@
+"""A router replica's view of the cluster (DESIGN.md §4 "Ray": router replicas read the
+registry and worker load in the background, never on the request path).
+
+Two kinds of background task keep it fresh:
+  * the registry watcher asks the Controller for the registry when its version changes (every
+    `registry_interval_s`): workers that appear get a poller, workers that leave (drained,
+    dead) leave placement and the KV index;
+  * one poller per registered worker pulls its load and KV events (`snapshot`, at least once
+    delivery, see worker/kv_events.py) every `load_interval_s`; one slow worker delays only
+    its own view. A worker whose calls fail leaves placement at once.
+
+`place` runs the placement policy over these views without waiting on anything. It also counts
+what this router placed on each worker and has not yet seen in that worker's reported load
+(`Pending`), so a burst of simultaneous requests spreads over the pool instead of landing on
+the worker that looked idle in the last snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from splitserve.cluster.registry import RegistrySnapshot, WorkerRecord
+from splitserve.hashing import block_hashes
+from splitserve.kv_transfer import choose_transport
+from splitserve.router.policy import RouteRequest, Router, WorkerView
+from splitserve.types import Request, Role, WorkerId, WorkerState, WorkerStats
+
+log = logging.getLogger(__name__)
+
+
+class RegistrySource(Protocol):
+    async def fetch(self, known_version: int) -> RegistrySnapshot | None:
+        """The registry if its version differs from `known_version`, else None."""
+
+
+class Pending:
+    """Placements this router made that a worker's reported load may not show yet. An entry
+    counts until the worker confirms it has the request and a snapshot sent after that
+    confirmation has been applied, or until the request ends; one never confirmed (a plan that
+    was refused or never ran) lapses after `ttl_s`."""
+
+    def __init__(self, ttl_s: float = 2.0, clock=time.monotonic) -> None:
+        self.ttl_s, self._clock = ttl_s, clock
+        self._entries: dict[WorkerId, dict[int, list]] = {}  # worker -> ticket -> [placed_at, confirmed_at]
+        self._tickets = itertools.count()
+
+    def add(self, wid: WorkerId) -> int:
+        t = next(self._tickets)
+        self._entries.setdefault(wid, {})[t] = [self._clock(), None]
+        return t
+
+    def confirm(self, wid: WorkerId, ticket: int) -> None:
+        e = self._entries.get(wid, {}).get(ticket)
+        if e is not None and e[1] is None:
+            e[1] = self._clock()
+
+    def done(self, wid: WorkerId, ticket: int) -> None:
+        self._entries.get(wid, {}).pop(ticket, None)
+
+    def count(self, wid: WorkerId, seen_at: float | None) -> int:
+        now, entries = self._clock(), self._entries.get(wid, {})
+        for t, (placed, confirmed) in list(entries.items()):
+            if (confirmed is None and now - placed > self.ttl_s) or (
+                    confirmed is not None and seen_at is not None and seen_at > confirmed):
+                del entries[t]
+        return len(entries)
+
+    def forget(self, wid: WorkerId) -> None:
+        self._entries.pop(wid, None)
+
+
+@dataclass
+class Route:
+    """Where one request runs: its prefill worker (None: the decode worker prefills it), its
+    decode worker, the prompt tokens expected cached where it is prefilled, and the KV
+    transport for the pair. Holds this router's pending counts until `close`."""
+
+    prefill: WorkerRecord | None
+    decode: WorkerRecord
+    cached_tokens: int
+    transport: str | None
+    _directory: "Directory" = field(repr=False)
+    _tickets: dict = field(default_factory=dict, repr=False)
+
+    def confirm(self, wid: WorkerId) -> None:
+        """The worker has the request: from its next snapshot on, its own load counts it."""
+        if wid in self._tickets:
+            self._directory.pending.confirm(wid, self._tickets[wid])
+
+    def close(self) -> None:
+        for wid, t in self._tickets.items():
+            self._directory.pending.done(wid, t)
+        self._tickets.clear()
+
+
+class Directory:
+    def __init__(self, source: RegistrySource, policy: Router, block_size: int = 16,
+                 registry_interval_s: float = 0.2, load_interval_s: float = 0.05, answer_timeout_s: float = 5.0,
+                 clock=time.monotonic) -> None:
+        self.source, self.policy, self.block_size = source, policy, block_size
+        self.registry_interval_s, self.load_interval_s, self.answer_timeout_s = (
+            registry_interval_s, load_interval_s, answer_timeout_s)
+        self.router_id = uuid.uuid4().hex  # each router replica acknowledges KV events on its own
+        self._clock = clock
+        self.pending = Pending(clock=clock)
+        self.version = -1
+        self.records: dict[WorkerId, WorkerRecord] = {}
+        self._stats: dict[WorkerId, WorkerStats] = {}
+        self._acked: dict[WorkerId, int] = {}
+        self._seen_at: dict[WorkerId, float] = {}
+        self._failed: set[WorkerId] = set()  # its calls fail: out of placement until it answers
+        self._pollers: dict[WorkerId, asyncio.Task] = {}
+        self._watcher: asyncio.Task | None = None
+
+    # -- background -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """First registry read (waits for it), then the background tasks."""
+        self.apply_registry(await self.source.fetch(self.version))
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_registry())
+
+    def stop(self) -> None:
+        for task in [self._watcher, *self._pollers.values()]:
+            if task is not None:
+                task.cancel()
+        self._pollers.clear()
+
+    async def _watch_registry(self) -> None:
+        while True:
+            await asyncio.sleep(self.registry_interval_s)
+            try:
+                self.apply_registry(await self.source.fetch(self.version))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the Controller is away: keep routing on what we know
+                log.warning("registry refresh failed: %s", e)
+
+    def apply_registry(self, snap: RegistrySnapshot | None) -> None:
+        if snap is None or snap.version == self.version:
+            return
+        self.version = snap.version
+        records = {w.id: w for w in snap.workers if w.state in (WorkerState.READY, WorkerState.DRAINING)}
+        for wid in set(self.records) - set(records):
+            self._forget(wid)
+            task = self._pollers.pop(wid, None)
+            if task is not None:
+                task.cancel()
+        self.records = records
+        for wid in records:
+            if wid not in self._pollers:
+                self._pollers[wid] = asyncio.get_running_loop().create_task(self._poll(wid))
+
+    def _forget(self, wid: WorkerId) -> None:
+        self._stats.pop(wid, None)
+        self._acked.pop(wid, None)  # so its next answer is a full listing
+        self._seen_at.pop(wid, None)
+        self.pending.forget(wid)
+        self.policy.index.remove_worker(wid)
+
+    async def _poll(self, wid: WorkerId) -> None:
+        asked = None  # a call still unanswered is waited on again, never sent twice
+        while wid in self.records:
+            if asked is None:
+                sent = self._clock()
+                asked = asyncio.ensure_future(self.records[wid].handle.snapshot.remote(self._acked.get(wid),
+                                                                                      self.router_id))
+            done, _ = await asyncio.wait({asked}, timeout=self.answer_timeout_s)
+            if done:
+                self._apply_snapshot(wid, asked, sent)
+                asked = None
+            await asyncio.sleep(self.load_interval_s)
+
+    def _apply_snapshot(self, wid: WorkerId, answer: asyncio.Future, sent: float) -> None:
+        if wid not in self.records:
+            return
+        try:
+            snap = answer.result()
+        except Exception as e:  # dead or failing: out of placement now, its cache forgotten
+            if wid not in self._failed:
+                log.warning("worker %s does not answer: %s", wid, type(e).__name__)
+            self._failed.add(wid)
+            self._forget(wid)
+            return
+        self._failed.discard(wid)
+        self._stats[wid] = snap.stats
+        self._acked[wid] = snap.seq
+        self._seen_at[wid] = sent
+        if snap.reset:
+            self.policy.index.remove_worker(wid)
+        self.policy.index.apply(wid, snap.events)
+
+    # -- reading ----------------------------------------------------------------------------------
+    def mark_failed(self, wid: WorkerId) -> None:
+        """A request's call to this worker failed: out of placement until it answers again."""
+        self._failed.add(wid)
+
+    def stats(self, wid: WorkerId) -> WorkerStats | None:
+        return self._stats.get(wid)
+
+    def view(self, rec: WorkerRecord) -> WorkerView:
+        wid = rec.id
+        pending = self.pending.count(wid, self._seen_at.get(wid))
+        healthy = rec.state is WorkerState.READY and wid not in self._failed
+        s = self._stats.get(wid)
+        if s is None:  # registered, not heard from yet: an empty worker
+            return WorkerView(wid, rec.role, rec.node_ip, pending, healthy=healthy,
+                              draining=rec.state is WorkerState.DRAINING)
+        return WorkerView(wid, rec.role, rec.node_ip, s.num_waiting + pending, s.num_running, s.kv_usage,
+                          s.kv_blocks_free + s.kv_blocks_cached, healthy, rec.state is WorkerState.DRAINING)
+
+    def views(self, role: Role | None = None) -> list[WorkerView]:
+        return [self.view(r) for r in self.records.values() if role is None or r.role is role]
+
+    def ready(self) -> bool:
+        return any(v.healthy for v in self.views(Role.DECODE))
+
+    # -- placing ----------------------------------------------------------------------------------
+    def route_request(self, req: Request) -> RouteRequest:
+        hashes = tuple(block_hashes(req.prompt_token_ids, self.block_size, req.cache_salt))
+        return RouteRequest(req.request_id, len(req.prompt_token_ids), hashes, self.block_size)
+
+    def place(self, req: Request, route_req: RouteRequest | None = None) -> Route:
+        """The policy's placement over the current views (raises NoCapacity), counted as pending
+        on the workers it names."""
+        pl = self.policy.place(route_req or self.route_request(req), self.views(Role.PREFILL),
+                               self.views(Role.DECODE))
+        p = self.records[pl.prefill] if pl.prefill is not None else None
+        d = self.records[pl.decode]
+        transport = None
+        if p is not None:
+            transport = choose_transport(p.node_ip == d.node_ip, p.info.transports, d.info.transports)
+        route = Route(p, d, pl.cached_tokens, transport, self)
+        for rec in (p, d):
+            if rec is not None:
+                route._tickets[rec.id] = self.pending.add(rec.id)
+        return route
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(v) | {"worker_id": str(v.worker_id), "role": v.role.value}
+                for v in self.views()]

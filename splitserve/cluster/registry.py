@@ -1,0 +1,122 @@
+"""The worker registry (DESIGN.md §4 "Ray"): every worker the Controller made, with its stable
+id, where it runs, how to reach its KV cache, and its state. Pure Python: the Controller is
+the only writer; router replicas read `snapshot()`s of it, versioned so an unchanged registry
+costs them nothing.
+
+A worker's life: STARTING (actor created, model loading) → READY (registered: node, endpoints)
+→ DRAINING (out of placement, finishing what it holds) → STOPPED; DEAD from any live state
+(its actor died or stopped answering). Every change bumps `version`; a transition the state
+machine does not allow raises, so a bookkeeping bug cannot silently resurrect a worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from splitserve.types import Role, WorkerId, WorkerLoad, WorkerState
+from splitserve.worker.info import WorkerInfo
+
+S = WorkerState
+ALLOWED = {
+    S.STARTING: {S.READY, S.STOPPED, S.DEAD},
+    S.READY: {S.DRAINING, S.DEAD},
+    S.DRAINING: {S.STOPPED, S.DEAD},
+    S.STOPPED: set(),
+    S.DEAD: set(),
+}
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    id: WorkerId
+    state: WorkerState
+    handle: Any = None  # the Ray actor handle (a value Ray can send anywhere)
+    info: WorkerInfo | None = None  # set when READY
+    load: WorkerLoad | None = None  # the last health probe's answer
+    since: float = 0.0  # time.time() of the last state change
+    reason: str = ""  # why it is DEAD (or STOPPED)
+    final_counts: dict | None = None  # a drained worker's block counts, checked before it stopped
+
+    @property
+    def role(self) -> Role:
+        return self.id.role
+
+    @property
+    def node_ip(self) -> str:
+        return self.info.node_ip if self.info else ""
+
+
+@dataclass(frozen=True)
+class RegistrySnapshot:
+    version: int
+    workers: tuple[WorkerRecord, ...]  # live ones (STARTING, READY, DRAINING)
+    targets: tuple[tuple[Role, int], ...]
+
+    def role(self, role: Role, state: WorkerState | None = None) -> list[WorkerRecord]:
+        return [w for w in self.workers if w.role is role and (state is None or w.state is state)]
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+class Registry:
+    def __init__(self, history: int = 64) -> None:
+        self.version = 0
+        self._live: dict[WorkerId, WorkerRecord] = {}
+        self._ended: deque[WorkerRecord] = deque(maxlen=history)  # STOPPED / DEAD, newest last
+
+    def __iter__(self) -> Iterator[WorkerRecord]:
+        return iter(list(self._live.values()))
+
+    def __getitem__(self, wid: WorkerId) -> WorkerRecord:
+        return self._live[wid]
+
+    def __contains__(self, wid: WorkerId) -> bool:
+        return wid in self._live
+
+    def add(self, wid: WorkerId, handle: Any) -> WorkerRecord:
+        if wid in self._live:
+            raise IllegalTransition(f"{wid} is registered already")
+        rec = WorkerRecord(wid, S.STARTING, handle, since=time.time())
+        self._live[wid] = rec
+        self.version += 1
+        return rec
+
+    def move(self, wid: WorkerId, state: WorkerState, **changes: Any) -> WorkerRecord:
+        rec = self._live[wid]
+        if state not in ALLOWED[rec.state]:
+            raise IllegalTransition(f"{wid}: {rec.state.value} → {state.value} is not a worker transition")
+        rec = dataclasses.replace(rec, state=state, since=time.time(), **changes)
+        if state.live:
+            self._live[wid] = rec
+        else:
+            del self._live[wid]
+            self._ended.append(dataclasses.replace(rec, handle=None))
+        self.version += 1
+        return rec
+
+    def observe(self, wid: WorkerId, load: WorkerLoad) -> None:
+        """A probe's answer: load only, not a change routers need (no version bump)."""
+        if wid in self._live:
+            self._live[wid] = dataclasses.replace(self._live[wid], load=load)
+
+    def pool(self, role: Role, *states: WorkerState) -> list[WorkerRecord]:
+        return [w for w in self._live.values() if w.role is role and (not states or w.state in states)]
+
+    def ended(self) -> list[WorkerRecord]:
+        return list(self._ended)
+
+    def snapshot(self, targets: dict[Role, int]) -> RegistrySnapshot:
+        return RegistrySnapshot(self.version, tuple(self._live.values()), tuple(sorted(targets.items())))
+
+    def check_invariants(self) -> None:
+        for wid, rec in self._live.items():
+            if rec.id != wid or not rec.state.live:
+                raise AssertionError(f"registry entry {wid} holds {rec}")
+            if rec.state is not S.STARTING and rec.info is None:
+                raise AssertionError(f"{wid} is {rec.state.value} without registration info")

@@ -1,0 +1,1 @@
+"""What both worker roles share: the engine on its thread, transports, KV-event outboxes."""

@@ -1,0 +1,279 @@
+"""A router replica's view of the cluster and the request orchestrator, without Ray (fake
+workers and a fake registry): the KV index follows each worker's cache through lost replies,
+failures and slow workers; a burst of simultaneous requests splits evenly over the decode pool
+under every policy; a hung worker never makes a placement wait; a failed prefill worker leaves
+placement and the request is placed again, while a request the engine refuses fails at once."""
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from splitserve.cluster.directory import Directory
+from splitserve.cluster.registry import Registry
+from splitserve.router.policy import POLICIES, make_router
+from splitserve.types import (BlockRemoved, BlockStored, ConfigError, Request, Role, SamplingParams, WorkerId,
+                              WorkerState as S, WorkerStats)
+from splitserve.worker.info import WorkerInfo
+from splitserve.worker.kv_events import RouterOutboxes, Snapshot
+
+
+def stats(waiting=0, running=0):
+    return WorkerStats(waiting, running, 0, 64, 64, 0, 0, 0, 0)
+
+
+class _Call:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class FakeWorker:
+    """A worker's snapshot over a fake cache; `mode`: "ok", "fail" (the call raises), "hang"."""
+
+    def __init__(self):
+        self.outboxes, self.cached, self.new, self.mode, self.load = RouterOutboxes(), set(), [], "ok", stats()
+        self.snapshot = _Call(self._snapshot)
+        self.calls = 0
+
+    def store(self, *hs):
+        self.cached |= set(hs)
+        self.new.append(BlockStored(hs))
+
+    def drop(self, *hs):
+        self.cached -= set(hs)
+        self.new.append(BlockRemoved(hs))
+
+    async def _snapshot(self, ack, router):
+        self.calls += 1
+        if self.mode == "hang":
+            await asyncio.Event().wait()
+        new, self.new = self.new, []
+        out = self.outboxes.take(router, ack, new, lambda: [BlockStored(tuple(sorted(self.cached)))])
+        if self.mode == "fail":  # the worker moved on, the reply is lost
+            raise RuntimeError("reply lost")
+        return Snapshot(self.load, *out)
+
+
+class FakeSource:
+    def __init__(self):
+        self.registry = Registry()
+        self.workers = {}
+
+    def add(self, role, ip="127.0.0.2", transports=("shm", "tcp")):
+        wid = WorkerId.new(role)
+        w = FakeWorker()
+        self.workers[wid] = w
+        self.registry.add(wid, w)
+        endpoints = tuple(type("E", (), {"transport": t})() for t in transports)
+        self.registry.move(wid, S.READY, info=WorkerInfo("node-" + ip, ip, 1, endpoints))
+        return wid
+
+    async def fetch(self, known):
+        return self.registry.snapshot({}) if known != self.registry.version else None
+
+
+def directory(source, policy="cache_aware", **kw):
+    kw = {"registry_interval_s": 0.01, "load_interval_s": 0.01, "answer_timeout_s": 0.05, **kw}
+    return Directory(source, make_router(policy, disagg_min_tokens=0), 16, **kw)
+
+
+def req(i, n=40):
+    return Request(f"r{i}", tuple(range(i * 1000, i * 1000 + n)), SamplingParams(max_tokens=4))
+
+
+async def settle(s=0.1):
+    await asyncio.sleep(s)
+
+
+def test_the_index_follows_the_cache_through_lost_replies_failures_and_slow_workers():
+    async def go():
+        src = FakeSource()
+        wid = src.add(Role.DECODE)
+        w = src.workers[wid]
+        d = directory(src)
+        await d.start()
+
+        def held():
+            return {h for h in range(10) if d.policy.index.overlap([h]).get(wid)}
+
+        w.store(1, 2)
+        await settle()
+        assert held() == {1, 2}
+        w.mode = "fail"  # out of placement, forgotten; its events since are not lost
+        w.store(3)
+        w.drop(1)
+        await settle()
+        assert held() == set() and not d.view(d.records[wid]).healthy
+        w.mode = "ok"
+        await settle()
+        assert held() == {2, 3} and d.view(d.records[wid]).healthy
+        w.mode = "hang"  # too slow: its view stays as it was, nothing is lost
+        await settle()
+        w.store(4)
+        calls = w.calls
+        await settle()
+        assert held() == {2, 3} and w.calls == calls  # an unanswered call is never sent twice
+        w.mode = "ok"
+        d.stop()
+        return held
+
+    asyncio.run(go())
+
+
+def test_workers_that_leave_the_registry_leave_placement_and_the_index():
+    async def go():
+        src = FakeSource()
+        a, b = src.add(Role.DECODE), src.add(Role.DECODE)
+        src.workers[a].store(b"x")
+        d = directory(src)
+        await d.start()
+        await settle()
+        assert d.policy.index.overlap([b"x"]) == {a: 1}
+        src.registry.move(a, S.DRAINING)
+        await settle()
+        assert {v.worker_id: v.draining for v in d.views()} == {a: True, b: False}
+        assert all(d.place(req(i)).decode.id == b for i in range(4))  # a draining worker takes nothing new
+        src.registry.move(a, S.DEAD, reason="gone")
+        await settle()
+        assert set(d.records) == {b} and d.policy.index.overlap([b"x"]) == {}
+        d.stop()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_burst_splits_evenly_over_the_decode_pool(policy):
+    """16 simultaneous distinct requests between two snapshots: every worker still looks idle in
+    its last report, so only the router's own count of what it placed spreads them."""
+    async def go():
+        src = FakeSource()
+        ds = [src.add(Role.DECODE), src.add(Role.DECODE)]
+        d = directory(src, policy, load_interval_s=60)  # no new snapshot during the burst
+        await d.start()
+        await settle(0.05)
+        routes = [d.place(req(i)) for i in range(16)]
+        split = {w: sum(r.decode.id == w for r in routes) for w in ds}
+        print(f"{policy}: {sorted(split.values())}")
+        for r in routes:
+            r.close()
+        assert all(d.pending.count(w, None) == 0 for w in ds)  # closed routes count no more
+        d.stop()
+        return split
+
+    split = asyncio.run(go())
+    assert all(6 <= n <= 10 for n in split.values()), split
+
+
+def test_pending_counts_until_the_worker_reports_the_request():
+    async def go():
+        src = FakeSource()
+        wid = src.add(Role.DECODE)
+        d = directory(src, load_interval_s=0.01)
+        await d.start()
+        await settle(0.05)
+        route = d.place(req(0))
+        assert d.view(d.records[wid]).num_waiting == 1  # placed, not yet seen
+        route.confirm(wid)  # the worker has it; its next report counts it
+        src.workers[wid].load = stats(running=1)
+        await settle(0.05)
+        v = d.view(d.records[wid])
+        assert (v.num_waiting, v.num_running) == (0, 1)  # counted once, by the worker's own report
+        route.close()
+        d.stop()
+
+    asyncio.run(go())
+
+
+def test_a_hung_worker_never_makes_a_placement_wait():
+    async def go():
+        src = FakeSource()
+        hung, ok = src.add(Role.DECODE), src.add(Role.DECODE)
+        src.workers[hung].mode = "hang"
+        d = directory(src, load_interval_s=0.001)
+        await d.start()
+        placed = 0
+        for i in range(200):  # place() is synchronous: it cannot wait on a worker
+            r = d.place(req(i))
+            placed += 1
+            r.close()
+            if i % 20 == 0:
+                await asyncio.sleep(0.001)  # the pollers run in between
+        d.stop()
+        return placed
+
+    assert asyncio.run(go()) == 200
+
+
+def test_transport_by_locality():
+    async def go():
+        src = FakeSource()
+        p = src.add(Role.PREFILL, "127.0.0.2", ("shm", "nixl", "tcp"))
+        near = src.add(Role.DECODE, "127.0.0.2", ("shm", "nixl", "tcp"))
+        d = directory(src)
+        await d.start()
+        assert d.place(req(0)).transport == "shm"
+        src.registry.move(near, S.DEAD)
+        src.add(Role.DECODE, "127.0.0.3", ("shm", "tcp"))
+        await settle()
+        r = d.place(req(1))
+        assert (r.prefill.id, r.transport) == (p, "tcp")  # another node: never shm
+        d.stop()
+
+    asyncio.run(go())
+
+
+class FakePrefill:
+    def __init__(self, outcome):
+        self.outcome, self.calls = outcome, 0
+        self.prefill = _Call(self._prefill)
+
+    async def _prefill(self, req, transport):
+        self.calls += 1
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+def test_a_failed_prefill_worker_leaves_placement_a_refused_request_is_not_retried():
+    from splitserve.cluster.orchestrator import Orchestrator
+
+    async def go(first_outcome):
+        src = FakeSource()
+        p1, p2 = src.add(Role.PREFILL), src.add(Role.PREFILL)
+        src.add(Role.DECODE)
+        d = directory(src, "round_robin")
+        await d.start()
+        fakes = {p1: FakePrefill(first_outcome), p2: FakePrefill(first_outcome)}
+        for wid, f in fakes.items():
+            src.registry._live[wid] = src.registry[wid].__class__(**{**src.registry[wid].__dict__, "handle": f})
+        d.records = {w: src.registry[w] for w in d.records}
+        o = Orchestrator(d)
+        route = d.place(req(0))
+        first = route.prefill.id
+        try:
+            return await o._prefill(req(0), route), fakes, first, d, o
+        finally:
+            d.stop()
+
+    result, fakes, first, d, o = asyncio.run(go(RuntimeError("actor died")))
+    assert result is None and o.prefill_failures == 1
+    assert not d.view(d.records[first]).healthy  # out of placement at once
+    with pytest.raises(ConfigError, match="prompt too long"):
+        asyncio.run(go(ConfigError("prompt too long")))
+
+
+def test_the_router_policy_imports_without_torch():
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, *a):\n"
+            "        if name.split('.')[0] in ('torch', 'ray'):\n"
+            "            raise ImportError('blocked: ' + name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import splitserve.router.policy, splitserve.cluster.registry\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
