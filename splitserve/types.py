@@ -236,6 +236,9 @@ class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
 
+    def __str__(self) -> str:  # metric labels, messages: the bare name
+        return self.value
+
 
 @dataclass(frozen=True, order=True)
 class WorkerId:
@@ -261,6 +264,9 @@ class WorkerState(str, enum.Enum):
     DRAINING = "draining"
     STOPPED = "stopped"
     DEAD = "dead"
+
+    def __str__(self) -> str:
+        return self.value
 
     @property
     def live(self) -> bool:

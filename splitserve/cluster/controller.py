@@ -291,8 +291,8 @@ ControllerActor = ray.remote(Controller)
 
 
 def get_or_create(cfg: DeployConfig, joined: bool = True):
-    """The app's Controller: the running one if there is one, else a new detached one. Its
-    pools start at once."""
+    """The app's Controller: the running one if there is one, else a new detached one (its
+    pools start with `start`)."""
     handle = ControllerActor.options(name=cfg.name, namespace=cfg.namespace, lifetime="detached",
                                      get_if_exists=True, num_cpus=0, max_concurrency=1000).remote(cfg, joined)
     return handle

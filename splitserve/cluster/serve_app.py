@@ -36,6 +36,7 @@ class Ingress:
         self.controller = controller_mod.get_or_create(cfg, joined)
         await self.controller.attach.remote(self.owner)
         await self.controller.configure.remote(cfg)
+        await self.controller.start.remote()
         self.backend = ClusterBackend(cfg, ControllerSource(self.controller))
         await self.backend.start()
         self.http = OpenAIServer(self.backend, admission=Admission(admission_config(cfg)))

@@ -8,7 +8,6 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.cluster import Cluster
-from splitserve.router.backend import ClusterBackend
 from splitserve.router.http import OpenAIServer
 
 openai = pytest.importorskip("openai")
@@ -20,19 +19,19 @@ def test_openai_sdk_over_the_cluster(ray_session, tiny_checkpoint):
     ref = LLM(model, num_kv_blocks=256).generate([prompt], SamplingParams(temperature=0, max_tokens=12,
                                                                           ignore_eos=True))[0].outputs[0].text
     with Cluster.start(model=model, transport="tcp", disagg_min_tokens=0, num_kv_blocks=256) as cluster:
-        app = OpenAIServer(ClusterBackend(cluster, model_name="tiny")).app
+        app = OpenAIServer(cluster.backend).app
 
         async def go():
             http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
             c = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http)
-            full = await c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+            full = await c.completions.create(model=cluster.backend.model_name, prompt=prompt, max_tokens=12, temperature=0,
                                               extra_body={"ignore_eos": True})
-            s = await c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+            s = await c.completions.create(model=cluster.backend.model_name, prompt=prompt, max_tokens=12, temperature=0, stream=True,
                                            stop=[ref[5:8]], extra_body={"ignore_eos": True})
             streamed = "".join([ev.choices[0].text async for ev in s if ev.choices])
             return full, streamed
 
-        full, streamed = asyncio.run(go())
+        full, streamed = cluster.run(go())  # on the router's own loop
         assert full.choices[0].text == ref
         assert streamed == ref[: ref.find(ref[5:8])]
         for s in cluster.check_invariants():

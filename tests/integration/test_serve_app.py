@@ -12,8 +12,6 @@ import httpx
 import pytest
 
 from splitserve import LLM, SamplingParams
-from splitserve.cluster import Cluster
-from splitserve.router.admission import AdmissionConfig
 from splitserve.router.grpc_service import SERVICE_NAME
 from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc
@@ -30,19 +28,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class AppWorkers:
+    """The deployed app's workers, found through its Controller's registry."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def check_invariants(self):
+        import ray
+
+        from splitserve.cluster import controller
+
+        snap = ray.get(controller.find(self.name).snapshot.remote())
+        return ray.get([w.handle.check_invariants.remote() for w in snap.workers])
+
+
 @pytest.fixture(scope="module")
 def deployed(ray_session, tiny_checkpoint):
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from splitserve.cluster.launch import wait_ready
+    from splitserve.cluster import controller
+    from splitserve.deploy import build_app
+
     model = str(tiny_checkpoint("llama"))
     http_port, grpc_port = free_port(), free_port()
-    with Cluster.start(model=model, transport="tcp", disagg_min_tokens=0, num_kv_blocks=256) as cluster:
-        serve_app.run_serve_app(cluster, AdmissionConfig(max_inflight=3), "tiny", "127.0.0.1", http_port, grpc_port)
-        try:
-            yield model, cluster, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
-        finally:
-            serve_app.stop_serve_app()
-            from ray import serve
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[serve_app.GRPC_SERVICER]))
+    args = {"model": model, "transport": "tcp", "disagg_min_tokens": 0, "max_inflight": 3, "served_model_name": "tiny",
+            "engine": {"num_kv_blocks": 256}, "name": "serve-app-test"}
+    serve.run(build_app(args), name="serve-app-test", route_prefix="/")
+    wait_ready(controller.find("serve-app-test"))
+    import time
 
-            serve.shutdown()  # the test session's Ray lives on
+    time.sleep(1.0)  # the ingress reads the registry every 0.2 s: let it see the prefill worker too
+    try:
+        yield model, AppWorkers("serve-app-test"), f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+    finally:
+        serve.shutdown()  # the test session's Ray lives on
 
 
 def reference(model: str, n: int) -> str:
