@@ -40,6 +40,7 @@ class RequestTrace:
     """Where one request ran and how its first tokens travelled (tests, benchmarks)."""
 
     request_id: str
+    started_at: float = 0.0  # time.time()
     prefill_worker: str | None = None
     decode_worker: str | None = None
     transport: str | None = None
@@ -64,7 +65,7 @@ class Orchestrator:
         """The request's chunks: the first token as soon as the prefill worker has it, then the
         decode worker's. Closing the iterator early releases the request on every worker."""
         route: Route = plan.route if plan is not None else self.plan(req).route
-        trace = RequestTrace(req.request_id)
+        trace = RequestTrace(req.request_id, time.time())
         self.traces.append(trace)
         try:
             async for chunk in self._run(req, route, trace):
