@@ -21,8 +21,14 @@ from typing import Any
 from splitserve.config import DeployConfig
 
 
-def build_app(args: dict[str, Any] | DeployConfig | None = None, joined: bool = True):
+def build_app(args: dict[str, Any]):
+    """Serve's application builder: exactly one parameter, the app's args."""
+    return bind_app(DeployConfig.from_options(dict(args or {})))
+
+
+def bind_app(cfg: DeployConfig, joined: bool = True):
+    """The app for a checked config. `joined=False`: the driver started this Ray cluster, so a
+    GPU asked for and absent is an error rather than something to wait for."""
     from splitserve.cluster.serve_app import Ingress
 
-    cfg = args if isinstance(args, DeployConfig) else DeployConfig.from_options(dict(args or {}))
     return Ingress.options(num_replicas=cfg.ingress_replicas).bind(cfg, joined)

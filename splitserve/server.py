@@ -69,7 +69,7 @@ def _serve_on_ray(args: argparse.Namespace, model: str, admission: AdmissionConf
     from splitserve.cluster.launch import connect_ray, precheck, wait_ready
     from splitserve.cluster.serve_app import GRPC_SERVICER
     from splitserve.config import DeployConfig
-    from splitserve.deploy import build_app
+    from splitserve.deploy import bind_app
 
     cfg = DeployConfig.from_options(deploy_options(args, model))
     began = time.monotonic()
@@ -80,7 +80,7 @@ def _serve_on_ray(args: argparse.Namespace, model: str, admission: AdmissionConf
         serve.start(http_options={"host": args.host, "port": args.port},
                     grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
         _say("starting the Controller and the Ray Serve ingress")
-        serve.run(build_app(cfg, joined=not started), name=cfg.name, route_prefix="/")
+        serve.run(bind_app(cfg, joined=not started), name=cfg.name, route_prefix="/")
         controller = controller_mod.find(cfg.name, cfg.namespace)
         wait_ready(controller, lambda done, total: _say(f"workers ready {done}/{total} "
                                                         f"({time.monotonic() - began:.0f} s)"))

@@ -1,0 +1,105 @@
+"""The RayService path: `serve run` of a Serve config YAML whose application is
+`splitserve.deploy:build_app` (what a RayService's serveConfigV2 holds) brings the service up
+from nothing — the Controller and both pools included — and serves the OpenAI API and gRPC;
+stopping it (Ctrl-C: Serve deletes the app) leaves no Controller and no worker behind."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import httpx
+import pytest
+
+from splitserve import LLM, SamplingParams
+from splitserve.v1 import generation_pb2 as pb
+from splitserve.v1 import generation_pb2_grpc as pb_grpc
+
+PROMPT = "A RayService deploys it by import path"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_run_of_a_config_file(ray_session, tiny_checkpoint, tmp_path):
+    from splitserve.cluster import controller
+
+    model = str(tiny_checkpoint("llama"))
+    http_port, grpc_port = free_port(), free_port()
+    cpus = ray_session.available_resources().get("CPU", 0)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(textwrap.dedent(f"""\
+        proxy_location: HeadOnly
+        http_options: {{host: 127.0.0.1, port: {http_port}}}
+        grpc_options:
+          port: {grpc_port}
+          grpc_servicer_functions: [splitserve.v1.generation_pb2_grpc.add_GenerationServicer_to_server]
+        applications:
+          - name: rayservice-test
+            route_prefix: /
+            import_path: splitserve.deploy:build_app
+            args:
+              model: {model}
+              name: rayservice-test
+              prefill: 1
+              decode: 1
+              disagg_min_tokens: 0
+              served_model_name: tiny
+              engine: {{num_kv_blocks: 256}}
+        """))
+    env = {**os.environ, "RAY_ADDRESS": ray_session.address}
+    proc = subprocess.Popen(["serve", "run", str(cfg)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the app never became ready")
+        time.sleep(1.0)  # the ingress reads the registry every 0.2 s: let it see the prefill worker too
+        ref = LLM(model, num_kv_blocks=256).generate([PROMPT], SamplingParams(temperature=0, max_tokens=8,
+                                                                               ignore_eos=True))[0].outputs[0].text
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
+        assert float(r.headers["x-splitserve-transfer-ms"]) > 0  # through a prefill worker
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            msgs = list(pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+                text=PROMPT, sampling=pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))))
+        assert "".join(m.text for m in msgs) == ref
+        assert controller.find("rayservice-test") is not None
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: serve run deletes the app
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.time() + 60  # the ingress detached; the Controller stops its workers and exits
+    while time.time() < deadline:
+        try:
+            controller.find("rayservice-test")
+        except ValueError:
+            break
+        time.sleep(0.5)
+    with pytest.raises(ValueError, match="no splitserve app"):
+        controller.find("rayservice-test")
+    while time.time() < deadline and ray_session.available_resources().get("CPU", 0) < cpus:
+        time.sleep(0.5)
+    assert ray_session.available_resources().get("CPU", 0) >= cpus  # every worker's CPU is back
+    from ray import serve
+
+    serve.shutdown()
