@@ -87,6 +87,8 @@ def _serve_on_ray(args: argparse.Namespace, model: str, admission: AdmissionConf
         _listening(args, cfg.served_model_name or model.rstrip("/").rsplit("/", 1)[-1])
         _wait_for_signal()
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the teardown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _say("shutting down")
         _stop_app(cfg, started)
         if started:
@@ -117,6 +119,7 @@ def _wait_for_signal() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)  # also when started with SIGINT ignored (a background job)
     try:
         while True:
             time.sleep(3600)

@@ -52,3 +52,24 @@ def test_engine_flags_reach_the_engine_options(tmp_path):
     assert opts["attention_backend"] == "triton"  # the command line wins over the file's engine: too
     with pytest.raises(SystemExit):
         parse(["serve", "--attention-backend", "flash-magic"])
+
+
+def test_the_app_config_reads_serve_run_strings_and_refuses_bad_values(tiny_checkpoint):
+    """build_app's args arrive as strings from `serve run ... key=value`; the same keys as the
+    config file; a bad key or value is a ConfigError naming it, before any actor starts."""
+    from splitserve.config import DeployConfig
+    from splitserve.types import ConfigError
+
+    model = str(tiny_checkpoint("llama"))
+    cfg = DeployConfig.from_options({"model": model, "prefill": "2", "decode": "3", "dtype": "float32",
+                                     "decode_resources": '{"decode_node": 1}', "no_admission": "true",
+                                     "engine": "{num_kv_blocks: 64}"})
+    assert (cfg.prefill, cfg.decode, cfg.admission) == (2, 3, False)
+    assert cfg.decode_resources == {"decode_node": 1} and cfg.engine == {"num_kv_blocks": 64, "dtype": "float32"}
+    for bad, match in [({"prefil": 1}, "unknown option 'prefil'"), ({"decode": 0}, "decode must be an integer >= 1"),
+                       ({"policy": "random"}, "unknown policy"), ({"transport": "pigeon"}, "unknown transport"),
+                       ({"decode_resources": {"CPU": 1}}, "set by splitserve itself"),
+                       ({"prefill_resources": {"prefill_node": -1}}, "positive amount"),
+                       ({"engine": {"block_size": 3}}, "block_size"), ({"probe_timeout_s": 0}, "probe_timeout_s")]:
+        with pytest.raises(ConfigError, match=match):
+            DeployConfig.from_options({"model": model, **bad})
