@@ -18,13 +18,12 @@ the worker that looked idle in the last snapshot.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from splitserve.cluster.registry import RegistrySnapshot, WorkerRecord
 from splitserve.hashing import block_hashes
@@ -240,7 +239,3 @@ class Directory:
             if rec is not None:
                 route._tickets[rec.id] = self.pending.add(rec.id)
         return route
-
-    def describe(self) -> list[dict[str, Any]]:
-        return [dataclasses.asdict(v) | {"worker_id": str(v.worker_id), "role": v.role.value}
-                for v in self.views()]

@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 
 from splitserve.cluster.directory import Directory, Route
 from splitserve.router.admission import Plan
-from splitserve.types import ConfigError, Request, Role, TokenChunk
+from splitserve.types import ConfigError, Request, TokenChunk
 
 log = logging.getLogger(__name__)
 

@@ -191,7 +191,8 @@ def test_pending_counts_until_the_worker_reports_the_request():
 def test_a_hung_worker_never_makes_a_placement_wait():
     async def go():
         src = FakeSource()
-        hung, ok = src.add(Role.DECODE), src.add(Role.DECODE)
+        hung = src.add(Role.DECODE)
+        src.add(Role.DECODE)
         src.workers[hung].mode = "hang"
         d = directory(src, load_interval_s=0.001)
         await d.start()
