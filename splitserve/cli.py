@@ -18,7 +18,7 @@ import sys
 from typing import Sequence
 
 from splitserve import __version__
-from splitserve.config import ATTENTION_BACKENDS
+from splitserve.config import ATTENTION_BACKENDS, ENGINE_FLAG_KEYS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # engine settings `serve` also takes as flags (server._engine_options)
-ENGINE_FLAGS = {"dtype", "device", "attention_backend", "kv_cache_memory_gib", "gpu_memory_utilization"}
+ENGINE_FLAGS = set(ENGINE_FLAG_KEYS)
 
 
 def _with_config_file(parser: argparse.ArgumentParser, argv: Sequence[str] | None, path: str) -> argparse.Namespace:

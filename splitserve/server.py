@@ -31,7 +31,7 @@ def run_serve(args: argparse.Namespace) -> int:
     _say(f"loading {model}")
     if args.prefill == 0 and args.decode == 0:
         return _serve_in_process(args, model, admission)
-    return _serve_on_ray(args, model, admission)
+    return _serve_on_ray(args, model)
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -60,7 +60,7 @@ def deploy_options(args: argparse.Namespace, model: str) -> dict:
     return {"model": model, "engine": _engine_options(args), **{k: getattr(args, k) for k in keys}}
 
 
-def _serve_on_ray(args: argparse.Namespace, model: str, admission: AdmissionConfig) -> int:
+def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions

@@ -67,36 +67,37 @@ class Orchestrator:
         route: Route = plan.route if plan is not None else self.plan(req).route
         trace = RequestTrace(req.request_id, time.time())
         self.traces.append(trace)
+        async for chunk in self._run(req, route, trace):
+            yield chunk
+
+    async def _run(self, req: Request, route: Route, trace: RequestTrace) -> AsyncIterator[TokenChunk]:
+        """Owns `route` and any route it is replaced by: the one in use is closed however this ends."""
         try:
-            async for chunk in self._run(req, route, trace):
+            result, prefill = None, None
+            while route.prefill is not None:
+                prefill = route.prefill
+                result = await self._prefill(req, route)
+                if result is not None:
+                    break
+                route.close()
+                route = self.directory.place(req)  # the failed worker is out of placement now
+            trace.decode_worker = str(route.decode.id)
+            if result is None:  # aggregated
+                async for chunk in self._decode(req, route, None, None, trace, None):
+                    yield chunk
+                return
+            trace.prefill_worker, trace.transport = str(prefill.id), route.transport
+            trace.prefill_done_to_first_token_s = time.time() - result.done_at
+            if result.handoff is None:  # finished during prefill (EOS, max_tokens 1)
+                yield result.chunk
+                return
+            # The pull starts now, while the first token is on its way to the caller.
+            decode = self._start_decode(req, route, result.handoff, prefill.handle)
+            first_at = time.monotonic()
+            async for chunk in self._decode(req, route, decode, result.chunk, trace, first_at):
                 yield chunk
         finally:
             route.close()
-
-    async def _run(self, req: Request, route: Route, trace: RequestTrace) -> AsyncIterator[TokenChunk]:
-        result, prefill = None, None
-        while route.prefill is not None:
-            prefill = route.prefill
-            result = await self._prefill(req, route)
-            if result is not None:
-                break
-            route.close()
-            route = self.directory.place(req)  # the failed worker is out of placement now
-        trace.decode_worker = str(route.decode.id)
-        if result is None:  # aggregated
-            async for chunk in self._decode(req, route, None, None, trace, None):
-                yield chunk
-            return
-        trace.prefill_worker, trace.transport = str(prefill.id), route.transport
-        trace.prefill_done_to_first_token_s = time.time() - result.done_at
-        if result.handoff is None:  # finished during prefill (EOS, max_tokens 1)
-            yield result.chunk
-            return
-        # The pull starts now, while the first token is on its way to the caller.
-        decode = self._start_decode(req, route, result.handoff, prefill.handle)
-        first_at = time.monotonic()
-        async for chunk in self._decode(req, route, decode, result.chunk, trace, first_at):
-            yield chunk
 
     async def _prefill(self, req: Request, route: Route):
         """The prefill worker's PrefillResult, or None when that worker failed (it leaves
@@ -140,7 +141,7 @@ class Orchestrator:
                 yield chunk
                 if finished:
                     return
-        except (ConfigError, asyncio.CancelledError, GeneratorExit):
+        except ConfigError:
             raise
         except Exception as e:
             if _is_actor_death(e):

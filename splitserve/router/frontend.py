@@ -136,6 +136,7 @@ class Frontend:
         if c.decision is None or c.released:
             return
         c.released = True
+        self.backend.abandon(c.plan)  # a plan whose stream never ran holds no reservation any more
         c.ended_at = c.ended_at or time.monotonic()
         ttft = None if c.first_at is None else c.first_at - c.arrived
         self.admission.finished(c.decision, ttft)

@@ -278,3 +278,43 @@ def test_the_router_policy_imports_without_torch():
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_request_placed_again_after_a_failed_prefill_leaves_no_pending_count():
+    """The first prefill call fails, the request is placed again and finishes on the other
+    prefill worker: every route it held is closed once it ends (none lingers until a TTL)."""
+    from splitserve.cluster.orchestrator import Orchestrator
+    from splitserve.prefill_worker.worker import PrefillResult
+    from splitserve.types import FinishReason, TokenChunk
+
+    calls = []
+
+    class OnceFailing:
+        def __init__(self):
+            self.prefill = _Call(self._prefill)
+
+        async def _prefill(self, req, transport):
+            calls.append(self)
+            if len(calls) == 1:
+                raise RuntimeError("actor died")
+            chunk = TokenChunk(req.request_id, (7,), finish_reason=FinishReason.LENGTH)
+            return PrefillResult(chunk, None, 0.0)
+
+    async def go():
+        src = FakeSource()
+        for _ in range(2):
+            wid = src.add(Role.PREFILL)
+            src.registry._live[wid] = src.registry[wid].__class__(**{**src.registry[wid].__dict__,
+                                                                     "handle": OnceFailing()})
+        src.add(Role.DECODE)
+        d = directory(src, "round_robin", load_interval_s=60)
+        await d.start()
+        chunks = [c async for c in Orchestrator(d).stream(req(0))]
+        counts = {w: d.pending.count(w, None) for w in d.records}
+        d.stop()
+        return chunks, counts
+
+    chunks, counts = asyncio.run(go())
+    assert len(calls) == 2 and calls[0] is not calls[1]
+    assert [c.token_ids for c in chunks] == [(7,)]
+    assert set(counts.values()) == {0}, counts
