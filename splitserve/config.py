@@ -112,7 +112,8 @@ class DeployConfig:
     on_transfer_failure: str = "recompute"
     lease_s: float = 30.0
     probe_interval_s: float = 0.5  # Controller health probes
-    probe_timeout_s: float = 1.0  # a probe unanswered this long: the worker is DEAD
+    probe_timeout_s: float = 1.0  # a probe unanswered this long: the worker leaves placement until it answers
+    dead_after_s: float = 5.0  # no answer for this long: the worker is DEAD (killed, replaced)
     drain_grace_s: float = 1.0  # a draining worker idle this long (routers have seen it leave) stops
     decode_fault: str | None = None  # test hooks, see DecodeWorker / the transports
     prefill_transport_options: dict = dataclasses.field(default_factory=dict)
@@ -136,10 +137,12 @@ class DeployConfig:
             raise ConfigError(f"on_transfer_failure must be recompute or fail, got {self.on_transfer_failure!r}")
         for role in POOL_KEYS:
             _check_resources(f"{role}_resources", getattr(self, f"{role}_resources"))
-        for name in ("lease_s", "probe_interval_s", "probe_timeout_s", "drain_grace_s"):
+        for name in ("lease_s", "probe_interval_s", "probe_timeout_s", "dead_after_s", "drain_grace_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
+        if self.dead_after_s < self.probe_timeout_s:
+            raise ConfigError(f"dead_after_s ({self.dead_after_s}) must be >= probe_timeout_s ({self.probe_timeout_s})")
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0):

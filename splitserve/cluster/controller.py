@@ -5,9 +5,10 @@ Every `probe_interval_s` it reconciles:
   * a STARTING worker whose model has loaded registers (`describe`: node, endpoints) → READY;
     one whose constructor refused its configuration is DEAD with that reason, and its pool
     stops growing until the targets change (a crash loop would only repeat the refusal);
-  * every live worker is probed (`load`, answered without waiting on the engine); an actor
-    that died, or a probe unanswered for `probe_timeout_s`, makes it DEAD (killed, out of the
-    registry, so routers drop it at their next refresh) and the pool gets a replacement;
+  * every live worker is probed (`load`, answered without waiting on the engine); a probe
+    unanswered for `probe_timeout_s` takes it out of placement until it answers; an actor that
+    died, or silence for `dead_after_s`, makes it DEAD (killed, out of the registry, so routers
+    drop it at their next refresh) and the pool gets a replacement;
   * a pool above target drains its least loaded workers: DRAINING leaves placement at once;
     once idle (nothing running, waiting, pulling or leased) for `drain_grace_s` (routers have
     seen it leave by then) its block counts are checked and recorded and it STOPs;
@@ -170,6 +171,7 @@ class Controller:
                 self._probes[rec.id] = asyncio.get_running_loop().create_task(self._probe(rec.id))
         for role in Role:
             self._resize(role)
+        self.registry.check_invariants()
 
     def _resize(self, role: Role) -> None:
         active = self.registry.pool(role, S.STARTING, S.READY)
@@ -214,19 +216,33 @@ class Controller:
             log.info("worker %s ready on %s", rec.id, info.node_ip)
 
     async def _probe(self, wid: WorkerId) -> None:
-        """Probe one worker until it leaves the registry."""
+        """Probe one worker until it leaves the registry. Readiness and liveness are apart: a
+        probe unanswered for `probe_timeout_s` takes the worker out of placement (routers see
+        it unresponsive) until it answers again; only silence for `dead_after_s`, or its actor
+        dying, makes it DEAD — a worker starved of CPU for a moment is not killed with its
+        requests."""
         try:
             while wid in self.registry and not self._closed:
                 rec = self.registry[wid]
-                try:
-                    load = await asyncio.wait_for(rec.handle.load.remote(), self.cfg.probe_timeout_s)
-                except asyncio.TimeoutError:
-                    self._end(wid, S.DEAD, f"no answer to a health probe within {self.cfg.probe_timeout_s:g} s")
+                sent = time.monotonic()
+                asked = asyncio.ensure_future(rec.handle.load.remote())
+                while True:
+                    done, _ = await asyncio.wait({asked}, timeout=self.cfg.probe_timeout_s)
+                    if done or wid not in self.registry:
+                        break
+                    self.registry.set_responsive(wid, False)
+                    if time.monotonic() - sent >= self.cfg.dead_after_s:
+                        self._end(wid, S.DEAD, f"no answer to health probes for {self.cfg.dead_after_s:g} s")
+                        return
+                if not done:
                     return
+                try:
+                    load = asked.result()
                 except Exception as e:
                     self._end(wid, S.DEAD, f"its actor died ({type(e).__name__})")
                     return
                 self.registry.observe(wid, load)
+                self.registry.set_responsive(wid, True)
                 if rec.state is S.DRAINING and load.idle and time.time() - rec.since >= self.cfg.drain_grace_s:
                     await self._stop_drained(wid)
                     return

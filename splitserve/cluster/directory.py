@@ -205,7 +205,7 @@ class Directory:
     def view(self, rec: WorkerRecord) -> WorkerView:
         wid = rec.id
         pending = self.pending.count(wid, self._seen_at.get(wid))
-        healthy = rec.state is WorkerState.READY and wid not in self._failed
+        healthy = rec.state is WorkerState.READY and rec.responsive and wid not in self._failed
         s = self._stats.get(wid)
         if s is None:  # registered, not heard from yet: an empty worker
             return WorkerView(wid, rec.role, rec.node_ip, pending, healthy=healthy,

@@ -38,6 +38,7 @@ class WorkerRecord:
     info: WorkerInfo | None = None  # set when READY
     load: WorkerLoad | None = None  # the last health probe's answer
     since: float = 0.0  # time.time() of the last state change
+    responsive: bool = True  # False: its last health probe went unanswered (out of placement)
     reason: str = ""  # why it is DEAD (or STOPPED)
     final_counts: dict | None = None  # a drained worker's block counts, checked before it stopped
 
@@ -104,6 +105,13 @@ class Registry:
         """A probe's answer: load only, not a change routers need (no version bump)."""
         if wid in self._live:
             self._live[wid] = dataclasses.replace(self._live[wid], load=load)
+
+    def set_responsive(self, wid: WorkerId, responsive: bool) -> None:
+        """A probe answered or went unanswered; a change is one routers need (version bump)."""
+        rec = self._live.get(wid)
+        if rec is not None and rec.responsive != responsive:
+            self._live[wid] = dataclasses.replace(rec, responsive=responsive)
+            self.version += 1
 
     def pool(self, role: Role, *states: WorkerState) -> list[WorkerRecord]:
         return [w for w in self._live.values() if w.role is role and (not states or w.state in states)]

@@ -137,6 +137,12 @@ def test_workers_that_leave_the_registry_leave_placement_and_the_index():
         await settle()
         assert {v.worker_id: v.draining for v in d.views()} == {a: True, b: False}
         assert all(d.place(req(i)).decode.id == b for i in range(4))  # a draining worker takes nothing new
+        src.registry.set_responsive(b, False)  # a probe went unanswered: out of placement, not forgotten
+        await settle()
+        assert not d.view(d.records[b]).healthy and b in d.records
+        src.registry.set_responsive(b, True)
+        await settle()
+        assert d.view(d.records[b]).healthy
         src.registry.move(a, S.DEAD, reason="gone")
         await settle()
         assert set(d.records) == {b} and d.policy.index.overlap([b"x"]) == {}

@@ -61,3 +61,18 @@ def test_ready_without_registration_info_breaks_the_invariant():
     reg.move(wid, S.READY)
     with pytest.raises(AssertionError, match="without registration info"):
         reg.check_invariants()
+
+
+def test_an_unanswered_probe_is_a_registry_change_only_when_it_flips():
+    reg = Registry()
+    wid = WorkerId.new(Role.DECODE)
+    reg.add(wid, None)
+    reg.move(wid, S.READY, info=INFO)
+    v = reg.version
+    reg.set_responsive(wid, True)
+    assert reg.version == v  # no change
+    reg.set_responsive(wid, False)
+    reg.set_responsive(wid, False)
+    assert reg.version == v + 1 and not reg[wid].responsive and reg[wid].state is S.READY
+    reg.set_responsive(wid, True)
+    assert reg.version == v + 2 and reg[wid].responsive
