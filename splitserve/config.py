@@ -115,8 +115,12 @@ class DeployConfig:
     probe_timeout_s: float = 1.0  # a probe unanswered this long: the worker leaves placement until it answers
     dead_after_s: float = 5.0  # no answer for this long: the worker is DEAD (killed, replaced)
     drain_grace_s: float = 1.0  # a draining worker idle this long (routers have seen it leave) stops
-    decode_fault: str | None = None  # test hooks, see DecodeWorker / the transports
-    prefill_transport_options: dict = dataclasses.field(default_factory=dict)
+    prefill_timeout_s: float = 120.0  # a prefill call unanswered this long: its worker failed, place again
+    decode_inactivity_timeout_s: float = 30.0  # no token for this long mid-stream: migrate the request
+    migration_limit: int = 3  # how many times one request may move to another decode worker
+    # The worker class of a pool, as "module:Class" (a PrefillWorker / DecodeWorker subclass):
+    # what tests use to put fault-injecting fakes into real actors. Empty: the real ones.
+    worker_classes: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from splitserve.router.policy import POLICIES
@@ -127,7 +131,7 @@ class DeployConfig:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}")
 
         for name, low in (("prefill", 0), ("decode", 1), ("disagg_min_tokens", 0), ("max_inflight", 1),
-                          ("ingress_replicas", 1)):
+                          ("ingress_replicas", 1), ("migration_limit", 0)):
             integer(name, low)
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
@@ -137,7 +141,9 @@ class DeployConfig:
             raise ConfigError(f"on_transfer_failure must be recompute or fail, got {self.on_transfer_failure!r}")
         for role in POOL_KEYS:
             _check_resources(f"{role}_resources", getattr(self, f"{role}_resources"))
-        for name in ("lease_s", "probe_interval_s", "probe_timeout_s", "dead_after_s", "drain_grace_s"):
+        _check_worker_classes(self.worker_classes)
+        for name in ("lease_s", "probe_interval_s", "probe_timeout_s", "dead_after_s", "drain_grace_s",
+                     "prefill_timeout_s", "decode_inactivity_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
@@ -198,3 +204,14 @@ def _check_resources(name: str, res: Any) -> None:
             raise ConfigError(f"{name}: {k!r} is set by splitserve itself (device / one CPU per worker)")
         if not isinstance(k, str) or not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
             raise ConfigError(f"{name}: {k!r}: {v!r} must be a positive amount")
+
+
+def _check_worker_classes(classes: Any) -> None:
+    if not isinstance(classes, dict):
+        raise ConfigError(f"worker_classes must be a mapping of pool (prefill, decode) to 'module:Class', "
+                          f"got {classes!r}")
+    for role, path in classes.items():
+        if role not in POOL_KEYS:
+            raise ConfigError(f"worker_classes: unknown pool {role!r}; pools: {', '.join(POOL_KEYS)}")
+        if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+            raise ConfigError(f"worker_classes: {role}: {path!r} is not 'module:Class'")

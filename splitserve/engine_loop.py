@@ -6,7 +6,10 @@ the step in progress: they are checked at once (`Engine.check_request` reads onl
 put in an inbox, and the engine thread takes them in right before its next step. After each
 step the engine thread also leaves a stats snapshot, which admission reads without waiting.
 A background task steps the engine while it has work and routes each TokenChunk to its
-request's queue; an exception in a step is delivered to every waiting request.
+request's queue; an exception in a step is delivered to every waiting request. An engine whose
+steps fail `max_step_failures` times in a row is broken, not busy: the loop stops, says why
+(`failure`, which the worker reports to health probes, so the Controller replaces it) and
+refuses new work. At most `max_requests` requests wait here at once (`EngineBusy` beyond).
 """
 
 from __future__ import annotations
@@ -22,9 +25,19 @@ from splitserve.engine.engine import Engine
 from splitserve.types import ConfigError, FinishReason, Request, TokenChunk
 
 
+class EngineBusy(RuntimeError):
+    """This engine already has as many requests as it takes; place the request elsewhere."""
+
+
+class EngineFailed(RuntimeError):
+    """This engine's steps fail again and again: it takes no more work."""
+
+
 class EngineLoop:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, max_step_failures: int = 3, max_requests: int = 4096) -> None:
         self.engine = engine
+        self.max_step_failures, self.max_requests = max_step_failures, max_requests
+        self.failure: str | None = None  # why this engine stopped, once it has
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake: asyncio.Event | None = None
@@ -54,6 +67,10 @@ class EngineLoop:
     async def submit(self, req: Request, **kwargs: Any) -> asyncio.Queue:
         """Add a request; its chunks arrive on the returned queue."""
         self._ensure_running()
+        if self.failure is not None:
+            raise EngineFailed(f"this engine has stopped: {self.failure}")
+        if len(self._queues) >= self.max_requests:
+            raise EngineBusy(f"this engine has {len(self._queues)} requests already")
         if req.request_id in self._queues:  # replacing its queue would strand the running one
             raise ConfigError(f"request id {req.request_id!r} is already running")
         self.engine.check_request(req, tuple(kwargs.get("outputs", ())))  # bad input fails here, now
@@ -111,17 +128,23 @@ class EngineLoop:
         return chunks, failed
 
     async def _run(self) -> None:
-        while True:
+        failures = 0
+        while self.failure is None:
             if not self.engine.has_unfinished() and not self._inbox:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             try:
                 chunks, failed = await self.call(self._take_inbox_and_step)
+                failures = 0
             except Exception as e:  # deliver, don't die: every waiter learns what happened
+                failures += 1
+                if failures >= self.max_step_failures:
+                    self.failure = f"{failures} engine steps in a row failed, the last with {type(e).__name__}"
+                    e = EngineFailed(f"this engine has stopped: {self.failure}")
                 for q in list(self._queues.values()):
                     q.put_nowait(e)
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01 * 2 ** failures)
                 continue
             for rid, e in failed:
                 q = self._queues.pop(rid, None)

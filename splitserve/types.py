@@ -20,6 +20,12 @@ class ConfigError(ValueError):
     """A configuration or parameter value is invalid; the message says which and why."""
 
 
+class ServiceUnavailable(RuntimeError):
+    """The service could not finish a request it had accepted (its workers were lost and no other
+    could take it over). The message is ours and safe to show a client: it names no actor, process
+    or address. HTTP 503 / an SSE `error` event; gRPC UNAVAILABLE."""
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context length
@@ -209,6 +215,7 @@ class WorkerLoad:
 
     stats: WorkerStats
     held: int = 0
+    failure: str | None = None  # set when its engine has stopped: the worker must be replaced
 
     @property
     def idle(self) -> bool:

@@ -26,3 +26,29 @@ def tiny_checkpoint(tmp_path_factory):
         return built[shape]
 
     return get
+
+
+HEAD_IP, PREFILL_IP, DECODE_IP = "127.0.0.10", "127.0.0.2", "127.0.0.3"
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray cluster for the whole test run (starting one costs seconds and ~1.6 GB), of
+    three nodes on distinct loopback IPs: the head (127.0.0.10, resource `head_node`), a
+    "prefill" node (127.0.0.2, `prefill_node`) and a "decode" node (127.0.0.3, `decode_node`),
+    so that tests can pin pools to nodes and KV transfers cross real node boundaries."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # the same on every node (and for `splitserve` subprocesses)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "node_ip_address": HEAD_IP, "num_cpus": 4, "resources": {"head_node": 100}, "include_dashboard": False})
+    cluster.add_node(node_ip_address=PREFILL_IP, num_cpus=3, resources={"prefill_node": 3})
+    cluster.add_node(node_ip_address=DECODE_IP, num_cpus=3, resources={"decode_node": 3})
+    ray.init(address=cluster.address, _node_ip_address=HEAD_IP, log_to_driver=False)
+    cluster.wait_for_nodes()
+    ray.address = cluster.address
+    yield ray
+    ray.shutdown()
+    cluster.shutdown()

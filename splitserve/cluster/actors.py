@@ -9,6 +9,8 @@ sit on their node groups.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from typing import Any, NamedTuple
 
@@ -24,21 +26,35 @@ def _where() -> tuple[str, str]:
     return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
 
-@ray.remote
-class PrefillActor(PrefillWorker):
-    def __init__(self, config: EngineConfig, transports: list[str], lease_s: float, transport_options: dict) -> None:
-        ip, node = _where()
-        super().__init__(config, transports, lease_s=lease_s, transport_options=transport_options, host=ip,
-                         node_id=node)
+_DEFAULT = {Role.PREFILL: PrefillWorker, Role.DECODE: DecodeWorker}
 
 
-@ray.remote
-class DecodeActor(DecodeWorker):
-    def __init__(self, config: EngineConfig, transports: list[str], on_transfer_failure: str,
-                 fault: str | None) -> None:
-        ip, node = _where()
-        super().__init__(config, transports, on_transfer_failure=on_transfer_failure, fault=fault, host=ip,
-                         node_id=node)
+@functools.cache
+def actor_class(worker_cls: type):
+    """The Ray actor of a worker class: the same class, told inside the actor process where it
+    runs (its KV server listens on that node's IP)."""
+    class Shell(worker_cls):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            ip, node = _where()
+            super().__init__(*args, host=ip, node_id=node, **kwargs)
+
+    Shell.__name__ = Shell.__qualname__ = f"{worker_cls.__name__}Actor"  # what Ray's logs and errors call it
+    return ray.remote(Shell)
+
+
+def worker_class(cfg: DeployConfig, role: Role) -> type:
+    """The pool's worker class: the real one, or the `worker_classes` entry (module:Class)."""
+    path = cfg.worker_classes.get(role.value)
+    if path is None:
+        return _DEFAULT[role]
+    module, name = path.split(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"worker_classes: {role.value}: cannot import {path!r}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, _DEFAULT[role])):
+        raise ConfigError(f"worker_classes: {role.value}: {path!r} is not a {_DEFAULT[role].__name__}")
+    return cls
 
 
 class Placement(NamedTuple):
@@ -100,9 +116,10 @@ def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float)
     Not detached: its owner, the Controller, takes it along if it goes."""
     p = worker_placement(cfg, wid.role, transports, share)
     opts = {**p.resources, "max_restarts": 0}
+    actor = actor_class(worker_class(cfg, wid.role)).options(**opts)
     if wid.role is Role.PREFILL:
-        return PrefillActor.options(**opts).remote(p.engine, p.transports, cfg.lease_s, cfg.prefill_transport_options)
-    return DecodeActor.options(**opts).remote(p.engine, p.transports, cfg.on_transfer_failure, cfg.decode_fault)
+        return actor.remote(p.engine, p.transports, lease_s=cfg.lease_s)
+    return actor.remote(p.engine, p.transports, on_transfer_failure=cfg.on_transfer_failure)
 
 
-__all__ = ["PrefillActor", "DecodeActor", "spawn", "worker_placement", "gpu_share", "resolve_transports"]
+__all__ = ["actor_class", "worker_class", "spawn", "worker_placement", "gpu_share", "resolve_transports"]

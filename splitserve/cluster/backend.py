@@ -38,7 +38,9 @@ class ClusterBackend:
         self.vocab_size = mc.vocab_size
         policy = make_router(cfg.policy, disagg_min_tokens=cfg.disagg_min_tokens)
         self.directory = Directory(source, policy, int(cfg.engine.get("block_size") or 16))
-        self.orchestrator = Orchestrator(self.directory)
+        self.orchestrator = Orchestrator(self.directory, migration_limit=cfg.migration_limit,
+                                         inactivity_timeout_s=cfg.decode_inactivity_timeout_s,
+                                         prefill_timeout_s=cfg.prefill_timeout_s)
 
     async def start(self) -> None:
         await self.directory.start()

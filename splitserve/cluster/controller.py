@@ -37,7 +37,7 @@ S = WorkerState
 ORPHAN_GRACE_S = 5.0  # an app being redeployed re-attaches within this
 # what a worker runs: a change to any of these replaces every worker
 WORKER_KEYS = ("model", "engine", "transport", "prefill_resources", "decode_resources", "on_transfer_failure",
-               "lease_s", "decode_fault", "prefill_transport_options")
+               "lease_s", "worker_classes")
 
 
 @dataclass(frozen=True)
@@ -240,6 +240,9 @@ class Controller:
                     load = asked.result()
                 except Exception as e:
                     self._end(wid, S.DEAD, f"its actor died ({type(e).__name__})")
+                    return
+                if load.failure is not None:
+                    self._end(wid, S.DEAD, f"its engine stopped ({load.failure})")
                     return
                 self.registry.observe(wid, load)
                 self.registry.set_responsive(wid, True)

@@ -1,12 +1,13 @@
 """The decode worker: an Engine in decode role (DESIGN.md §1 steps 6–8).
 
-`generate(req, handoff, prefill)` pulls the prompt's KV from the prefill worker through the
-transport, verifies it (header, checksum, lease still live at acknowledgement) and joins the
-request to its continuous batch; it then yields TokenChunks as they come. Without a handoff it
-prefills locally (aggregated path). When the pull fails and the policy is `recompute`, the
-prompt is computed here and the output continues exactly (the first token is kept); with
-`fail` a TransferError reaches the caller. Whatever happens, both sides' blocks are freed: the
-lease is always settled, and a caller that goes away aborts the request here.
+`generate(req, handoff, prefill)` lands the prompt's KV pulled from the prefill worker (the
+handoff state machine, `handoff.py`: allocate → pull → verify → ready, or recompute, or
+aborted), then yields TokenChunks as the continuous batch produces them. Without a handoff it
+computes the prompt itself: the aggregated path, and a migrated request (`outputs`: the tokens
+another worker already streamed; generation continues right after them, seeded sampling
+included). A failed pull recomputes locally with policy `recompute` (the first token is kept);
+with `fail` a TransferError reaches the caller. Whatever happens, the lease is settled exactly
+once and a caller that goes away aborts the request here.
 """
 
 from __future__ import annotations
@@ -19,48 +20,52 @@ import time
 from typing import Any, AsyncIterator, Sequence
 
 from splitserve.config import EngineConfig
-from splitserve.worker.kv_worker import KVWorker
+from splitserve.decode_worker.handoff import Handoff, HandoffState
 from splitserve.engine.kv_cache import OutOfBlocks
 from splitserve.kv_transfer.base import KVHandoff, TransferError, TransferState
 from splitserve.kv_transfer.verify import check_header, verify_landed
 from splitserve.types import FinishReason, PhaseTimes, Request, TokenChunk
+from splitserve.worker.kv_worker import KVWorker
 
 log = logging.getLogger(__name__)
 POLICIES = ("recompute", "fail")
+S = HandoffState
 
 
 class DecodeWorker(KVWorker):
     def __init__(self, config: EngineConfig, transports: Sequence[str], on_transfer_failure: str = "recompute",
-                 transport_options: dict | None = None, fault: str | None = None, host: str | None = None,
-                 node_id: str = "") -> None:
+                 transport_options: dict | None = None, host: str | None = None, node_id: str = "") -> None:
         if on_transfer_failure not in POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {POLICIES}, got {on_transfer_failure!r}")
         super().__init__(config, transports, transport_options, host, node_id)
         self._streams = 0  # generate() calls in progress: a draining worker waits for them
         self.transfers_by_transport: dict[str, int] = {}
         self.policy = on_transfer_failure
-        # Test hooks: "flip" corrupts landed data, "slow" starts the read after the lease lapsed,
-        # "kill_prefill" kills the prefill actor before reading, "hold" keeps a pull in flight.
-        self.fault = fault
         self.transfer_failures: dict[str, int] = {}
-        self._aborted: set[str] = set()  # aborts that arrive during a handoff
-        self._handoffs: set[str] = set()  # requests landing pulled KV (add_pulled → kv_ready)
-        self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.handoffs: dict[str, Handoff] = {}  # landing now
+        self.handoff_outcomes: dict[str, int] = {}  # final state -> count
+        self._early_aborts: collections.OrderedDict[str, bool] = collections.OrderedDict()
 
-    async def generate(self, req: Request, handoff: KVHandoff | None = None, prefill: Any = None
-                       ) -> AsyncIterator[TokenChunk]:
+    async def generate(self, req: Request, handoff: KVHandoff | None = None, prefill: Any = None,
+                       outputs: tuple[int, ...] = ()) -> AsyncIterator[TokenChunk]:
         rid = req.request_id
         finished = False
         self._streams += 1
         try:
-            if self._early_aborts.pop(rid, None) is not None:  # aborted before it got here
+            if self._early_aborts.pop(rid, False):  # aborted before it got here
                 if handoff is not None:
                     await self._settle(handoff, prefill)
                 finished = True
                 yield TokenChunk(rid, (), finish_reason=FinishReason.ABORT)
                 return
             started = time.monotonic()
-            q = await (self._admit_pulled(req, handoff, prefill) if handoff else self.loop.submit(req))
+            outputs = tuple(outputs)
+            q = await (self._admit_pulled(req, handoff, prefill, outputs) if handoff else
+                       self.loop.submit(req, outputs=outputs))
+            if q is None:  # aborted during the handoff: its blocks are free already
+                finished = True
+                yield TokenChunk(rid, (), finish_reason=FinishReason.ABORT)
+                return
             phases = None
             if handoff is not None:
                 moved = len(handoff.block_ids) * self.layout.num_layers * 2 * self.layout.block_bytes
@@ -83,70 +88,81 @@ class DecodeWorker(KVWorker):
     def held(self) -> int:
         return super().held() + self._streams
 
-    async def _admit_pulled(self, req: Request, h: KVHandoff, prefill: Any) -> asyncio.Queue:
-        """Land the handoff's KV; an abort that arrives meanwhile is honoured once no transfer
-        can write into the blocks any more."""
+    # -- the handoff ----------------------------------------------------------------------------
+    async def _admit_pulled(self, req: Request, h: KVHandoff, prefill: Any, outputs: tuple[int, ...]
+                            ) -> asyncio.Queue | None:
+        """Land the handoff's KV: the request's queue, or None if it was aborted meanwhile. Every
+        way out ends the state machine, so the blocks are handed over or freed exactly once."""
         rid = req.request_id
-        self._handoffs.add(rid)
+        ho = self.handoffs[rid] = Handoff(rid)
         try:
-            return await self._land(req, h, prefill)
+            return await self._land(req, h, prefill, ho, outputs)
         finally:
-            self._handoffs.discard(rid)
-            if rid in self._aborted:
-                self._aborted.discard(rid)
-                await self.loop.abort(rid)
+            if ho.state not in (S.READY, S.RECOMPUTE, S.ABORTED):  # failed or cancelled midway
+                await self.loop.call(ho.finish, self.engine, S.ABORTED)
+            del self.handoffs[rid]
+            self.handoff_outcomes[ho.state.value] = self.handoff_outcomes.get(ho.state.value, 0) + 1
 
-    async def _land(self, req: Request, h: KVHandoff, prefill: Any) -> asyncio.Queue:
+    async def _land(self, req: Request, h: KVHandoff, prefill: Any, ho: Handoff, outputs: tuple[int, ...]
+                    ) -> asyncio.Queue | None:
         rid = req.request_id
         try:
-            dst = await self.loop.call(self.engine.add_pulled, req, h.first_token)
-        except OutOfBlocks:  # no room to land it now: the scheduler will compute it when it can
+            dst = await self.loop.call(self._allocate, req, (*outputs, h.first_token), ho)
+        except OutOfBlocks:  # no room to land it now: the scheduler computes it when it can
             await self._settle(h, prefill)
-            return await self.loop.submit(req, outputs=(h.first_token,))
+            return await self._recompute(req, (*outputs, h.first_token), ho)
         q = self.loop.watch(rid)
-        if rid in self._aborted:  # before any byte moved
+        if ho.abort_requested:  # before any byte moved
             await self._settle(h, prefill)
-            return q
+            return await self._end(ho, S.ABORTED, q)
+        ho.move(S.PULLING)
         try:
-            await self._pull(h, dst, prefill)
+            await self._pull(h, dst, prefill, ho)
         except TransferError as e:
             if e.kind == "aborted":
-                return q
+                return await self._end(ho, S.ABORTED, q)
             self.transfer_failures[e.kind] = self.transfer_failures.get(e.kind, 0) + 1
             if self.policy == "fail":
-                self._aborted.add(rid)  # freed as the handoff ends
-                raise
+                raise  # ends ABORTED on the way out
             log.warning("KV pull for %s failed (%s): recomputing locally", rid, e)
-            await self.loop.call(self.engine.kv_failed, rid)
-            self.loop.wake()
-            return q
-        if rid not in self._aborted:
-            await self.loop.call(self.engine.kv_ready, rid)
-            self.loop.wake()
+            return await self._end(ho, S.RECOMPUTE, q)
+        return await self._end(ho, S.READY, q)
+
+    def _allocate(self, req: Request, outputs: tuple[int, ...], ho: Handoff) -> list[int]:
+        dst = self.engine.add_pulled(req, outputs[-1], outputs[:-1])
+        ho.allocated = True  # on the engine thread, before anything can look at it
+        return dst
+
+    async def _end(self, ho: Handoff, outcome: HandoffState, q: asyncio.Queue) -> asyncio.Queue | None:
+        final = await self.loop.call(ho.finish, self.engine, outcome)
+        if final is S.ABORTED:
+            self.loop.forget(ho.request_id)
+            return None
+        self.loop.wake()
         return q
 
-    async def _pull(self, h: KVHandoff, dst: list[int], prefill: Any) -> None:
+    async def _recompute(self, req: Request, outputs: tuple[int, ...], ho: Handoff) -> asyncio.Queue | None:
+        if await self.loop.call(ho.finish, self.engine, S.RECOMPUTE) is S.ABORTED:
+            return None
+        if ho.abort_requested:  # came while finish ran: nothing was submitted, nothing to free
+            return None
+        # No await between the check and submit: a later abort finds the request in the loop.
+        return await self.loop.submit(req, outputs=outputs)
+
+    async def _pull(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
         """Read, then settle the lease, then verify. Raises TransferError; never leaves a
         transfer writing into blocks the engine may hand to someone else."""
         try:
             check_header(h, self.layout)
-            if self.fault == "slow":
-                await asyncio.sleep(max(0.0, h.lease_expires_at - time.time()) + 0.2)
-            if self.fault == "kill_prefill" and prefill is not None:
-                import ray
-
-                ray.kill(prefill)
-                await asyncio.sleep(0.2)
-            await self._read(h, dst, prefill)
+            await self._read(h, dst, prefill, ho)
         finally:
             live = await self._settle(h, prefill)
         if not live:
             raise TransferError("lease_expired", f"lease {h.lease_id} lapsed before the read was acknowledged")
-        if self.fault == "flip":
-            self.engine.kv.storage.view(-1)[self.layout.offset(0, 0, dst[0]) // self.layout.element_size] += 1.0
+        ho.move(S.VERIFYING)
         await self.loop.call(verify_landed, self.engine.kv.storage, self.layout, h, dst)
 
-    async def _read(self, h: KVHandoff, dst: list[int], prefill: Any) -> None:
+    async def _read(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
         transport = self.transports.get(h.endpoint.transport)
         if transport is None:
             raise TransferError("unreachable", f"handoff over {h.endpoint.transport!r}; this worker reads "
@@ -157,9 +173,8 @@ class DecodeWorker(KVWorker):
         renew_every = max(0.05, (h.lease_expires_at - time.time()) / 3)
         next_renew = time.monotonic() + renew_every
         try:
-            deadline = time.monotonic() + (10.0 if self.fault == "hold" else 0.0)
-            while (st := transport.poll(handle)).state is TransferState.PENDING or time.monotonic() < deadline:
-                if h.request_id in self._aborted:
+            while (st := transport.poll(handle)).state is TransferState.PENDING:
+                if ho.abort_requested:
                     break  # release() below stops the transfer before the blocks are freed
                 if prefill is not None and time.monotonic() > next_renew:
                     prefill.renew.remote(h.lease_id)  # fire and forget: keep the blocks pinned
@@ -167,12 +182,16 @@ class DecodeWorker(KVWorker):
                 await asyncio.sleep(0.0005)
         finally:
             transport.release(handle)
-            # A released transfer may still be moving its last segment: the blocks are only
-            # safe to free once the mover has stopped.
-            deadline = time.monotonic() + 5.0
-            while transport.poll(handle).state is TransferState.PENDING and time.monotonic() < deadline:
+            # A released transfer may still be moving its last segment (a NIXL read already
+            # posted cannot be recalled): the blocks are only safe to free once it has stopped,
+            # however long that takes. Every transport ends a released read.
+            waited = time.monotonic()
+            while transport.poll(handle).state is TransferState.PENDING:
+                if time.monotonic() - waited > 5.0:
+                    log.warning("a released KV read for %s is still in flight", h.request_id)
+                    waited = time.monotonic()
                 await asyncio.sleep(0.001)
-        if h.request_id in self._aborted:
+        if ho.abort_requested:
             raise TransferError("aborted", "the request was aborted during the transfer")
         if st.state is TransferState.FAILED:
             raise st.reason or TransferError("internal", "transfer failed without a reason")
@@ -185,23 +204,26 @@ class DecodeWorker(KVWorker):
         try:
             return bool(await prefill.ack.remote(h.lease_id))
         except Exception as e:  # the prefill actor died: nothing to free there any more
-            log.warning("acknowledging lease %s failed: %s", h.lease_id, e)
+            log.warning("acknowledging lease %s failed: %s", h.lease_id, type(e).__name__)
             return False
 
+    # -- control --------------------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
-        """Abort wherever the request is; during a handoff, once the transfer has stopped; before
-        its stream began here (Ray does not order an async actor's calls), when it begins."""
-        if request_id in self._handoffs:
-            self._aborted.add(request_id)
+        """Abort wherever the request is: during a handoff, the state machine frees it once no
+        transfer can write its blocks; before its stream began here (Ray does not order an
+        async actor's calls), when it begins."""
+        ho = self.handoffs.get(request_id)
+        if ho is not None:
+            if ho.request_abort():  # it has already entered the engine
+                await self.loop.abort(request_id)
         elif self.loop.has(request_id):
             await self.loop.abort(request_id)
         else:
-            self._early_aborts[request_id] = None
+            self._early_aborts[request_id] = True
             while len(self._early_aborts) > 4096:  # bounded: most belong to requests long finished
                 self._early_aborts.popitem(last=False)
 
     async def check_invariants(self) -> dict:
         counts = await self.loop.call(self.engine.block_counts)
-        return {**counts, "transfer_failures": dict(self.transfer_failures),
+        return {**counts, "handoffs": len(self.handoffs), "transfer_failures": dict(self.transfer_failures),
                 "transfers_by_transport": dict(self.transfers_by_transport)}
-

@@ -144,11 +144,16 @@ class Engine:
         self.pool.free(blocks)
         return True
 
-    def add_pulled(self, req: Request, first_token: int) -> list[int]:
-        """Allocate blocks for a prompt whose KV a peer computed; the caller fills them and then
-        calls kv_ready (or kv_failed to recompute locally). Raises OutOfBlocks if none free."""
-        seq = self._new_seq(req, outputs=(first_token,))
-        seq.block_ids = self.pool.allocate(-(-seq.num_prompt_tokens // self.config.block_size))
+    def detached_requests(self) -> list[str]:
+        return list(self._detached)
+
+    def add_pulled(self, req: Request, first_token: int, outputs: tuple[int, ...] = ()) -> list[int]:
+        """Allocate blocks for a context whose KV a peer computed — the prompt, and `outputs`
+        when the request migrated — and which the peer continued with `first_token`; the caller
+        fills them and then calls kv_ready (or kv_failed to recompute locally). Raises
+        OutOfBlocks if none free."""
+        seq = self._new_seq(req, outputs=(*outputs, first_token))
+        seq.block_ids = self.pool.allocate(-(-(seq.num_tokens - 1) // self.config.block_size))
         self._pulling[req.request_id] = seq
         if self.device.type == "cuda":
             # The blocks' last owner may still have KV writes queued on the GPU; a transport
@@ -162,7 +167,7 @@ class Engine:
     def kv_ready(self, request_id: str) -> None:
         """The pulled KV is in place and verified: the request joins the decode batch."""
         seq = self._pulling.pop(request_id)
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = seq.num_tokens - 1  # all but the peer's token, computed next
         seq.num_cached_tokens = 0
         self._advance(seq, 0)  # full prompt blocks become reusable prefix-cache entries
         self._seqs[request_id] = seq

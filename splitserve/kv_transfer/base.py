@@ -139,7 +139,9 @@ class KVTransport(Protocol):
         """Never blocks. FAILED carries a TransferError."""
 
     def release(self, handle: TransferHandle) -> None:
-        """Drop per-transfer resources (after DONE / FAILED, or to abort a pending one)."""
+        """Drop per-transfer resources (after DONE / FAILED, or to abort a pending one). An aborted
+        transfer may still be writing: the destination blocks may be reused only once `poll`
+        no longer answers PENDING."""
 
     def close(self) -> None:
         """Unregister memory, stop servers, close connections."""

@@ -13,7 +13,9 @@ Where this sits in a request's life (see base.py for the whole handoff):
     and K/V) and returns at once; a poster thread loads the prefill agent's metadata (once per
     agent: this connects) and posts the READ, since both can block (a TCP connect; over CMA UCX
     copies everything inside the post). The worker `poll`s, never blocking, until DONE or
-    FAILED, verifies the checksum elsewhere, and `release`s the handle.
+    FAILED, verifies the checksum elsewhere, and `release`s the handle. Released early (an
+    abort), a handle stays PENDING until no READ of it can still write (`release`); only then
+    may the worker free the destination blocks.
 
 The endpoint's `metadata` is this module's own envelope: a small header (format version, base
 address and device of the registered storage, needed to address remote bytes) followed by the
@@ -56,6 +58,8 @@ _HEADER = struct.Struct("<4sBQiB")
 _VERSION = 1
 _DRAM, _VRAM = 0, 1
 _MEM_NAMES = {_DRAM: "DRAM", _VRAM: "VRAM"}
+_CLOSE_DRAIN_S = 5.0  # how long close() waits for released READs still in flight
+
 
 def _is_disconnect(exc: BaseException) -> bool:
     # NIXL raises per-status exception classes from its compiled bindings (nixlRemoteDisconnectError,
@@ -124,7 +128,8 @@ class NixlTransport:
         self._poster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-nixl")
         self._lock = threading.Lock()
         self._remotes: dict[str, _Remote] = {}
-        self._handles: set[NixlTransferHandle] = set()  # not yet released: freed on close
+        # not yet freed: unreleased, or released with a READ that may still write (close waits)
+        self._handles: set[NixlTransferHandle] = set()
         self._storage = None  # keeps the registered tensor alive while NIXL points at it
         self._layout: KVLayout | None = None
         self._reg = None
@@ -215,6 +220,9 @@ class NixlTransport:
             raise self._failure(e, f"creating the READ from {ep.address!r}", ep.address) from e
         with self._lock:
             handle.xfer = xfer
+            if handle.aborted:  # released while we connected: never post it
+                self._free_xfer(handle)
+                return
         try:
             state = agent.transfer(xfer)
         except Exception as e:
@@ -222,9 +230,6 @@ class NixlTransport:
         handle.posted_at = time.monotonic()
         if state == "ERR":
             raise TransferError("internal", f"NIXL refused to post the READ from {ep.address!r}")
-        with self._lock:
-            if handle.aborted:  # released while we were posting: abort it now
-                self._free_xfer(handle)
 
     def _descriptors(self, segments: list[Segment], info: _Remote) -> tuple[np.ndarray, np.ndarray]:
         """(address, nbytes, device) rows, one per merged segment, for each side."""
@@ -279,11 +284,12 @@ class NixlTransport:
     # -- completion --------------------------------------------------------------------------
 
     def poll(self, handle: NixlTransferHandle) -> TransferStatus:
-        """Never blocks: looks at the post job, then asks NIXL once. Terminal states are sticky."""
+        """Never blocks: looks at the post job, then asks NIXL once. Terminal states are sticky; a
+        released handle is PENDING until no READ of it can write (`release`)."""
         if handle.status.state is not TransferState.PENDING:
             return handle.status
         if handle.aborted:
-            return self._finish(handle, _aborted()).status
+            return self._settle_released(handle)
         started = handle.started
         if started is None or not started.done():
             return handle.status
@@ -305,16 +311,41 @@ class NixlTransport:
         return handle.status
 
     def release(self, handle: NixlTransferHandle) -> None:
-        """Free the NIXL request; a pending one is aborted (NIXL cancels it in UCX). A post
-        still running on the poster thread is aborted as soon as it returns."""
+        """Abort a pending READ; free its NIXL request once nothing of it can write any more.
+
+        A READ not yet posted never will be. One being posted or in flight is left to end: UCX
+        cannot recall an RDMA read it has issued, and a NIXL request released in flight could no
+        longer tell us when its bytes stop landing. So the handle stays PENDING until the poster
+        has left transfer() and NIXL reports the READ over; `poll` then answers FAILED("aborted")
+        (or the DONE / FAILED it had reached) and the caller may free the blocks. Idempotent."""
         with self._lock:
             if handle.aborted:
                 return
             handle.aborted = True
-            self._handles.discard(handle)
             if handle.started is not None:
                 handle.started.cancel()  # not started yet: it never will
+        self._settle_released(handle)
+
+    def _settle_released(self, handle: NixlTransferHandle) -> TransferStatus:
+        """A released handle's status: PENDING while a READ of it may still write, else its
+        NIXL request is freed and the status final."""
+        started = handle.started
+        if started is not None and not started.done():
+            return handle.status  # the poster may be inside transfer() for it
+        with self._lock:
+            if handle.xfer is not None and self._in_flight(handle.xfer):
+                return handle.status
             self._free_xfer(handle)
+            self._handles.discard(handle)
+            if handle.status.state is TransferState.PENDING:
+                handle.status = _aborted()
+            return handle.status
+
+    def _in_flight(self, xfer) -> bool:
+        try:
+            return self._agent.check_xfer_state(xfer) == "PROC"
+        except Exception:  # NIXL failed the READ: its peer disconnected, or we closed the endpoint
+            return False
 
     def _free_xfer(self, handle: NixlTransferHandle) -> None:
         """Caller holds the lock."""
@@ -344,14 +375,16 @@ class NixlTransport:
                     log.debug("forgetting NIXL agent %s", name, exc_info=True)
 
     def close(self) -> None:
-        """Abort open requests, disconnect from peers, deregister memory. Idempotent."""
+        """Abort open requests and wait until none can write, then disconnect from peers and
+        deregister memory. Idempotent."""
         if self._agent is None:
             return
         with self._lock:
             handles = list(self._handles)
         for h in handles:
             self.release(h)
-        self._poster.shutdown(wait=True, cancel_futures=True)  # a running post finishes, then aborts
+        self._poster.shutdown(wait=True, cancel_futures=True)  # a running post finishes
+        self._drain(_CLOSE_DRAIN_S)
         with self._lock:
             for name in list(self._remotes):
                 try:
@@ -365,6 +398,27 @@ class NixlTransport:
                 log.warning("deregistering KV storage from NIXL failed", exc_info=True)
         self._reg = self._storage = self._layout = self.endpoint = None
         self._agent = None  # drops the agent; its destructor stops the UCX worker
+
+    def _drain(self, timeout: float) -> None:
+        """Wait until the released READs still in flight end; past `timeout`, free them anyway
+        (NIXL then tries to cancel them) rather than hang a shutdown."""
+        deadline = time.monotonic() + timeout
+        while self._settle_all() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        with self._lock:
+            for h in self._handles:
+                log.warning("NIXL READ from %s still in flight at close: freeing it", h.remote_agent)
+                self._free_xfer(h)
+            self._handles.clear()
+
+    def _settle_all(self) -> bool:
+        """Settle every released handle; True while a READ of one may still write."""
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
+            self._settle_released(h)
+        with self._lock:
+            return bool(self._handles)
 
     def __enter__(self) -> "NixlTransport":
         return self

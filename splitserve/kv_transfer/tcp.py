@@ -16,8 +16,8 @@ connections (one loopback stream stops well short of what two cores can copy).
 Failures never hang (socket timeouts) and surface through `poll`: nothing listening or dropped
 before a response → FAILED("unreachable"); cut short mid-payload → FAILED("truncated"); a
 request the server rejects (out-of-range segments, version skew) → FAILED("header").
-`fault` is a test hook on the serving side: "truncate" (send half the payload, then close),
-"drop" (close without answering), "stall" (never answer).
+`server_cls` chooses the serving side's class (a KVServer subclass): tests install sources that
+misbehave (tests/fakes/tcp_faults.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from splitserve.kv_transfer.tcp_wire import (
 
 _SPLIT_BYTES = 4 << 20  # transfers this large use several connections
 _STREAMS = 2  # measured on 2 cores, 64 MiB loopback: 1 → 2.9 GB/s, 2 → 3.3-3.5, 3 → 2.8, 4 → 2.7
-FAULTS = (None, "truncate", "drop", "stall")
 
 
 def _split(segments: list[Segment], n: int) -> list[list[Segment]]:
@@ -119,17 +118,17 @@ class TcpTransport(PooledTransport):
 
     def __init__(self, bind_host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  connect_timeout: float = 2.0, io_timeout: float = 10.0, idle_timeout: float = 300.0,
-                 max_workers: int = 4, fault: str | None = None, split_bytes: int = _SPLIT_BYTES,
-                 streams: int = _STREAMS, staged: bool = False) -> None:
+                 max_workers: int = 4, split_bytes: int = _SPLIT_BYTES, streams: int = _STREAMS,
+                 staged: bool = False, server_cls: type[KVServer] = KVServer) -> None:
         """`staged`: move bytes through host buffers even for a CPU storage (a device storage
-        always is): the GPU path, testable on CPU."""
+        always is): the GPU path, testable on CPU. `server_cls`: what `register` starts to serve
+        this worker's cache, called as server_cls(source, bind_host, port, io_timeout,
+        idle_timeout)."""
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
         self._split_bytes, self._streams = split_bytes, streams
-        if fault not in FAULTS:
-            raise ValueError(f"fault must be one of {FAULTS}, not {fault!r}")
         self._bind_host, self._port, self._advertise_host = bind_host, port, advertise_host
-        self._io_timeout, self._idle_timeout, self._fault = io_timeout, idle_timeout, fault
+        self._io_timeout, self._idle_timeout, self._server_cls = io_timeout, idle_timeout, server_cls
         self._pool = TransferPool(self.name, max_workers)
         self._conns = _ConnPool(connect_timeout, io_timeout)
         self._server: KVServer | None = None
@@ -150,7 +149,7 @@ class TcpTransport(PooledTransport):
         if len(mem) != layout.storage_bytes:
             raise ValueError(f"storage has {len(mem)} bytes, layout says {layout.storage_bytes}")
         self._dst, self._layout = mem, layout
-        self._server = KVServer(mem, self._bind_host, self._port, self._io_timeout, self._idle_timeout, self._fault)
+        self._server = self._server_cls(mem, self._bind_host, self._port, self._io_timeout, self._idle_timeout)
         address = f"{self._advertised_ip()}:{self._server.port}"
         return TransportEndpoint(transport=self.name, host=host, address=address, layout=layout)
 

@@ -1,8 +1,8 @@
 """The serving side of the TCP transport: a listener thread plus a thread per connection, each
 answering requests for byte ranges of this worker's KV storage (straight from its memory on
 CPU, through one host copy on a GPU: `regions.storage_bytes`).
-`fault` is a test hook: "truncate" (send half the payload, then close), "drop" (close without
-answering), "stall" (never answer).
+A subclass may override `send_data`, the one step where a response's bytes go out (the faulty
+sources of tests/fakes/tcp_faults.py do); `TcpTransport(server_cls=...)` installs it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from splitserve.kv_transfer.tcp_wire import (
     SEG_SIZE,
     VERSION,
     Eof,
-    cut,
     recv_exact,
     send_all,
     shutdown,
@@ -37,8 +36,8 @@ class KVServer:
     """Serves byte ranges of one worker's KV storage; a thread per connection."""
 
     def __init__(self, source: HostBytes | StagedBytes, bind_host: str, port: int, io_timeout: float,
-                 idle_timeout: float, fault: str | None) -> None:
-        self._src, self._io_timeout, self._idle_timeout, self._fault = source, io_timeout, idle_timeout, fault
+                 idle_timeout: float) -> None:
+        self._src, self._io_timeout, self._idle_timeout = source, io_timeout, idle_timeout
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
@@ -109,16 +108,13 @@ class KVServer:
     def _reply_data(self, conn: socket.socket, xfer_id: int, segs: list[tuple[int, int]]) -> bool:
         total = sum(n for _, n in segs)
         views = [memoryview(RESP.pack(RESP_MAGIC, VERSION, OK, xfer_id, total, len(segs)))]
-        views += self._src.read(segs)
-        if self._fault == "drop":
-            return False
-        if self._fault == "stall":
-            self._stop.wait()
-            return False
-        if self._fault == "truncate":
-            views = cut(views, len(views[0]) + total // 2)
+        return self.send_data(conn, views + self._src.read(segs))
+
+    def send_data(self, conn: socket.socket, views: list[memoryview]) -> bool:
+        """Send one OK response: `views[0]` is its header, the rest the payload. False closes the
+        connection."""
         send_all(conn, views)
-        return self._fault is None
+        return True
 
     def _reply_error(self, conn: socket.socket, xfer_id: int, message: str) -> None:
         msg = message.encode()

@@ -100,16 +100,6 @@ def recv_scatter(sock: socket.socket, bufs: list[memoryview], between: Callable[
         i = advance(bufs, i, n)
 
 
-def cut(views: list[memoryview], nbytes: int) -> list[memoryview]:
-    out = []
-    for v in views:
-        if nbytes <= 0:
-            break
-        out.append(v[:nbytes])
-        nbytes -= len(out[-1])
-    return out
-
-
 def shutdown(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv/send on it

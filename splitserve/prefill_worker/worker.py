@@ -37,10 +37,10 @@ class PrefillWorker(KVWorker):
         super().__init__(config, transports, transport_options, host, node_id)
         self.leases = LeaseTable(lease_s)
         self._reaper: asyncio.Task | None = None
-        self._prefilling = 0
+        self._prefilling: set[str] = set()  # prefill() calls in progress
 
     def held(self) -> int:
-        return super().held() + self._prefilling + len(self.leases)
+        return super().held() + len(self._prefilling) + len(self.leases)
 
     def endpoint(self, transport: str | None) -> TransportEndpoint:
         """The endpoint a reader pulls this handoff through (None: this worker's first)."""
@@ -51,17 +51,20 @@ class PrefillWorker(KVWorker):
                               f"{', '.join(self.endpoints)}")
         return self.endpoints[transport]
 
-    async def prefill(self, req: Request, transport: str | None = None) -> PrefillResult:
+    async def prefill(self, req: Request, transport: str | None = None, outputs: tuple[int, ...] = ()
+                      ) -> PrefillResult:
+        """`outputs`: tokens the request already generated elsewhere (it migrated): computed as
+        context, and the token sampled here is the one after them."""
         endpoint = self.endpoint(transport)
         self._ensure_reaper()
-        self._prefilling += 1
+        self._prefilling.add(req.request_id)
         try:
-            return await self._prefill(req, endpoint)
+            return await self._prefill(req, endpoint, tuple(outputs))
         finally:
-            self._prefilling -= 1
+            self._prefilling.discard(req.request_id)
 
-    async def _prefill(self, req: Request, endpoint: TransportEndpoint) -> PrefillResult:
-        q = await self.loop.submit(req, prefill_only=True)
+    async def _prefill(self, req: Request, endpoint: TransportEndpoint, outputs: tuple[int, ...]) -> PrefillResult:
+        q = await self.loop.submit(req, prefill_only=True, outputs=outputs)
         try:
             item = await q.get()
         except BaseException:  # cancelled: the caller is gone
@@ -73,7 +76,12 @@ class PrefillWorker(KVWorker):
         done_at = time.time()
         if item.kv_blocks is None:
             return PrefillResult(item, None, done_at)
-        return PrefillResult(item, await self._handoff(req, item, endpoint), done_at)
+        try:
+            return PrefillResult(item, await self._handoff(req, item, endpoint), done_at)
+        except BaseException:  # cancelled or failed after the blocks were detached: nobody will ack
+            self.leases.revoke(req.request_id)
+            await self.loop.call(self.engine.release_detached, req.request_id)
+            raise
 
     async def _handoff(self, req: Request, chunk: TokenChunk, endpoint: TransportEndpoint) -> KVHandoff:
         blocks = chunk.kv_blocks
@@ -112,5 +120,12 @@ class PrefillWorker(KVWorker):
             await self.loop.call(self.engine.release_detached, lease.request_id)
 
     async def check_invariants(self) -> dict:
-        """Raises if the block invariant is broken; returns the counts for the caller's checks."""
-        return {**await self.loop.call(self.engine.block_counts), "leases": len(self.leases)}
+        """Raises if the block invariant is broken (also: blocks detached for a handoff that no
+        lease covers, which nothing would ever free); returns the counts for the caller's checks."""
+        def check() -> dict:
+            unleased = set(self.engine.detached_requests()) - self.leases.request_ids() - self._prefilling
+            if unleased:
+                raise AssertionError(f"blocks detached with no lease for requests {sorted(unleased)}")
+            return self.engine.block_counts()
+
+        return {**await self.loop.call(check), "leases": len(self.leases)}

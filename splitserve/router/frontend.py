@@ -7,11 +7,14 @@ Per request: `requests()` makes the engine requests and their `Choice`s; `admit(
 one on the backend and asks admission (an `APIError` 429 refuses them all, nothing started);
 `drive()` streams one request's chunks into its `RequestText` and, however it ends (finish,
 stop string, client gone), closes the backend stream — which aborts the request on every
-worker — then records it.
+worker — then records it. One `lease.RequestLease` per API request owns all of that from
+admission on, so nothing is left held when a stream never starts. `failure()` is the answer
+a request that failed gets, in the OpenAI error shape and in words safe for its client.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,7 +25,11 @@ from splitserve.metrics import Metrics
 from splitserve.router.admission import Admission, Decision, Plan
 from splitserve.router.backend import Backend
 from splitserve.router.protocol import APIError, RequestOptions
-from splitserve.types import ConfigError, PhaseTimes, Request, as_token_ids
+from splitserve.types import ConfigError, PhaseTimes, Request, ServiceUnavailable, as_token_ids
+
+log = logging.getLogger(__name__)
+
+INTERNAL_ERROR = "the server failed while generating this response; the failure has been logged"
 
 
 @dataclass
@@ -71,6 +78,21 @@ def worst_timings(choices: list[Choice]) -> dict[str, float]:
         for k, v in c.timings().items():
             out[k] = max(v, out.get(k, 0.0))
     return out
+
+
+def failure(e: Exception) -> APIError:
+    """What a client is told about a request that failed with `e`. Only messages known to be
+    ours reach it: an APIError, validation the engine repeated (400), a ServiceUnavailable
+    (503). Anything else may carry internals (actor ids, pids, addresses): it is logged here
+    and answered with a 500 in general words."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ConfigError):
+        return APIError(400, str(e))
+    if isinstance(e, ServiceUnavailable):
+        return APIError(503, str(e))
+    log.error("request failed", exc_info=e)
+    return APIError(500, INTERNAL_ERROR)
 
 
 class Frontend:
@@ -146,7 +168,7 @@ class Frontend:
     async def drive(self, req: Request, choice: Choice) -> AsyncIterator[None]:
         """Feed one request's chunks into its RequestText; yields after each chunk. Closing the
         generator (client gone, stop string) aborts the request in the backend. A generator
-        that never started runs no cleanup: its owner calls `release` for it."""
+        that never started runs no cleanup: its owner (the `RequestLease`) releases it."""
         gen = self.backend.generate(req, choice.plan)
         try:
             async for chunk in gen:

@@ -4,11 +4,14 @@ protos/splitserve/v1/generation.proto (Python code generated at build time into 
 `GenerationService` is transport-neutral: it turns a `GenerateRequest` into the same validated
 options the HTTP API builds (the proto is mapped onto an OpenAI completion body and goes through
 `protocol.parse_completion`, so both ingresses accept and refuse exactly the same things), then
-admits and drives the request through the shared `Frontend`. Failures are `RpcFailure`s with
-the gRPC status the caller should see: INVALID_ARGUMENT (bad input), NOT_FOUND (unknown model),
-RESOURCE_EXHAUSTED (admission; "retry-after" in the trailing metadata), UNAVAILABLE (not
-ready). Two hosts run it: `serve()` below (a standalone grpc.aio server with reflection, for the
-in-process server) and the Ray Serve ingress deployment (Serve's gRPC proxy, reflection on).
+admits and drives the request through the shared `Frontend`, under one `RequestLease` that
+owns its admission slot and backend stream until the call ends, however it ends (finished,
+failed, cancelled by the caller). Failures are `RpcFailure`s with the gRPC status the caller
+should see: INVALID_ARGUMENT (bad input), NOT_FOUND (unknown model), RESOURCE_EXHAUSTED
+(admission; "retry-after" in the trailing metadata), UNAVAILABLE (not ready, or its workers
+were lost), INTERNAL (anything else, in general words: `frontend.failure`). Two hosts run it:
+`serve()` below (a standalone grpc.aio server with reflection, for the in-process server) and
+the Ray Serve ingress deployment (Serve's gRPC proxy, reflection on).
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from splitserve.router.frontend import Choice, Frontend
+from splitserve.router.frontend import Choice, Frontend, failure
+from splitserve.router.lease import RequestLease
 from splitserve.router.protocol import APIError, parse_completion
-from splitserve.types import ConfigError
 from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -83,31 +86,28 @@ class GenerationService:
         return pb.HealthResponse(ready=bool(self.front.backend.ready()), model=self.front.backend.model_name)
 
     async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """The responses of one generation; raises RpcFailure before the first one if refused."""
+        """The responses of one generation; raises RpcFailure before the first one if refused,
+        or after some if the generation failed."""
         front = self.front
         try:
             if not front.backend.ready():
                 raise APIError(503, "not ready: workers are still loading")
             parsed = parse_completion(completion_body(request, front.backend.model_name), [front.backend.model_name])
             prompt = front.encode(parsed.prompts[0])
-            # Engine ids are always fresh (a client reusing its request_id while the first call
-            # runs must not collide with it on the workers); the client's id is only echoed.
-            rid, choices, reqs = front.requests(parsed.options, [prompt])
-            await front.admit(parsed.options, reqs, choices)
         except APIError as e:
             raise RpcFailure.of(e) from None
+        # Engine ids are always fresh (a client reusing its request_id while the first call
+        # runs must not collide with it on the workers); the client's id is only echoed.
+        rid, choices, reqs = front.requests(parsed.options, [prompt])
         echo_id = request.request_id or rid
-        stream, choice = front.drive(reqs[0], choices[0]), choices[0]
         try:
-            async for _ in stream:
-                msg = _delta(choice, echo_id)
-                if msg is not None:
-                    yield msg
-        except ConfigError as e:  # the engine refused what validation let through
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        finally:
-            await stream.aclose()
-            front.release(choice)
+            async with RequestLease(front, parsed.options, reqs, choices) as lease:
+                async for _ in lease.streams[0]:
+                    msg = _delta(choices[0], echo_id)
+                    if msg is not None:
+                        yield msg
+        except Exception as e:  # refused (admission) or failed; the lease has given everything back
+            raise RpcFailure.of(failure(e)) from None
 
 
 def _delta(c: Choice, rid: str) -> pb.GenerateResponse | None:

@@ -2,10 +2,14 @@
 /v1/chat/completions (JSON or SSE streaming), /v1/models, /health, /ready.
 
 Per request: parse and validate (`protocol`), tokenize once, then the shared `Frontend` fans
-prompts × n out into engine requests, admits them and drives them; this module answers in
-OpenAI's shapes. A client that disconnects closes the stream, which aborts its requests in the
-backend. Every failure the caller caused is a 4xx in the OpenAI error shape. Each response
-carries its timing breakdown: `x-splitserve-<phase>-ms` headers on JSON responses, and
+prompts × n out into engine requests; a `RequestLease` admits and owns them, and this module
+answers in OpenAI's shapes. A JSON answer is computed inside the lease; a streamed one hands
+the lease to its `LeasedStreamingResponse`, which gives everything back when the ASGI call
+ends, however it ends (also when the client left before the body started). A client that
+disconnects closes the streams, which aborts its requests in the backend. Every failure the
+caller caused is a 4xx in the OpenAI error shape; lost workers are a 503, anything else a 500,
+in the same shape (streamed: an `error` event, then `[DONE]`). Each response carries its
+timing breakdown: `x-splitserve-<phase>-ms` headers on JSON responses, and
 `usage.splitserve_timings_ms` (JSON, and the streamed usage chunk).
 """
 
@@ -14,18 +18,22 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from typing import Any, AsyncIterator
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from splitserve.detokenizer import RequestText
 from splitserve.metrics import Metrics
 from splitserve.router.admission import Admission
 from splitserve.router.backend import Backend
-from splitserve.router.frontend import Choice, Frontend, worst_timings
+from splitserve.router.frontend import Choice, Frontend, failure, worst_timings
+from splitserve.router.lease import RequestLease
 from splitserve.router.protocol import APIError, RequestOptions, parse_chat, parse_completion
 from splitserve.types import ConfigError
 
@@ -107,75 +115,54 @@ class OpenAIServer:
     async def _serve(self, request: HTTPRequest, kind: str, opts: RequestOptions, prompts, echo: bool) -> Response:
         rid, choices, reqs = self.front.requests(opts, prompts)
         try:
-            await self.front.admit(opts, reqs, choices)
-        except APIError as e:
-            return error_response(e)
-        streams = [self.front.drive(r, c) for r, c in zip(reqs, choices)]
-        if opts.stream:
-            return StreamingResponse(self._sse(kind, rid, opts, choices, streams), media_type="text/event-stream")
-        # Not every server cancels a handler whose client left (uvicorn does not): watch for it,
-        # so nobody's tokens are generated for nobody.
-        tasks = [asyncio.ensure_future(_drain(s)) for s in streams]
-        gone = asyncio.ensure_future(_until_disconnected(request))
-        try:
-            work = asyncio.gather(*tasks)
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done() and gone.exception() is None:
-                return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-            await work  # (a receive() that failed says nothing about the client: keep waiting)
-        except ConfigError as e:
-            return error_response(APIError(400, str(e)))
-        finally:  # done, failed, cancelled or abandoned: stop every choice, then account for each
-            try:
-                for t in (*tasks, gone):
-                    t.cancel()
-                await asyncio.gather(*tasks, gone, return_exceptions=True)
-                for s in streams:
-                    await s.aclose()
-            finally:
-                for c in choices:
-                    self.front.release(c)
+            async with RequestLease(self.front, opts, reqs, choices) as lease:
+                if opts.stream:
+                    return LeasedStreamingResponse(lease, self._sse(kind, rid, opts, lease))
+                if not await _run_to_end(request, lease.streams):
+                    return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        except Exception as e:  # refused or failed; the lease has given everything back
+            return error_response(failure(e))
         timings = worst_timings(choices)
         headers = {f"x-splitserve-{k.replace('_', '-')}-ms": f"{v * 1e3:.1f}" for k, v in timings.items()}
         return JSONResponse(self._full_body(kind, rid, opts, choices, echo), headers=headers)
 
-    async def _sse(self, kind, rid, opts, choices, streams) -> AsyncIterator[bytes]:
-        created, queue = int(time.time()), asyncio.Queue()
+    async def _sse(self, kind: str, rid: str, opts: RequestOptions, lease: RequestLease) -> AsyncIterator[bytes]:
+        """The events of one streamed answer. Only its pumps are its own: the streams and the
+        slots belong to the lease, which the response closes after this ends."""
+        created, queue, choices = int(time.time()), asyncio.Queue(), lease.choices
 
         async def pump(i: int) -> None:
             try:
-                async for _ in streams[i]:
+                async for _ in lease.streams[i]:
                     await queue.put(i)
             except Exception as e:  # surfaced as an error event, never a broken stream
                 await queue.put(e)
             await queue.put(None)
 
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
-        live = len(tasks)
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(lease.streams))]
+        live, failed = len(tasks), False
         try:
-            while live:
+            while live and not failed:
                 item = await queue.get()
                 if item is None:
                     live -= 1
-                    continue
-                if isinstance(item, Exception):
-                    yield _sse(APIError(400 if isinstance(item, ConfigError) else 500, str(item)).to_dict())
-                    continue
-                event = self._delta(kind, rid, created, choices[item])
-                if event is not None:
-                    yield _sse(event)
-            if opts.include_usage:
+                elif isinstance(item, Exception):
+                    # As in a JSON answer, one failed choice ends the whole answer; the lease
+                    # aborts the others.
+                    failed = True
+                    yield _sse(failure(item).to_dict())
+                else:
+                    event = self._delta(kind, rid, created, choices[item])
+                    if event is not None:
+                        yield _sse(event)
+            if opts.include_usage and not failed:
                 yield _sse({"id": rid, "object": _chunk_kind(kind), "created": created, "model": opts.model,
                             "choices": [], "usage": _usage(choices)})
             yield b"data: [DONE]\n\n"
-        finally:  # done, or the client went away: stop the pumps, which aborts unfinished requests
+        finally:  # done, failed, or the client went away: nobody iterates a stream after this
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for s in streams:
-                await s.aclose()
-            for c in choices:
-                self.front.release(c)
 
     def _delta(self, kind: str, rid: str, created: int, c: Choice) -> dict | None:
         t = c.text
@@ -204,6 +191,48 @@ class OpenAIServer:
                             "finish_reason": reason, "stop_reason": t.stop_reason})
         return {"id": rid, "object": kind, "created": int(time.time()), "model": opts.model, "choices": out,
                 "usage": _usage(choices)}
+
+
+class LeasedStreamingResponse(StreamingResponse):
+    """An SSE answer that owns its request's lease. Starlette may never start the body (the
+    client left before the response started: a failed send, a disconnect seen first, a cancel)
+    or never finish it, and then no code in the body runs; so the lease is closed when this
+    response's ASGI call ends, however it ends — or, for a response dropped without ever being
+    called, when it is collected (nothing can have started then: releasing the slots is all)."""
+
+    def __init__(self, lease: RequestLease, body: AsyncIterator[bytes]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self.lease = lease.hand_over()
+        weakref.finalize(self, lease.release)  # a no-op once the lease is closed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:  # the body first: its own cleanup stops its pumps, so nobody iterates a stream
+                with anyio.CancelScope(shield=True):
+                    await self.body_iterator.aclose()
+            finally:
+                await self.lease.aclose()
+
+
+async def _run_to_end(request: HTTPRequest, streams: list[AsyncIterator[None]]) -> bool:
+    """Drive every stream to its end; False if the client left first. A failing stream raises
+    (the caller's lease then aborts the others). Not every server cancels a handler whose
+    client left (uvicorn does not): watch for it, so nobody's tokens are generated for nobody."""
+    tasks = [asyncio.ensure_future(_drain(s)) for s in streams]
+    gone = asyncio.ensure_future(_until_disconnected(request))
+    work = asyncio.gather(*tasks)
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and gone.exception() is None:
+            return False
+        await work  # (a receive() that failed says nothing about the client: keep waiting)
+        return True
+    finally:  # done, failed, cancelled or abandoned: nobody iterates a stream once this returns
+        for t in (*tasks, gone):
+            t.cancel()
+        await asyncio.gather(*tasks, gone, work, return_exceptions=True)
 
 
 async def _until_disconnected(request: HTTPRequest) -> None:

@@ -14,7 +14,7 @@ import socket
 from typing import Sequence
 
 from splitserve.config import EngineConfig
-from splitserve.engine_loop import EngineLoop
+from splitserve.engine_loop import EngineFailed, EngineLoop
 from splitserve.kv_transfer import make_transport
 from splitserve.kv_transfer.base import TransportEndpoint
 from splitserve.kv_transfer.layout import layout_of
@@ -52,11 +52,15 @@ class KVWorker:
 
     async def load(self) -> WorkerLoad:
         # The stats the engine thread left after its last step: a probe never waits on a step.
-        return WorkerLoad(self.loop.latest_stats, self.held())
+        return WorkerLoad(self.loop.latest_stats, self.held(), self.loop.failure)
 
     async def snapshot(self, ack: int | None = None, router: str = "") -> Snapshot:
         """Load and the KV events `router` has not acknowledged (`ack`: the last `seq` it
-        applied; None: it knows nothing of this worker yet), in one round trip."""
+        applied; None: it knows nothing of this worker yet), in one round trip. A worker whose
+        engine has stopped answers with EngineFailed: routers keep it out of placement."""
+        if self.loop.failure is not None:
+            raise EngineFailed(f"this worker's engine has stopped: {self.loop.failure}")
+
         def take() -> Snapshot:
             e = self.engine
             return Snapshot(e.stats(), *self.outboxes.take(router, ack, e.drain_kv_events(), e.kv_listing))

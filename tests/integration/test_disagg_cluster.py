@@ -127,15 +127,19 @@ def test_aggregated_path_below_threshold(ray_session, model, expected):
         assert_drained(c)
 
 
-@pytest.mark.parametrize("fault,kind,extra", [
-    ("flip", "corrupt", {}),
-    ("slow", "lease_expired", {"lease_s": 0.3}),
-    (None, "truncated", {"prefill_transport_options": {"tcp": {"fault": "truncate"}}}),
+def fakes(**pools):
+    """worker_classes naming the fault-injecting fakes in tests/fakes/workers.py."""
+    return {"worker_classes": {role: f"tests.fakes.workers:{name}" for role, name in pools.items()}}
+
+
+@pytest.mark.parametrize("kind,extra", [
+    ("corrupt", fakes(decode="CorruptingDecode")),
+    ("lease_expired", {"lease_s": 0.3, **fakes(decode="LateDecode")}),
+    ("truncated", fakes(prefill="TruncatingPrefill")),
 ])
-def test_faults_recompute_to_the_right_answer(ray_session, model, expected, fault, kind, extra):
+def test_faults_recompute_to_the_right_answer(ray_session, model, expected, kind, extra):
     n = 4
-    with Cluster.start(model=model, transport="tcp", disagg_min_tokens=0, num_kv_blocks=256,
-                       decode_fault=fault, **extra) as c:
+    with Cluster.start(model=model, transport="tcp", disagg_min_tokens=0, num_kv_blocks=256, **extra) as c:
         outs = c.generate(prompts()[:n], SP)
         assert [o.outputs[0].token_ids for o in outs] == expected[:n]
         stats = c.check_invariants()
@@ -145,7 +149,7 @@ def test_faults_recompute_to_the_right_answer(ray_session, model, expected, faul
 
 def test_fail_policy_raises_typed_error(ray_session, model):
     with Cluster.start(model=model, transport="tcp", disagg_min_tokens=0, num_kv_blocks=256,
-                       decode_fault="flip", on_transfer_failure="fail") as c:
+                       on_transfer_failure="fail", **fakes(decode="CorruptingDecode")) as c:
         with pytest.raises(TransferError) as e:
             c.generate(prompts()[:1], SP)
         assert e.value.kind == "corrupt"
@@ -156,7 +160,7 @@ def test_prefill_killed_during_transfer(ray_session, model, expected):
     import time
 
     with Cluster.start(model=model, transport="tcp", disagg_min_tokens=0, num_kv_blocks=256,
-                       decode_fault="kill_prefill") as c:
+                       **fakes(decode="PrefillKillingDecode")) as c:
         first = c.status().workers[0].id
         outs = c.generate(prompts()[:3], SP)  # each pull finds its source gone: recomputed, or prefilled locally
         assert [o.outputs[0].token_ids for o in outs] == expected[:3]
@@ -181,7 +185,7 @@ def test_abort_on_decode_side_mid_transfer(ray_session, model):
     from splitserve.types import Request
 
     with Cluster.start(model=model, transport="tcp", disagg_min_tokens=0, num_kv_blocks=256,
-                       decode_fault="hold") as c:
+                       **fakes(decode="HoldingDecode")) as c:
         decode, prefill = c.decodes[0], c.prefills[0]
 
         async def scenario():

@@ -10,75 +10,9 @@ import sys
 
 import pytest
 
-from splitserve.cluster.directory import Directory
-from splitserve.cluster.registry import Registry
-from splitserve.router.policy import POLICIES, make_router
-from splitserve.types import (BlockRemoved, BlockStored, ConfigError, Request, Role, SamplingParams, WorkerId,
-                              WorkerState as S, WorkerStats)
-from splitserve.worker.info import WorkerInfo
-from splitserve.worker.kv_events import RouterOutboxes, Snapshot
-
-
-def stats(waiting=0, running=0):
-    return WorkerStats(waiting, running, 0, 64, 64, 0, 0, 0, 0)
-
-
-class _Call:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return self.fn(*args)
-
-
-class FakeWorker:
-    """A worker's snapshot over a fake cache; `mode`: "ok", "fail" (the call raises), "hang"."""
-
-    def __init__(self):
-        self.outboxes, self.cached, self.new, self.mode, self.load = RouterOutboxes(), set(), [], "ok", stats()
-        self.snapshot = _Call(self._snapshot)
-        self.calls = 0
-
-    def store(self, *hs):
-        self.cached |= set(hs)
-        self.new.append(BlockStored(hs))
-
-    def drop(self, *hs):
-        self.cached -= set(hs)
-        self.new.append(BlockRemoved(hs))
-
-    async def _snapshot(self, ack, router):
-        self.calls += 1
-        if self.mode == "hang":
-            await asyncio.Event().wait()
-        new, self.new = self.new, []
-        out = self.outboxes.take(router, ack, new, lambda: [BlockStored(tuple(sorted(self.cached)))])
-        if self.mode == "fail":  # the worker moved on, the reply is lost
-            raise RuntimeError("reply lost")
-        return Snapshot(self.load, *out)
-
-
-class FakeSource:
-    def __init__(self):
-        self.registry = Registry()
-        self.workers = {}
-
-    def add(self, role, ip="127.0.0.2", transports=("shm", "tcp")):
-        wid = WorkerId.new(role)
-        w = FakeWorker()
-        self.workers[wid] = w
-        self.registry.add(wid, w)
-        endpoints = tuple(type("E", (), {"transport": t})() for t in transports)
-        self.registry.move(wid, S.READY, info=WorkerInfo("node-" + ip, ip, 1, endpoints))
-        return wid
-
-    async def fetch(self, known):
-        return self.registry.snapshot({}) if known != self.registry.version else None
-
-
-def directory(source, policy="cache_aware", **kw):
-    kw = {"registry_interval_s": 0.01, "load_interval_s": 0.01, "answer_timeout_s": 0.05, **kw}
-    return Directory(source, make_router(policy, disagg_min_tokens=0), 16, **kw)
+from splitserve.router.policy import POLICIES
+from splitserve.types import ConfigError, Request, Role, SamplingParams, WorkerState as S
+from tests.fakes.cluster import Call, FakeSource, directory, stats
 
 
 def req(i, n=40):
@@ -236,9 +170,9 @@ def test_transport_by_locality():
 class FakePrefill:
     def __init__(self, outcome):
         self.outcome, self.calls = outcome, 0
-        self.prefill = _Call(self._prefill)
+        self.prefill = Call(self._prefill)
 
-    async def _prefill(self, req, transport):
+    async def _prefill(self, req, transport, outputs=()):
         self.calls += 1
         if isinstance(self.outcome, BaseException):
             raise self.outcome
@@ -246,7 +180,7 @@ class FakePrefill:
 
 
 def test_a_failed_prefill_worker_leaves_placement_a_refused_request_is_not_retried():
-    from splitserve.cluster.orchestrator import Orchestrator
+    from splitserve.cluster.orchestrator import Orchestrator, RequestRun, RequestTrace
 
     async def go(first_outcome):
         src = FakeSource()
@@ -262,7 +196,7 @@ def test_a_failed_prefill_worker_leaves_placement_a_refused_request_is_not_retri
         route = d.place(req(0))
         first = route.prefill.id
         try:
-            return await o._prefill(req(0), route), fakes, first, d, o
+            return await RequestRun(o, req(0), route, RequestTrace("0"))._prefill(route.prefill), fakes, first, d, o
         finally:
             d.stop()
 
@@ -297,9 +231,9 @@ def test_a_request_placed_again_after_a_failed_prefill_leaves_no_pending_count()
 
     class OnceFailing:
         def __init__(self):
-            self.prefill = _Call(self._prefill)
+            self.prefill = Call(self._prefill)
 
-        async def _prefill(self, req, transport):
+        async def _prefill(self, req, transport, outputs=()):
             calls.append(self)
             if len(calls) == 1:
                 raise RuntimeError("actor died")

@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 import torch
+from tests.fakes.tcp_faults import DroppingServer, StallingServer, TruncatingServer
 
 from splitserve.engine.kv_cache.tensors import KVCacheTensors
 from splitserve.kv_transfer import (
@@ -35,6 +36,7 @@ from splitserve.kv_transfer import (
     wait_transfer,
 )
 from splitserve.kv_transfer.regions import gathered_checksum
+from splitserve.kv_transfer.shm import PeerMaps
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,7 +71,9 @@ def serve_source(conn, shm_path: str) -> None:
     fill(kv.storage, SEED)
     lay = layout(SRC_BLOCKS)
     transports = {"shm": ShmTransport(), "tcp": TcpTransport(),
-                  "tcp_truncate": TcpTransport(fault="truncate"), "tcp_stall": TcpTransport(fault="stall"),
+                  "tcp_truncate": TcpTransport(server_cls=TruncatingServer),
+                  "tcp_drop": TcpTransport(server_cls=DroppingServer),
+                  "tcp_stall": TcpTransport(server_cls=StallingServer),
                   "tcp_staged": TcpTransport(staged=True)}  # through host buffers, as a GPU cache is
     conn.send({name: t.register(kv, lay, "host-a") for name, t in transports.items()})
     raw = kv.storage.view(torch.uint8).view(-1)
@@ -121,13 +125,16 @@ class Source:
 
     def handoff(self, endpoint: str | TransportEndpoint, blocks, **header) -> KVHandoff:
         ep = self.endpoints[endpoint] if isinstance(endpoint, str) else endpoint
-        fields = dict(request_id="req-1", model_fingerprint=FP, dtype="float32", block_size=GEOM["block_size"],
-                      num_layers=GEOM["num_layers"], num_blocks=len(blocks), lease_epoch=1)
-        fields.update(header)
-        return KVHandoff(request_id="req-1", first_token=7, first_logprob=None, num_prompt_tokens=len(blocks) * 4,
-                         num_cached_tokens=0, block_ids=tuple(blocks), endpoint=ep, lease_id="lease-1",
-                         lease_expires_at=time.time() + 30, header=TransferHeader(**fields),
-                         checksum=self.ask("checksum", tuple(blocks)))
+        return make_handoff(ep, blocks, self.ask("checksum", tuple(blocks)), **header)
+
+
+def make_handoff(ep: TransportEndpoint, blocks, checksum: int, **header) -> KVHandoff:
+    fields = dict(request_id="req-1", model_fingerprint=FP, dtype="float32", block_size=GEOM["block_size"],
+                  num_layers=GEOM["num_layers"], num_blocks=len(blocks), lease_epoch=1)
+    fields.update(header)
+    return KVHandoff(request_id="req-1", first_token=7, first_logprob=None, num_prompt_tokens=len(blocks) * 4,
+                     num_cached_tokens=0, block_ids=tuple(blocks), endpoint=ep, lease_id="lease-1",
+                     lease_expires_at=time.time() + 30, header=TransferHeader(**fields), checksum=checksum)
 
 
 # -- this process: a decode worker --------------------------------------------------------------
@@ -231,6 +238,12 @@ def test_truncated_tcp_payload_fails(source, local):
     assert status.state is TransferState.FAILED and status.reason.kind == "truncated", status
 
 
+def test_tcp_source_that_drops_the_request_is_unreachable(source, local):
+    _, transports, _ = local
+    _, status = pull(transports["tcp"], source.handoff("tcp_drop", CASES["contiguous"][0]), CASES["contiguous"][1])
+    assert status.state is TransferState.FAILED and status.reason.kind == "unreachable", status
+
+
 def test_stalled_tcp_source_times_out(source, local):
     _, transports, _ = local
     t0 = time.monotonic()
@@ -289,6 +302,81 @@ def test_missing_or_short_shm_file_fails(source, local, tmp_path):
     _, status = pull(transports["shm"], source.handoff(ep, (1, 2)), (1, 2))
     assert status.state is TransferState.FAILED and status.reason.kind == "truncated", status
     assert short.stat().st_size == 100  # the reader never grows a peer's file
+
+
+# -- shm: maps of peers that are gone ----------------------------------------------------------
+
+def write_peer(path: str, seed: int) -> torch.Tensor:
+    """A peer's KV file as a (re)started prefill worker leaves it; this process does not map it.
+    Written beside and renamed, so a path that existed names a new file."""
+    storage = torch.empty((GEOM["num_layers"], 2, SRC_BLOCKS, 4, 2, 8))
+    fill(storage, seed)
+    storage.numpy().tofile(f"{path}.new")
+    os.replace(f"{path}.new", path)
+    return storage
+
+
+def mapped(path: str) -> list[str]:
+    """This process's mappings of `path` (/proc/self/maps): "live" for the file there now,
+    "deleted" for one since unlinked or replaced."""
+    path = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        names = [line.rstrip("\n").split(maxsplit=5)[5:] for line in f]
+    return ["live" if n[0] == path else "deleted" for n in names if n and n[0] in (path, f"{path} (deleted)")]
+
+
+def test_shm_drops_the_maps_of_peers_that_restarted(local, tmp_path):
+    kv = local[0]
+    shm = ShmTransport()
+    shm.register(kv, layout(DST_BLOCKS), "host-b")
+    src, dst = CASES["scattered"]
+
+    def pull_from(path: str, storage: torch.Tensor) -> None:
+        ep = TransportEndpoint("shm", "host-a", path, layout(SRC_BLOCKS))
+        handoff = make_handoff(ep, src, kv_checksum(storage, layout(SRC_BLOCKS), src))
+        assert pull(shm, handoff, dst)[1].state is TransferState.DONE
+        verify_landed(kv, layout(DST_BLOCKS), handoff, dst)
+
+    old, new = str(tmp_path / "peer-1"), str(tmp_path / "peer-2")
+    try:
+        pull_from(old, write_peer(old, seed=1))
+        assert mapped(old) == ["live"]
+        os.unlink(old)  # the peer restarted: its old file went, the new one has a new path
+        pull_from(new, write_peer(new, seed=2))
+        assert mapped(old) == [] and mapped(new) == ["live"]
+        pull_from(new, write_peer(new, seed=3))  # the same path, a new file
+        assert mapped(new) == ["live"]
+    finally:
+        shm.close()
+    assert mapped(new) == []
+
+
+def test_peer_maps_never_unmap_under_a_read(tmp_path):
+    maps = PeerMaps(max_maps=4)
+    a, b = str(tmp_path / "peer-a"), str(tmp_path / "peer-b")
+    want = write_peer(a, seed=1).view(torch.uint8).view(-1)
+    write_peer(b, seed=2)
+    reading = maps.get(a, len(want))  # what a copy in progress holds
+    os.unlink(a)
+    maps.get(b, len(want))  # the next lookup drops a's map...
+    assert mapped(a) == ["deleted"]  # ...but its memory stays while the read goes on
+    assert torch.equal(reading, want)
+    del reading
+    assert mapped(a) == []
+    maps.close()
+    assert mapped(b) == []
+
+
+def test_peer_maps_keep_the_most_recently_used(tmp_path):
+    maps = PeerMaps(max_maps=2)
+    paths = [str(tmp_path / f"peer-{i}") for i in range(3)]
+    nbytes = layout(SRC_BLOCKS).storage_bytes
+    for i, path in enumerate(paths):
+        write_peer(path, seed=i)
+    for i in (0, 1, 0, 2):  # peer 1 is the least recently used when peer 2 comes
+        maps.get(paths[i], nbytes)
+    assert [mapped(p) for p in paths] == [["live"], [], ["live"]]
+    maps.close()
 
 
 @pytest.mark.parametrize("field,value", [("model_fingerprint", "other-model"), ("dtype", "bfloat16"),

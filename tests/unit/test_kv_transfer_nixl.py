@@ -211,10 +211,15 @@ def test_over_tcp_pending_reads_abort_and_a_dying_peer_fails_them(monkeypatch):
         with NixlTransport() as transport:
             transport.register(storage, BIG_LAYOUT, "localhost")
             ep = peer.endpoint
-            # Releasing a READ that is still in flight aborts it; the transport stays usable.
+            # A READ released in flight is PENDING until none of its bytes can land any more: only
+            # then FAILED("aborted"), and the blocks stay as they are. The transport stays usable.
             handle = transport.read(handoff(ep, all_blocks), all_blocks)
             transport.release(handle)
-            assert transport.poll(handle).state is not TransferState.PENDING
+            status = wait(transport, handle)
+            assert status.state is TransferState.FAILED and status.reason.kind == "aborted", status
+            landed = storage.clone()
+            time.sleep(0.2)
+            assert torch.equal(storage, landed), "bytes landed after the released READ reported FAILED"
             handle = transport.read(handoff(ep, [0, 1]), [0, 1])
             assert wait(transport, handle).state is TransferState.DONE
             transport.release(handle)

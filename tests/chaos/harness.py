@@ -1,0 +1,150 @@
+"""What every chaos scenario shares: a load of concurrent streams driven exactly as the ingress
+drives them (Frontend + RequestLease, admission included) on the cluster's router loop; the
+single engine's reference outputs; faults from outside (signals to a worker's process); and the
+check that afterwards nothing is held anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from splitserve import LLM
+from splitserve.router.frontend import Frontend
+from splitserve.router.lease import RequestLease
+from splitserve.router.protocol import RequestOptions
+from splitserve.types import Priority, SamplingParams, ServiceUnavailable
+
+INTERNALS = re.compile(r"actor|pid|\b\d{1,3}(\.\d{1,3}){3}\b", re.I)
+
+
+def prompts(n: int, seed: int = 11) -> list[tuple[int, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(3, 384, (int(k),), generator=g).tolist())
+            for k in torch.randint(20, 90, (n,), generator=g)]
+
+
+def params(n: int, seeded: bool, max_tokens: int) -> list[SamplingParams]:
+    if not seeded:
+        return [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)] * n
+    return [SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True) for i in range(n)]
+
+
+def reference(model: str, ps, sps) -> list[tuple[int, ...]]:
+    """One uninterrupted run of every request on one engine in this process."""
+    outs = LLM(model, num_kv_blocks=1024).generate([list(p) for p in ps], sps)
+    return [tuple(o.outputs[0].token_ids) for o in outs]
+
+
+@dataclass
+class Outcome:
+    tokens: tuple[int, ...] = ()
+    error: str | None = None
+    cut: bool = False  # the client left on purpose
+
+
+@dataclass
+class Load:
+    """Streams run on the cluster's loop; `progress[i]`: tokens stream i has delivered so far.
+    `cut_after[i]`: the client leaves after that many tokens (0: before the body starts)."""
+
+    c: object
+    ps: list
+    sps: list
+    cut_after: dict = field(default_factory=dict)
+    progress: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.front = Frontend(self.c.backend)
+        self.progress = [0] * len(self.ps)
+        self.future = asyncio.run_coroutine_threadsafe(self._all(), self.c._loop.loop)
+
+    async def _all(self) -> list[Outcome]:
+        return await asyncio.gather(*[self._one(i) for i in range(len(self.ps))])
+
+    async def _one(self, i: int) -> Outcome:
+        opts = RequestOptions("m", self.sps[i], True, False, None, Priority.STANDARD, None, None)
+        _, choices, reqs = self.front.requests(opts, [self.ps[i]])
+        cut = self.cut_after.get(i)
+        try:
+            async with RequestLease(self.front, opts, reqs, choices) as lease:
+                if cut == 0:
+                    return Outcome(cut=True)
+                async for _ in lease.streams[0]:
+                    self.progress[i] = len(choices[0].text.token_ids)
+                    if cut is not None and self.progress[i] >= cut:
+                        return Outcome(cut=True)
+        except ServiceUnavailable as e:
+            return Outcome(tuple(choices[0].text.token_ids), str(e))
+        return Outcome(tuple(choices[0].text.token_ids))
+
+    def wait_progress(self, at_least: int, timeout: float = 60.0) -> None:
+        """Until every stream still running has delivered `at_least` tokens."""
+        deadline = time.time() + timeout
+        while time.time() < deadline and min(self.progress) < at_least and not self.future.done():
+            time.sleep(0.005)
+
+    def result(self, timeout: float = 180.0) -> list[Outcome]:
+        return self.future.result(timeout)
+
+
+def pid_of(worker) -> int:
+    import ray
+
+    return ray.get(worker.describe.remote()).pid
+
+
+def signal_worker(worker, sig) -> None:
+    os.kill(pid_of(worker), sig)
+
+
+def wait_until(cond, timeout: float = 30.0):
+    deadline = time.time() + timeout
+    while not (value := cond()):
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+    return value
+
+
+def migration_report(c) -> dict:
+    traces = [t for t in list(c.timings) if t.migrations]
+    gaps = sorted(g for t in traces for g in t.migration_gaps_s)
+    q = (lambda p: gaps[min(len(gaps) - 1, int(p * len(gaps)))]) if gaps else (lambda p: None)
+    return {"migrated": len(traces), "migrations": sum(t.migrations for t in traces),
+            "gap_p50_s": q(0.5), "gap_p99_s": q(0.99), "gap_mean_s": statistics.mean(gaps) if gaps else None}
+
+
+def assert_outcomes(outcomes, ref, min_exact: int) -> int:
+    """Every stream completed with the reference tokens, or ended with our explicit error."""
+    exact = 0
+    for i, (o, r) in enumerate(zip(outcomes, ref)):
+        if o.cut:
+            continue
+        if o.error is None:
+            assert o.tokens == r, f"stream {i}: {o.tokens} != {r}"
+            exact += 1
+        else:
+            assert not INTERNALS.search(o.error), o.error
+            assert o.tokens == r[:len(o.tokens)], f"stream {i} delivered wrong tokens before its error"
+    assert exact >= min_exact, f"{exact} exact, wanted >= {min_exact}: {[o.error for o in outcomes if o.error]}"
+    return exact
+
+
+def assert_nothing_held(c, load: Load, timeout: float = 30.0) -> None:
+    """Every live worker: no block in use, no lease, no handoff; admission back to zero."""
+    deadline = time.time() + timeout
+    while True:
+        counts = c.check_invariants()
+        held = [s for s in counts if s["in_use"] or s.get("leases", 0) or s.get("handoffs", 0)]
+        if not held and load.front.admission.inflight == 0:
+            break
+        assert time.time() < deadline, (held, load.front.admission.inflight)
+        time.sleep(0.1)
+    assert counts, "no live worker to check"
+    outstanding = load.front.admission.outstanding
+    assert all(outstanding[w] == (0, 0) for w in list(outstanding._by_worker)), outstanding._by_worker

@@ -1,0 +1,73 @@
+"""A fake cluster for router-side tests without Ray: workers that answer `snapshot` from a
+fake cache (or fail, or hang) and a registry source the Directory reads."""
+
+import asyncio
+
+from splitserve.cluster.directory import Directory
+from splitserve.cluster.registry import Registry
+from splitserve.router.policy import make_router
+from splitserve.types import BlockRemoved, BlockStored, WorkerId, WorkerState as S, WorkerStats
+from splitserve.worker.info import WorkerInfo
+from splitserve.worker.kv_events import RouterOutboxes, Snapshot
+
+
+def stats(waiting=0, running=0):
+    return WorkerStats(waiting, running, 0, 64, 64, 0, 0, 0, 0)
+
+
+class Call:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class FakeWorker:
+    """A worker's snapshot over a fake cache; `mode`: "ok", "fail" (the call raises), "hang"."""
+
+    def __init__(self):
+        self.outboxes, self.cached, self.new, self.mode, self.load = RouterOutboxes(), set(), [], "ok", stats()
+        self.snapshot = Call(self._snapshot)
+        self.calls = 0
+
+    def store(self, *hs):
+        self.cached |= set(hs)
+        self.new.append(BlockStored(hs))
+
+    def drop(self, *hs):
+        self.cached -= set(hs)
+        self.new.append(BlockRemoved(hs))
+
+    async def _snapshot(self, ack, router):
+        self.calls += 1
+        if self.mode == "hang":
+            await asyncio.Event().wait()
+        new, self.new = self.new, []
+        out = self.outboxes.take(router, ack, new, lambda: [BlockStored(tuple(sorted(self.cached)))])
+        if self.mode == "fail":  # the worker moved on, the reply is lost
+            raise RuntimeError("reply lost")
+        return Snapshot(self.load, *out)
+
+
+class FakeSource:
+    def __init__(self):
+        self.registry = Registry()
+        self.workers = {}
+
+    def add(self, role, ip="127.0.0.2", transports=("shm", "tcp"), worker=None):
+        wid = WorkerId.new(role)
+        w = worker or FakeWorker()
+        self.workers[wid] = w
+        self.registry.add(wid, w)
+        endpoints = tuple(type("E", (), {"transport": t})() for t in transports)
+        self.registry.move(wid, S.READY, info=WorkerInfo("node-" + ip, ip, 1, endpoints))
+        return wid
+
+    async def fetch(self, known):
+        return self.registry.snapshot({}) if known != self.registry.version else None
+
+
+def directory(source, policy="cache_aware", **kw):
+    kw = {"registry_interval_s": 0.01, "load_interval_s": 0.01, "answer_timeout_s": 0.05, **kw}
+    return Directory(source, make_router(policy, disagg_min_tokens=0), 16, **kw)

@@ -1,0 +1,80 @@
+"""Worker classes that inject one fault each into real workers, for Ray tests: name one in a
+deployment's `worker_classes` ({"decode": "tests.fakes.workers:CorruptingDecode"}) and the
+pool runs it. The worker code itself has no fault branches: these wrap its transports or one of
+its steps."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+
+from splitserve.decode_worker.worker import DecodeWorker
+from splitserve.prefill_worker.worker import PrefillWorker
+from tests.fakes import transports as faulty
+from tests.fakes.tcp_faults import TruncatingServer
+
+
+class _WrapsTransports(DecodeWorker):
+    wrapper: type = faulty.Wrapped
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.transports = {k: self.wrapper(t, self) for k, t in self.transports.items()}
+
+
+class CorruptingDecode(_WrapsTransports):
+    """What lands is corrupted: verification fails ("corrupt")."""
+
+    wrapper = faulty.CorruptLanding
+
+
+class LateDecode(_WrapsTransports):
+    """Every read starts after its lease lapsed ("lease_expired")."""
+
+    wrapper = faulty.LateStart
+
+
+class HoldingDecode(_WrapsTransports):
+    """Every read stays in flight for 10 s: aborts land mid-transfer."""
+
+    wrapper = faulty.HeldOpen
+
+
+class PrefillKillingDecode(DecodeWorker):
+    """Kills the prefill worker it is about to read from (the source dies mid-transfer)."""
+
+    async def _read(self, h, dst, prefill, ho):
+        import ray
+
+        if prefill is not None:
+            ray.kill(prefill)
+            await asyncio.sleep(0.2)
+        await super()._read(h, dst, prefill, ho)
+
+
+class TruncatingPrefill(PrefillWorker):
+    """Its TCP KV server sends half of every payload ("truncated" on the reader's side)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, transport_options={"tcp": {"server_cls": TruncatingServer}}, **kwargs)
+
+
+class BreakableDecode(DecodeWorker):
+    """Its engine's steps raise once the test creates `break_flag(pid)` (the engine is broken
+    from then on: the loop stops after its failure limit)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        real, flag = self.engine.step, break_flag(os.getpid())
+
+        def step():
+            if os.path.exists(flag):
+                raise RuntimeError("injected: the engine is broken")
+            return real()
+
+        self.engine.step = step
+
+
+def break_flag(pid: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"splitserve-test-break-{pid}")

@@ -1,0 +1,329 @@
+"""The decode worker's handoff, step by step, without Ray: a real prefill worker and a real
+decode worker in this process, the KV moving over TCP through a gated transport the test
+controls. An abort lands at every point of the handoff state machine (before allocate, while
+the allocation is queued, during the pull, after the read before ready, during verify, after
+ready); each test ends with both workers holding no blocks, no lease, no detached block and no
+handoff. Also: a prefill cancelled after its blocks were detached frees them, and blocks
+detached with no lease are an invariant violation."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from splitserve.config import EngineConfig
+from splitserve.decode_worker import worker as decode_module
+from splitserve.decode_worker.handoff import Handoff, HandoffState
+from splitserve.decode_worker.worker import DecodeWorker
+from splitserve.prefill_worker import worker as prefill_module
+from splitserve.prefill_worker.worker import PrefillWorker
+from splitserve.types import FinishReason, Request, SamplingParams
+from tests.fakes.transports import CorruptLanding, Gated
+
+SP = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPT = tuple(range(5, 45))
+
+
+class Local:
+    """An in-process worker as the decode side calls its prefill peer: `peer.ack.remote(x)`."""
+
+    def __init__(self, obj) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name):
+        fn = getattr(self._obj, name)
+        return type("Method", (), {"remote": staticmethod(lambda *a: asyncio.ensure_future(fn(*a)))})
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_checkpoint):
+    cfg = EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=64)
+    pre, dec = PrefillWorker(cfg, ["tcp"]), DecodeWorker(cfg, ["tcp"])
+    real = dec.transports["tcp"]
+    yield pre, dec, real
+    pre.close()
+    dec.close()
+
+
+@pytest.fixture
+def gated(workers):
+    pre, dec, real = workers
+    dec.transports["tcp"] = g = Gated(real, dec)
+    yield pre, dec, g
+    dec.transports["tcp"] = real
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """The tokens of one uninterrupted run on one engine."""
+    from splitserve.engine.engine import Engine
+
+    eng = Engine(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=64))
+    eng.add_request(Request("ref", PROMPT, SP))
+    out = []
+    while eng.has_unfinished():
+        out += [t for c in eng.step() for t in c.token_ids]
+    return out
+
+
+async def no_leaks(pre, dec) -> None:
+    await asyncio.sleep(0.05)  # fire-and-forget acks and renewals settle
+    p, d = await pre.check_invariants(), await dec.check_invariants()
+    assert (p["in_use"], p["leases"], pre.engine.detached_requests()) == (0, 0, []), p
+    assert (d["in_use"], d["handoffs"], dec.loop.num_active) == (0, 0, 0), d
+
+
+async def handed_off(pre, rid):
+    result = await pre.prefill(Request(rid, PROMPT, SP), "tcp")
+    assert result.handoff is not None
+    return Request(rid, PROMPT, SP), result
+
+
+async def collect(gen):
+    return [c async for c in gen]
+
+
+async def wait_state(dec, rid, state):
+    for _ in range(2000):
+        ho = dec.handoffs.get(rid)
+        if ho is not None and ho.state is state:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"{rid} never reached {state}")
+
+
+def finishes(chunks):
+    return [c.finish_reason for c in chunks if c.finish_reason is not None]
+
+
+def outcome_count(dec, state):
+    return dec.handoff_outcomes.get(state.value, 0)
+
+
+def test_abort_before_allocate_the_stream_began(gated):
+    """The abort reaches the worker before the request does (Ray does not order the calls)."""
+    pre, dec, g = gated
+
+    async def go():
+        req, r = await handed_off(pre, "before-allocate")
+        await dec.abort(req.request_id)
+        chunks = await collect(dec.generate(req, r.handoff, Local(pre)))
+        assert finishes(chunks) == [FinishReason.ABORT]
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+
+
+def test_abort_while_the_allocation_is_queued_on_the_engine_thread(gated):
+    pre, dec, g = gated
+
+    async def go():
+        req, r = await handed_off(pre, "allocating")
+        busy = asyncio.ensure_future(dec.loop.call(time.sleep, 0.3))  # add_pulled waits behind this
+        task = asyncio.ensure_future(collect(dec.generate(req, r.handoff, Local(pre))))
+        await wait_state(dec, req.request_id, HandoffState.ALLOCATING)
+        await dec.abort(req.request_id)
+        before = outcome_count(dec, HandoffState.ABORTED)
+        assert finishes(await task) == [FinishReason.ABORT]
+        await busy
+        assert outcome_count(dec, HandoffState.ABORTED) == before + 1
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+
+
+def test_abort_during_the_pull(gated):
+    pre, dec, g = gated
+
+    async def go():
+        req, r = await handed_off(pre, "pulling")
+        task = asyncio.ensure_future(collect(dec.generate(req, r.handoff, Local(pre))))
+        await wait_state(dec, req.request_id, HandoffState.PULLING)  # the gate holds the read
+        await dec.abort(req.request_id)
+        assert finishes(await task) == [FinishReason.ABORT]
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+
+
+def test_abort_after_the_read_before_ready(gated):
+    pre, dec, g = gated
+
+    async def go():
+        req, r = await handed_off(pre, "read-not-ready")
+        g.gate.set()
+        g.on_done = lambda: asyncio.ensure_future(dec.abort(req.request_id))  # the bytes are in
+        before = outcome_count(dec, HandoffState.ABORTED)
+        chunks = await collect(dec.generate(req, r.handoff, Local(pre)))
+        assert finishes(chunks) == [FinishReason.ABORT] and not any(c.token_ids for c in chunks)
+        assert outcome_count(dec, HandoffState.ABORTED) == before + 1
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+
+
+def test_abort_during_verify(gated, monkeypatch):
+    pre, dec, g = gated
+    verifying = threading.Event()
+
+    def slow_verify(*args):
+        verifying.set()
+        time.sleep(0.3)
+        return real_verify(*args)
+
+    real_verify = decode_module.verify_landed
+    monkeypatch.setattr(decode_module, "verify_landed", slow_verify)
+
+    async def go():
+        req, r = await handed_off(pre, "verifying")
+        g.gate.set()
+        task = asyncio.ensure_future(collect(dec.generate(req, r.handoff, Local(pre))))
+        while not verifying.is_set():
+            await asyncio.sleep(0.001)
+        assert dec.handoffs[req.request_id].state is HandoffState.VERIFYING
+        await dec.abort(req.request_id)
+        assert finishes(await task) == [FinishReason.ABORT]
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+
+
+def test_abort_after_ready(gated, reference):
+    pre, dec, g = gated
+
+    async def go():
+        req, r = await handed_off(pre, "ready")
+        g.gate.set()
+        gen = dec.generate(req, r.handoff, Local(pre))
+        first = await gen.__anext__()  # the first token after the handoff: it is in the batch
+        assert first.token_ids == (reference[1],)
+        await dec.abort(req.request_id)
+        rest = [c async for c in gen]
+        assert finishes(rest) == [FinishReason.ABORT]
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+
+
+def test_a_consumer_that_leaves_mid_pull_frees_everything(gated):
+    """No abort call at all: the caller closes the stream while the read is held."""
+    pre, dec, g = gated
+
+    async def go():
+        req, r = await handed_off(pre, "cancelled")
+        task = asyncio.ensure_future(collect(dec.generate(req, r.handoff, Local(pre))))
+        await wait_state(dec, req.request_id, HandoffState.PULLING)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+
+
+def test_an_uninterrupted_handoff_and_a_corrupt_one_both_give_the_reference(workers, reference):
+    pre, dec, real = workers
+
+    async def go(rid):
+        req, r = await handed_off(pre, rid)
+        chunks = await collect(dec.generate(req, r.handoff, Local(pre)))
+        await no_leaks(pre, dec)
+        return [r.handoff.first_token] + [t for c in chunks for t in c.token_ids]
+
+    assert asyncio.run(go("clean")) == reference
+    dec.transports["tcp"] = CorruptLanding(real, dec)
+    try:
+        before = outcome_count(dec, HandoffState.RECOMPUTE)
+        assert asyncio.run(go("corrupt")) == reference  # verification caught it, recomputed here
+        assert outcome_count(dec, HandoffState.RECOMPUTE) == before + 1
+    finally:
+        dec.transports["tcp"] = real
+
+
+def test_a_migrated_request_continues_exactly(workers, reference):
+    """Without a handoff, with the tokens another worker already streamed: the rest follows."""
+    pre, dec, _ = workers
+
+    async def go():
+        chunks = await collect(dec.generate(Request("migrated", PROMPT, SP), outputs=tuple(reference[:3])))
+        await no_leaks(pre, dec)
+        return [t for c in chunks for t in c.token_ids]
+
+    assert asyncio.run(go()) == reference[3:]
+
+
+def test_a_prefill_cancelled_after_its_blocks_were_detached_frees_them(workers, monkeypatch):
+    pre, dec, _ = workers
+    checksumming = threading.Event()
+    real = prefill_module.kv_checksum
+
+    def slow_checksum(*args):
+        checksumming.set()
+        time.sleep(0.3)
+        return real(*args)
+
+    monkeypatch.setattr(prefill_module, "kv_checksum", slow_checksum)
+
+    async def go():
+        task = asyncio.ensure_future(pre.prefill(Request("detached", PROMPT, SP), "tcp"))
+        while not checksumming.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()  # the caller is gone while the handoff is being built
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+
+
+def test_blocks_detached_with_no_lease_are_a_violation(workers):
+    pre, dec, _ = workers
+
+    async def go():
+        q = await pre.loop.submit(Request("orphan", PROMPT, SP), prefill_only=True)
+        chunk = await q.get()
+        assert chunk.kv_blocks
+        with pytest.raises(AssertionError, match="no lease"):
+            await pre.check_invariants()
+        await pre.loop.call(pre.engine.release_detached, "orphan")
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+
+
+def test_the_handoff_state_machine_refuses_what_is_not_a_transition():
+    ho = Handoff("r")
+    with pytest.raises(AssertionError):
+        ho.move(HandoffState.VERIFYING)  # ALLOCATING cannot skip the pull
+    ho.move(HandoffState.PULLING)
+    assert ho.request_abort() is False  # not in the engine yet: the state machine frees it
+    ho.move(HandoffState.VERIFYING)
+
+    class Engine:
+        freed = []
+
+        def abort(self, rid):
+            self.freed.append(rid)
+
+    ho.allocated = True
+    assert ho.finish(Engine(), HandoffState.READY) is HandoffState.ABORTED  # the abort came first
+    assert Engine.freed == ["r"]
+    with pytest.raises(AssertionError):
+        ho.finish(Engine(), HandoffState.READY)  # once only
+
+
+def test_a_migrated_request_through_a_prefill_worker_continues_exactly(workers, reference):
+    """The context (prompt + 3 delivered tokens) is prefilled there, its KV handed over, and the
+    decode worker continues after the prefill worker's token: the uninterrupted output."""
+    pre, dec, _ = workers
+
+    async def go():
+        req, outputs = Request("migrated-pd", PROMPT, SP), tuple(reference[:3])
+        r = await pre.prefill(req, "tcp", outputs)
+        assert r.chunk.token_ids == (reference[3],)
+        chunks = await collect(dec.generate(req, r.handoff, Local(pre), outputs))
+        await no_leaks(pre, dec)
+        return [t for c in chunks for t in c.token_ids]
+
+    assert asyncio.run(go()) == reference[4:]

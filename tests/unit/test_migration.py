@@ -1,0 +1,118 @@
+"""Migration in the orchestrator, without Ray: fake decode workers over a fake registry. A
+decode worker that dies or goes silent mid-stream hands the request to another one, which is
+given the tokens already delivered and continues; the caller's stream is the uninterrupted one,
+no token lost or repeated. Past the limit, or with no decode worker left, the stream ends with
+our own ServiceUnavailable, whose message names no actor, process or address."""
+
+import asyncio
+import re
+
+import pytest
+
+from splitserve.cluster.orchestrator import Orchestrator
+from splitserve.types import FinishReason, Request, Role, SamplingParams, ServiceUnavailable, TokenChunk
+from tests.fakes.cluster import Call, FakeSource, FakeWorker, directory
+
+MAX_TOKENS = 12
+PROMPT = tuple(range(3, 43))
+
+
+def next_token(context: tuple[int, ...]) -> int:
+    """The fakes' "model": deterministic in the whole context, as greedy decoding is."""
+    return (sum(context) * 31 + len(context)) % 997
+
+
+def reference() -> list[int]:
+    ctx, out = PROMPT, []
+    for _ in range(MAX_TOKENS):
+        out.append(next_token(ctx))
+        ctx += (out[-1],)
+    return out
+
+
+class FakeDecode(FakeWorker):
+    """`generate` streams the fake model's tokens after the prompt and `outputs`; after
+    `fail_after` tokens it dies ("die", with Ray-like internals in the message) or goes silent
+    ("stall")."""
+
+    def __init__(self, fault=None, fail_after=3):
+        super().__init__()
+        self.fault, self.fail_after = fault, fail_after
+        self.given, self.aborted = [], []
+        self.generate = type("G", (), {"options": lambda _self, **kw: Call(self._stream)})()
+        self.abort = Call(self._abort)
+
+    async def _abort(self, rid):
+        self.aborted.append(rid)
+
+    def _stream(self, req, handoff, prefill, outputs=()):
+        self.given.append(tuple(outputs))
+        return self._chunks(req, tuple(outputs))
+
+    async def _chunks(self, req, outputs):
+        ctx, n = req.prompt_token_ids + outputs, len(outputs)
+        for i in range(MAX_TOKENS - n):
+            if self.fault and i == self.fail_after:
+                if self.fault == "die":
+                    raise RuntimeError("The actor 7f3a9c died: pid=4242, ip=10.1.2.3")
+                await asyncio.Event().wait()
+            tok = next_token(ctx)
+            ctx += (tok,)
+            done = n + i + 1 == MAX_TOKENS
+            yield _ready(TokenChunk(req.request_id, (tok,), finish_reason=FinishReason.LENGTH if done else None))
+
+
+def _ready(value):
+    f = asyncio.get_running_loop().create_future()
+    f.set_result(value)
+    return f
+
+
+async def run(decodes, **kw):
+    src = FakeSource()
+    ids = [src.add(Role.DECODE, worker=d) for d in decodes]
+    d = directory(src, "round_robin", load_interval_s=60)
+    await d.start()
+    o = Orchestrator(d, **kw)
+    req = Request("m", PROMPT, SamplingParams(max_tokens=MAX_TOKENS))
+    got, error = [], None
+    try:
+        async for c in o.stream(req):
+            got += c.token_ids
+    except ServiceUnavailable as e:
+        error = e
+    counts = {w: d.pending.count(w, None) for w in d.records}
+    healthy = {w: d.view(d.records[w]).healthy for w in ids}
+    d.stop()
+    return got, error, o.traces[-1], counts, healthy
+
+
+def no_internals(message: str) -> None:
+    assert not re.search(r"actor|pid|\d+\.\d+\.\d+\.\d+", message, re.I), message
+
+
+@pytest.mark.parametrize("fault", ["die", "stall"])
+def test_a_lost_decode_worker_migrates_the_stream_with_no_token_lost_or_repeated(fault):
+    first, second = FakeDecode(fault, fail_after=4), FakeDecode()
+    got, error, trace, counts, healthy = asyncio.run(run([first, second], inactivity_timeout_s=0.2))
+    assert error is None and got == reference()
+    assert trace.migrations == 1 and len(trace.migration_gaps_s) == 1
+    assert second.given == [tuple(reference()[:4])]  # the new worker continued after what was delivered
+    assert first.aborted == ["m"]  # told to stop (a stalled one gets it when it resumes)
+    assert set(counts.values()) == {0}  # no pending count of either route lingers
+    assert list(healthy.values()) == [False, True]  # the lost one left placement
+
+
+def test_with_no_decode_worker_left_the_stream_ends_with_our_error():
+    got, error, trace, *_ = asyncio.run(run([FakeDecode("die", fail_after=5)]))
+    assert got == reference()[:5]  # what was delivered stays delivered
+    assert isinstance(error, ServiceUnavailable) and "no other worker" in str(error)
+    no_internals(str(error))
+
+
+def test_past_the_migration_limit_the_stream_ends_with_our_error():
+    workers = [FakeDecode("die", fail_after=1) for _ in range(4)]
+    got, error, trace, *_ = asyncio.run(run(workers, migration_limit=2))
+    assert trace.migrations == 2 and got == reference()[:3]
+    assert isinstance(error, ServiceUnavailable) and "limit" in str(error)
+    no_internals(str(error))
