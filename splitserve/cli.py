@@ -132,6 +132,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="admission: default TTFT target")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="admission: default TPOT target")
     p.add_argument("--no-admission", action="store_true", help="admit everything (for comparisons)")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="times one stream may move to another decode worker when its worker is lost "
+                        "(default: %(default)s)")
+    p.add_argument("--decode-inactivity-timeout-s", type=float, default=30.0,
+                   help="a decode worker silent this long mid-stream is lost: the stream migrates "
+                        "(default: %(default)s)")
+    p.add_argument("--prefill-timeout-s", type=float, default=120.0,
+                   help="a prefill call unanswered this long is placed again (default: %(default)s)")
     p.set_defaults(func=_run_serve, engine={})
 
 

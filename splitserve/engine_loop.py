@@ -84,6 +84,8 @@ class EngineLoop:
     def watch(self, request_id: str) -> asyncio.Queue:
         """A queue for a request that enters the engine some other way (e.g. pulled KV)."""
         self._ensure_running()
+        if self.failure is not None:
+            raise EngineFailed(f"this engine has stopped: {self.failure}")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         return q

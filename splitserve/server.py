@@ -56,7 +56,7 @@ def deploy_options(args: argparse.Namespace, model: str) -> dict:
     """The app's args (config.DeployConfig keys) from the serve flags and the config file."""
     keys = ("prefill", "decode", "prefill_resources", "decode_resources", "transport", "policy",
             "disagg_min_tokens", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
-            "ingress_replicas", "no_admission")
+            "ingress_replicas", "no_admission", "migration_limit", "decode_inactivity_timeout_s", "prefill_timeout_s")
     return {"model": model, "engine": _engine_options(args), **{k: getattr(args, k) for k in keys}}
 
 

@@ -224,11 +224,14 @@ class Directory:
         hashes = tuple(block_hashes(req.prompt_token_ids, self.block_size, req.cache_salt))
         return RouteRequest(req.request_id, len(req.prompt_token_ids), hashes, self.block_size)
 
-    def place(self, req: Request, route_req: RouteRequest | None = None, decode_only: bool = False) -> Route:
+    def place(self, req: Request, route_req: RouteRequest | None = None,
+              exclude: frozenset[WorkerId] = frozenset()) -> Route:
         """The policy's placement over the current views (raises NoCapacity), counted as pending
-        on the workers it names. `decode_only`: a decode worker computes the prompt itself."""
-        prefills = [] if decode_only else self.views(Role.PREFILL)
-        pl = self.policy.place(route_req or self.route_request(req), prefills, self.views(Role.DECODE))
+        on the workers it names. `exclude`: workers that already failed this request."""
+        def views(role: Role) -> list[WorkerView]:
+            return [v for v in self.views(role) if v.worker_id not in exclude]
+
+        pl = self.policy.place(route_req or self.route_request(req), views(Role.PREFILL), views(Role.DECODE))
         p = self.records[pl.prefill] if pl.prefill is not None else None
         d = self.records[pl.decode]
         transport = None

@@ -41,15 +41,13 @@ _NEXT = {
     S.READY: set(), S.RECOMPUTE: set(), S.ABORTED: set(),
 }
 FINAL = frozenset({S.READY, S.RECOMPUTE, S.ABORTED})
-# What the engine does with allocated blocks at each end: join the batch, recompute, free.
-_ENGINE_CALL = {S.READY: "kv_ready", S.RECOMPUTE: "kv_failed", S.ABORTED: "abort"}
 
 
 class Handoff:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.state = S.ALLOCATING
-        self.allocated = False  # the engine holds destination blocks for it
+        self.allocated = False  # the engine holds destination blocks for it (set on the engine thread)
         self._abort_requested = False
         self._lock = threading.Lock()  # request_abort (event loop) vs finish (engine thread)
 
@@ -73,15 +71,28 @@ class Handoff:
             self._abort_requested = True
             return self.state in (S.READY, S.RECOMPUTE)
 
+    def allocate(self, engine: Engine, req, outputs: tuple[int, ...]) -> list[int]:
+        """On the engine thread: destination blocks for the context (prompt + `outputs`, the last
+        of which is the peer's token). Raises OutOfBlocks."""
+        dst = engine.add_pulled(req, outputs[-1], outputs[:-1])
+        self.allocated = True
+        return dst
+
     def finish(self, engine: Engine, outcome: HandoffState) -> HandoffState:
         """On the engine thread: end the handoff with `outcome` (READY or RECOMPUTE), or ABORTED if
-        an abort came first (or the landing failed). Frees or hands over the blocks exactly once."""
+        an abort came first (or the landing failed). Frees or hands over the blocks exactly once:
+        a handoff that has ended already stays as it ended."""
         with self._lock:
             if self.state in FINAL:
-                raise AssertionError(f"handoff {self.request_id} already ended {self.state}")
+                return self.state
             if self._abort_requested:
                 outcome = S.ABORTED
             self._move(outcome)
         if self.allocated:
-            getattr(engine, _ENGINE_CALL[outcome])(self.request_id)
+            if outcome is S.READY:
+                engine.kv_ready(self.request_id)  # joins the decode batch
+            elif outcome is S.RECOMPUTE:
+                engine.kv_failed(self.request_id)  # blocks freed, the prompt computed here
+            else:
+                engine.abort(self.request_id)  # blocks freed
         return outcome

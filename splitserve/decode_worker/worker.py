@@ -20,7 +20,7 @@ import time
 from typing import Any, AsyncIterator, Sequence
 
 from splitserve.config import EngineConfig
-from splitserve.decode_worker.handoff import Handoff, HandoffState
+from splitserve.decode_worker.handoff import FINAL, Handoff, HandoffState
 from splitserve.engine.kv_cache import OutOfBlocks
 from splitserve.kv_transfer.base import KVHandoff, TransferError, TransferState
 from splitserve.kv_transfer.verify import check_header, verify_landed
@@ -43,7 +43,7 @@ class DecodeWorker(KVWorker):
         self.policy = on_transfer_failure
         self.transfer_failures: dict[str, int] = {}
         self.handoffs: dict[str, Handoff] = {}  # landing now
-        self.handoff_outcomes: dict[str, int] = {}  # final state -> count
+        self.handoff_outcomes: collections.Counter[HandoffState] = collections.Counter()
         self._early_aborts: collections.OrderedDict[str, bool] = collections.OrderedDict()
 
     async def generate(self, req: Request, handoff: KVHandoff | None = None, prefill: Any = None,
@@ -98,19 +98,24 @@ class DecodeWorker(KVWorker):
         try:
             return await self._land(req, h, prefill, ho, outputs)
         finally:
-            if ho.state not in (S.READY, S.RECOMPUTE, S.ABORTED):  # failed or cancelled midway
-                await self.loop.call(ho.finish, self.engine, S.ABORTED)
-            del self.handoffs[rid]
-            self.handoff_outcomes[ho.state.value] = self.handoff_outcomes.get(ho.state.value, 0) + 1
+            try:
+                if ho.state not in FINAL:  # failed or cancelled midway (finish keeps an earlier end)
+                    await _uncancelled(self.loop.call(ho.finish, self.engine, S.ABORTED))
+            finally:
+                del self.handoffs[rid]
+                self.handoff_outcomes[ho.state] += 1
 
     async def _land(self, req: Request, h: KVHandoff, prefill: Any, ho: Handoff, outputs: tuple[int, ...]
                     ) -> asyncio.Queue | None:
         rid = req.request_id
         try:
-            dst = await self.loop.call(self._allocate, req, (*outputs, h.first_token), ho)
+            dst = await self.loop.call(ho.allocate, self.engine, req, (*outputs, h.first_token))
         except OutOfBlocks:  # no room to land it now: the scheduler computes it when it can
             await self._settle(h, prefill)
             return await self._recompute(req, (*outputs, h.first_token), ho)
+        except BaseException:  # nothing was allocated; the source blocks go now, not when the lease lapses
+            await self._settle(h, prefill)
+            raise
         q = self.loop.watch(rid)
         if ho.abort_requested:  # before any byte moved
             await self._settle(h, prefill)
@@ -127,11 +132,6 @@ class DecodeWorker(KVWorker):
             log.warning("KV pull for %s failed (%s): recomputing locally", rid, e)
             return await self._end(ho, S.RECOMPUTE, q)
         return await self._end(ho, S.READY, q)
-
-    def _allocate(self, req: Request, outputs: tuple[int, ...], ho: Handoff) -> list[int]:
-        dst = self.engine.add_pulled(req, outputs[-1], outputs[:-1])
-        ho.allocated = True  # on the engine thread, before anything can look at it
-        return dst
 
     async def _end(self, ho: Handoff, outcome: HandoffState, q: asyncio.Queue) -> asyncio.Queue | None:
         final = await self.loop.call(ho.finish, self.engine, outcome)
@@ -182,15 +182,7 @@ class DecodeWorker(KVWorker):
                 await asyncio.sleep(0.0005)
         finally:
             transport.release(handle)
-            # A released transfer may still be moving its last segment (a NIXL read already
-            # posted cannot be recalled): the blocks are only safe to free once it has stopped,
-            # however long that takes. Every transport ends a released read.
-            waited = time.monotonic()
-            while transport.poll(handle).state is TransferState.PENDING:
-                if time.monotonic() - waited > 5.0:
-                    log.warning("a released KV read for %s is still in flight", h.request_id)
-                    waited = time.monotonic()
-                await asyncio.sleep(0.001)
+            await _uncancelled(_stopped(transport, handle, h.request_id))
         if ho.abort_requested:
             raise TransferError("aborted", "the request was aborted during the transfer")
         if st.state is TransferState.FAILED:
@@ -227,3 +219,32 @@ class DecodeWorker(KVWorker):
         counts = await self.loop.call(self.engine.block_counts)
         return {**counts, "handoffs": len(self.handoffs), "transfer_failures": dict(self.transfer_failures),
                 "transfers_by_transport": dict(self.transfers_by_transport)}
+
+
+async def _stopped(transport, handle, request_id: str) -> None:
+    """Until a released transfer has stopped moving bytes (a NIXL read already posted cannot be
+    recalled): only then may its blocks be freed, however long that takes. Every transport ends
+    a released read."""
+    waited = time.monotonic()
+    while transport.poll(handle).state is TransferState.PENDING:
+        if time.monotonic() - waited > 5.0:
+            log.warning("a released KV read for %s is still in flight", request_id)
+            waited = time.monotonic()
+        await asyncio.sleep(0.001)
+
+
+async def _uncancelled(aw) -> None:
+    """Run `aw` to the end even if this task is cancelled meanwhile (then re-raise the cancel):
+    cleanup that frees blocks must not stop halfway."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError

@@ -83,11 +83,12 @@ class Load:
             return Outcome(tuple(choices[0].text.token_ids), str(e))
         return Outcome(tuple(choices[0].text.token_ids))
 
-    def wait_progress(self, at_least: int, timeout: float = 60.0) -> None:
-        """Until every stream still running has delivered `at_least` tokens."""
+    def wait_progress(self, at_least: int, timeout: float = 60.0, of=min) -> None:
+        """Until every stream (`of=max`: one) has delivered `at_least` tokens."""
         deadline = time.time() + timeout
-        while time.time() < deadline and min(self.progress) < at_least and not self.future.done():
-            time.sleep(0.005)
+        while of(self.progress) < at_least and not self.future.done():
+            assert time.time() < deadline, f"no progress: {self.progress}"
+            time.sleep(0.001)
 
     def result(self, timeout: float = 180.0) -> list[Outcome]:
         return self.future.result(timeout)
@@ -135,7 +136,7 @@ def assert_outcomes(outcomes, ref, min_exact: int) -> int:
     return exact
 
 
-def assert_nothing_held(c, load: Load, timeout: float = 30.0) -> None:
+def assert_nothing_held(c, load: Load, timeout: float = 10.0) -> None:
     """Every live worker: no block in use, no lease, no handoff; admission back to zero."""
     deadline = time.time() + timeout
     while True:

@@ -74,8 +74,7 @@ def test_sigkill_the_prefill_worker_mid_transfer(ray_session, model, work):
     started = time.time()
     with cluster(model, "chaos-kill-prefill") as c:
         load = Load(c, ps, sps)
-        while max(load.progress) < 1:  # the first handoffs are done, the rest are in flight or queued
-            time.sleep(0.001)
+        load.wait_progress(1, of=max)  # the first handoffs are done, the rest are in flight or queued
         signal_worker(c.prefills[0], signal.SIGKILL)
         outcomes = load.result()
         report("SIGKILL prefill", c, outcomes, started)

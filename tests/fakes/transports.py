@@ -1,6 +1,5 @@
 """KV transport wrappers that inject faults around a real transport (the decode side reads
-through them): corrupt what landed, start the read after the lease lapsed, hold a read open,
-gate a read until the test lets it go."""
+through them): corrupt what landed, hold a read open, gate a read until the test lets it go."""
 
 from __future__ import annotations
 
@@ -49,29 +48,6 @@ class CorruptLanding(Wrapped):
 class _Deferred(TransferHandle):
     inner_handle: TransferHandle | None = None
     released: bool = False
-
-
-class LateStart(Wrapped):
-    """The read starts only after the lease has lapsed (a reader that fell far behind)."""
-
-    def read(self, src, dst_blocks, layers=None):
-        h = _Deferred(src.request_id, src, tuple(dst_blocks), layers or range(src.header.num_layers))
-        h.start_at, h.layers_arg = src.lease_expires_at + 0.2, layers
-        return h
-
-    def poll(self, handle):
-        if handle.inner_handle is None:
-            if handle.released:
-                return TransferStatus(TransferState.FAILED)
-            if time.time() < handle.start_at:
-                return _PENDING
-            handle.inner_handle = self.inner.read(handle.src, handle.dst_blocks, handle.layers_arg)
-        return self.inner.poll(handle.inner_handle)
-
-    def release(self, handle) -> None:
-        handle.released = True
-        if handle.inner_handle is not None:
-            self.inner.release(handle.inner_handle)
 
 
 class HeldOpen(Wrapped):
@@ -123,3 +99,32 @@ class Gated(Wrapped):
         handle.released = True
         if handle.inner_handle is not None:
             self.inner.release(handle.inner_handle)
+
+
+class SlowToStop(Wrapped):
+    """Holds every read open once the bytes are in, and takes `stop_after_s` to stop after
+    release (a NIXL read already posted runs to its end): `stopped_at` says when it did."""
+
+    stop_after_s = 0.3
+
+    def __init__(self, inner, worker=None) -> None:
+        super().__init__(inner, worker)
+        self.stopped_at: float | None = None
+
+    def read(self, src, dst_blocks, layers=None):
+        h = self.inner.read(src, dst_blocks, layers)
+        h._released_at = None
+        return h
+
+    def poll(self, handle):
+        if handle._released_at is None:
+            st = self.inner.poll(handle)
+            return _PENDING if st.state is TransferState.DONE else st
+        if time.monotonic() < handle._released_at + self.stop_after_s:
+            return _PENDING
+        self.stopped_at = self.stopped_at or time.monotonic()
+        return TransferStatus(TransferState.FAILED)
+
+    def release(self, handle) -> None:
+        handle._released_at = time.monotonic()
+        self.inner.release(handle)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import time
 
 from splitserve.decode_worker.worker import DecodeWorker
 from splitserve.prefill_worker.worker import PrefillWorker
@@ -29,10 +30,13 @@ class CorruptingDecode(_WrapsTransports):
     wrapper = faulty.CorruptLanding
 
 
-class LateDecode(_WrapsTransports):
-    """Every read starts after its lease lapsed ("lease_expired")."""
+class LateDecode(DecodeWorker):
+    """Starts every read only after its lease lapsed, renewing nothing meanwhile: a reader that
+    fell far behind ("lease_expired")."""
 
-    wrapper = faulty.LateStart
+    async def _read(self, h, dst, prefill, ho):
+        await asyncio.sleep(max(0.0, h.lease_expires_at - time.time()) + 0.2)
+        await super()._read(h, dst, prefill, ho)
 
 
 class HoldingDecode(_WrapsTransports):

@@ -180,7 +180,9 @@ class FakePrefill:
 
 
 def test_a_failed_prefill_worker_leaves_placement_a_refused_request_is_not_retried():
-    from splitserve.cluster.orchestrator import Orchestrator, RequestRun, RequestTrace
+    from splitserve.cluster.orchestrator import Orchestrator
+    from splitserve.cluster.request_run import RequestRun
+    from splitserve.cluster.trace import RequestTrace
 
     async def go(first_outcome):
         src = FakeSource()

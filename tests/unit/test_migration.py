@@ -55,6 +55,9 @@ class FakeDecode(FakeWorker):
             if self.fault and i == self.fail_after:
                 if self.fault == "die":
                     raise RuntimeError("The actor 7f3a9c died: pid=4242, ip=10.1.2.3")
+                if self.fault == "abort":  # ends the stream as if someone had aborted it
+                    yield _ready(TokenChunk(req.request_id, (), finish_reason=FinishReason.ABORT))
+                    return
                 await asyncio.Event().wait()
             tok = next_token(ctx)
             ctx += (tok,)
@@ -68,10 +71,10 @@ def _ready(value):
     return f
 
 
-async def run(decodes, **kw):
+async def run(decodes, load_interval_s=60, **kw):
     src = FakeSource()
     ids = [src.add(Role.DECODE, worker=d) for d in decodes]
-    d = directory(src, "round_robin", load_interval_s=60)
+    d = directory(src, "round_robin", load_interval_s=load_interval_s)
     await d.start()
     o = Orchestrator(d, **kw)
     req = Request("m", PROMPT, SamplingParams(max_tokens=MAX_TOKENS))
@@ -98,7 +101,9 @@ def test_a_lost_decode_worker_migrates_the_stream_with_no_token_lost_or_repeated
     assert error is None and got == reference()
     assert trace.migrations == 1 and len(trace.migration_gaps_s) == 1
     assert second.given == [tuple(reference()[:4])]  # the new worker continued after what was delivered
-    assert first.aborted == ["m"]  # told to stop (a stalled one gets it when it resumes)
+    # A stalled worker is told to stop (it gets it when it resumes); one whose stream raised
+    # has aborted the request itself, and an abort now would only linger there.
+    assert first.aborted == (["m"] if fault == "stall" else [])
     assert set(counts.values()) == {0}  # no pending count of either route lingers
     assert list(healthy.values()) == [False, True]  # the lost one left placement
 
@@ -116,3 +121,32 @@ def test_past_the_migration_limit_the_stream_ends_with_our_error():
     assert trace.migrations == 2 and got == reference()[:3]
     assert isinstance(error, ServiceUnavailable) and "limit" in str(error)
     no_internals(str(error))
+
+
+@pytest.mark.parametrize("fault", ["die", "abort"])
+def test_a_worker_that_failed_a_request_never_gets_it_back(fault):
+    """It still answers its snapshots (so it is back in placement for others at once), but this
+    request moves on to the other worker, even when it is the least loaded again."""
+    first, second = FakeDecode(fault, fail_after=2), FakeDecode()
+    got, error, trace, *_ = asyncio.run(run([first, second], load_interval_s=0.005))
+    assert error is None and got == reference()
+    assert len(first.given) == 1 and second.given == [tuple(reference()[:2])]
+
+
+def test_a_caller_that_leaves_after_the_first_token_stops_the_worker_at_once():
+    async def go():
+        src = FakeSource()
+        dec = FakeDecode()
+        src.add(Role.DECODE, worker=dec)
+        d = directory(src, "round_robin", load_interval_s=60)
+        await d.start()
+        gen = Orchestrator(d).stream(Request("m", PROMPT, SamplingParams(max_tokens=MAX_TOKENS)))
+        await gen.__anext__()
+        await gen.aclose()
+        aborted = list(dec.aborted)  # no event-loop turn in between: closing is synchronous all the way
+        counts = {w: d.pending.count(w, None) for w in d.records}
+        d.stop()
+        return aborted, counts
+
+    aborted, counts = asyncio.run(go())
+    assert aborted == ["m"] and set(counts.values()) == {0}

@@ -1,0 +1,19 @@
+"""`RequestTrace`: where one request ran and how its tokens travelled (the orchestrator keeps
+the recent ones, for tests, benchmarks and `Cluster.timings`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestTrace:
+    request_id: str
+    started_at: float = 0.0  # time.time()
+    prefill_worker: str | None = None
+    decode_worker: str | None = None  # the last one
+    transport: str | None = None
+    prefill_done_to_first_token_s: float | None = None  # prefill worker sampled → the caller has it
+    first_to_second_token_s: float | None = None
+    migrations: int = 0
+    migration_gaps_s: list[float] = field(default_factory=list)  # last token before → first after (client-seen)
