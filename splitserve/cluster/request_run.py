@@ -189,6 +189,7 @@ class RequestRun:
             self._lost_at = self._last_at or time.monotonic()
         self._replace(self._place(what))
         self.trace.migrations += 1
+        self.trace.migrated_after.append(len(self.delivered))
         self.o.migrations += 1
         log.info("request %s migrates to %s after %d tokens (%s)", self.req.request_id, self.route.decode.id,
                  len(self.delivered), why)

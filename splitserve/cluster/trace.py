@@ -16,4 +16,5 @@ class RequestTrace:
     prefill_done_to_first_token_s: float | None = None  # prefill worker sampled → the caller has it
     first_to_second_token_s: float | None = None
     migrations: int = 0
+    migrated_after: list[int] = field(default_factory=list)  # tokens delivered when each migration began
     migration_gaps_s: list[float] = field(default_factory=list)  # last token before → first after (client-seen)

@@ -162,7 +162,8 @@ class OpenAIServer:
         finally:  # done, failed, or the client went away: nobody iterates a stream after this
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            with anyio.CancelScope(shield=True):  # a second cancel must not leave a pump running
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     def _delta(self, kind: str, rid: str, created: int, c: Choice) -> dict | None:
         t = c.text
