@@ -140,7 +140,7 @@ class RequestRun:
     async def _decode(self, gen, first: TokenChunk | None) -> AsyncIterator[TokenChunk]:
         """The decode stream's chunks (after `first`, the prefill worker's token). Whatever ends
         it early — the caller leaving, the worker going silent — tells the worker to stop."""
-        decode, stop_worker = self.route.decode, True
+        decode, stop_worker, stalled = self.route.decode, True, False
         try:
             if first is not None:
                 self._deliver(first)
@@ -161,13 +161,15 @@ class RequestRun:
             raise DecodeLost("ended the stream early", worker_may_run=False)
         except Exception as e:
             lost = _classify(e)
-            stop_worker = lost.worker_may_run
+            stop_worker = stalled = lost.worker_may_run
             log.warning("decode worker %s lost %s (%s)", decode.id, self.req.request_id, lost.why)
             self.failed.add(decode.id)
             self.o.directory.mark_failed(decode.id)
             raise lost from None
         finally:
-            if stop_worker:  # bounded: a stalled worker gets the abort when it resumes
+            if stalled:  # it gets the abort when it resumes; the request moves on now
+                _fire(decode.handle.abort.remote(self.req.request_id))
+            elif stop_worker:  # the caller left: stopped before its slot is given back (bounded)
                 await _bounded(decode.handle.abort.remote(self.req.request_id))
 
     # -- deliveries and moves -------------------------------------------------------------------
@@ -255,7 +257,13 @@ async def _bounded(ref: Any) -> None:
         pass
 
 
-_late: set[asyncio.Task] = set()
+_background: set[asyncio.Task] = set()  # calls nobody waits for, referenced until they settle
+
+
+def _fire(ref: Any) -> None:
+    task = asyncio.ensure_future(_bounded(ref))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
 
 
 def _abandon(ref, worker) -> None:
@@ -277,5 +285,5 @@ def _abandon(ref, worker) -> None:
             await _bounded(worker.handle.ack.remote(result.handoff.lease_id))
 
     task = asyncio.ensure_future(release_late())
-    _late.add(task)
-    task.add_done_callback(_late.discard)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
