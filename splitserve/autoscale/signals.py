@@ -1,0 +1,59 @@
+"""What the autoscaler reads every interval: one frozen snapshot per pool (DESIGN.md §4). The
+Controller fills it from its workers' load reports and the routers' request records; the
+simulator from its simulated pools. Rates are over the last interval(s); latencies are
+percentiles of requests finished in that window (None: none finished)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """A worker's online step-time fit (engine/step_model.py): seconds per step =
+    base + per_prefill_token · tokens + per_decode_seq · seqs + per_context_token · context."""
+
+    base: float
+    per_prefill_token: float
+    per_decode_seq: float
+    per_context_token: float
+
+    @classmethod
+    def of(cls, coeffs: tuple[float, ...]) -> "StepFit":
+        return cls(*coeffs[:4])
+
+    def decode_step_s(self, seqs: float, mean_context: float) -> float:
+        return self.base + seqs * (self.per_decode_seq + mean_context * self.per_context_token)
+
+    def prefill_tokens_per_s(self, chunk_tokens: int) -> float:
+        """Prefill throughput of one worker running chunks of `chunk_tokens`."""
+        step = self.base + chunk_tokens * self.per_prefill_token
+        return chunk_tokens / step if step > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class PrefillSignals:
+    workers: int  # READY now
+    queued_tokens: float  # prompt tokens waiting to be prefilled, over the pool
+    arriving_tokens_per_s: float  # prompt tokens (not prefix-cached) arriving per second
+    served_tokens_per_s: float  # prompt tokens the pool prefilled per second
+    ttft_p90_s: float | None
+    fit: StepFit  # the pool's typical worker
+
+
+@dataclass(frozen=True)
+class DecodeSignals:
+    workers: int
+    running: float  # sequences in decode batches, over the pool
+    waiting: float  # handed over, not yet decoding (no room)
+    kv_usage: float  # mean fraction of KV blocks in use, 0..1
+    mean_context: float  # tokens per running sequence
+    tpot_p90_s: float | None
+    fit: StepFit
+
+
+@dataclass(frozen=True)
+class Signals:
+    at: float  # seconds, any monotonic clock
+    prefill: PrefillSignals
+    decode: DecodeSignals
