@@ -209,14 +209,14 @@ def test_a_failed_prefill_worker_leaves_placement_a_refused_request_is_not_retri
         asyncio.run(go(ConfigError("prompt too long")))
 
 
-def test_the_router_policy_imports_without_torch():
+def test_the_router_policy_registry_and_autoscaler_import_without_ray_or_torch():
     code = ("import sys\n"
             "class Block:\n"
             "    def find_spec(self, name, *a):\n"
             "        if name.split('.')[0] in ('torch', 'ray'):\n"
             "            raise ImportError('blocked: ' + name)\n"
             "sys.meta_path.insert(0, Block())\n"
-            "import splitserve.router.policy, splitserve.cluster.registry\n"
+            "import splitserve.router.policy, splitserve.cluster.registry, splitserve.autoscale\n"
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
