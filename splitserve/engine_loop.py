@@ -144,8 +144,9 @@ class EngineLoop:
                 if failures >= self.max_step_failures:
                     self.failure = f"{failures} engine steps in a row failed, the last with {type(e).__name__}"
                     e = EngineFailed(f"this engine has stopped: {self.failure}")
-                for q in list(self._queues.values()):
-                    q.put_nowait(e)
+                for rid, q in list(self._queues.items()):
+                    if self.failure is not None or not self.engine.is_pulling(rid):  # a pull was not in that step
+                        q.put_nowait(e)
                 await asyncio.sleep(0.01 * 2 ** failures)
                 continue
             for rid, e in failed:

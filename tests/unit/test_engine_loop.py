@@ -13,7 +13,10 @@ from splitserve.types import FinishReason, Request, SamplingParams, TokenChunk
 
 class FakeEngine:
     def __init__(self, failures: int) -> None:
-        self.failures, self.seqs, self.steps = failures, set(), 0
+        self.failures, self.seqs, self.steps, self.pulling = failures, set(), 0, set()
+
+    def is_pulling(self, rid):
+        return rid in self.pulling
 
     def stats(self):
         return {"steps": self.steps}
@@ -79,3 +82,17 @@ def test_at_most_max_requests_wait():
             await loop.submit(req(2))
 
     asyncio.run(go())
+
+
+def test_a_failed_step_spares_a_request_whose_kv_is_still_arriving():
+    """It was not in that step: failing it would migrate it for nothing."""
+    async def go():
+        loop = EngineLoop(FakeEngine(failures=1), max_step_failures=3)
+        loop.engine.pulling.add("landing")
+        landing = loop.watch("landing")
+        q = await loop.submit(req(0))
+        failed, done = await q.get(), await q.get()
+        return landing.empty(), failed, done
+
+    spared, failed, done = asyncio.run(go())
+    assert spared and isinstance(failed, RuntimeError) and done.finished
