@@ -67,8 +67,7 @@ class EngineLoop:
     async def submit(self, req: Request, **kwargs: Any) -> asyncio.Queue:
         """Add a request; its chunks arrive on the returned queue."""
         self._ensure_running()
-        if self.failure is not None:
-            raise EngineFailed(f"this engine has stopped: {self.failure}")
+        self.check_running()
         if len(self._queues) >= self.max_requests:
             raise EngineBusy(f"this engine has {len(self._queues)} requests already")
         if req.request_id in self._queues:  # replacing its queue would strand the running one
@@ -84,11 +83,15 @@ class EngineLoop:
     def watch(self, request_id: str) -> asyncio.Queue:
         """A queue for a request that enters the engine some other way (e.g. pulled KV)."""
         self._ensure_running()
-        if self.failure is not None:
-            raise EngineFailed(f"this engine has stopped: {self.failure}")
+        self.check_running()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         return q
+
+    def check_running(self) -> None:
+        """Raises EngineFailed once the engine has stopped."""
+        if self.failure is not None:
+            raise EngineFailed(f"this engine has stopped: {self.failure}")
 
     @property
     def num_active(self) -> int:

@@ -257,13 +257,17 @@ async def _bounded(ref: Any) -> None:
         pass
 
 
-_background: set[asyncio.Task] = set()  # calls nobody waits for, referenced until they settle
+_background: set[asyncio.Task] = set()  # work nobody waits for, referenced until it settles
+
+
+def _in_background(coro) -> None:
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
 
 
 def _fire(ref: Any) -> None:
-    task = asyncio.ensure_future(_bounded(ref))
-    _background.add(task)
-    task.add_done_callback(_background.discard)
+    _in_background(_bounded(ref))
 
 
 def _abandon(ref, worker) -> None:
@@ -284,6 +288,4 @@ def _abandon(ref, worker) -> None:
         if getattr(result, "handoff", None) is not None:
             await _bounded(worker.handle.ack.remote(result.handoff.lease_id))
 
-    task = asyncio.ensure_future(release_late())
-    _background.add(task)
-    task.add_done_callback(_background.discard)
+    _in_background(release_late())

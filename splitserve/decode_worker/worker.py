@@ -110,12 +110,11 @@ class DecodeWorker(KVWorker):
         rid = req.request_id
         try:
             dst = await self.loop.call(ho.allocate, self.engine, req, (*outputs, h.first_token))
-        except OutOfBlocks:  # no room to land it now: the scheduler computes it when it can
+        except BaseException as e:  # nothing was allocated; the source blocks go now, not when the lease lapses
             await self._settle(h, prefill)
-            return await self._recompute(req, (*outputs, h.first_token), ho)
-        except BaseException:  # nothing was allocated; the source blocks go now, not when the lease lapses
-            await self._settle(h, prefill)
-            raise
+            if not isinstance(e, OutOfBlocks):
+                raise
+            return await self._recompute(req, (*outputs, h.first_token), ho)  # the scheduler computes it
         q = self.loop.watch(rid)
         if ho.abort_requested:  # before any byte moved
             await self._settle(h, prefill)

@@ -56,11 +56,6 @@ class LeaseTable:
             return None
         return lease
 
-    def revoke(self, request_id: str) -> None:
-        """Drop a request's lease without freeing anything: its handoff never left this worker."""
-        for lease in [x for x in self._leases.values() if x.request_id == request_id]:
-            del self._leases[lease.lease_id]
-
     def request_ids(self) -> set[str]:
         return {lease.request_id for lease in self._leases.values()}
 

@@ -79,7 +79,7 @@ class PrefillWorker(KVWorker):
         try:
             return PrefillResult(item, await self._handoff(req, item, endpoint), done_at)
         except BaseException:  # cancelled or failed after the blocks were detached: nobody will ack
-            self.leases.revoke(req.request_id)
+            # (_handoff grants the lease after its last await, so no lease exists yet)
             await self.loop.call(self.engine.release_detached, req.request_id)
             raise
 

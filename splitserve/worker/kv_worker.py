@@ -14,7 +14,7 @@ import socket
 from typing import Sequence
 
 from splitserve.config import EngineConfig
-from splitserve.engine_loop import EngineFailed, EngineLoop
+from splitserve.engine_loop import EngineLoop
 from splitserve.kv_transfer import make_transport
 from splitserve.kv_transfer.base import TransportEndpoint
 from splitserve.kv_transfer.layout import layout_of
@@ -58,8 +58,7 @@ class KVWorker:
         """Load and the KV events `router` has not acknowledged (`ack`: the last `seq` it
         applied; None: it knows nothing of this worker yet), in one round trip. A worker whose
         engine has stopped answers with EngineFailed: routers keep it out of placement."""
-        if self.loop.failure is not None:
-            raise EngineFailed(f"this worker's engine has stopped: {self.loop.failure}")
+        self.loop.check_running()
 
         def take() -> Snapshot:
             e = self.engine

@@ -84,6 +84,11 @@ async def collect(gen):
     return [c async for c in gen]
 
 
+def landing(pre, dec, req, r):
+    """The decode worker's whole stream for the prefill result `r`, collected."""
+    return collect(dec.generate(req, r.handoff, Local(pre)))
+
+
 async def wait_state(dec, rid, state):
     for _ in range(2000):
         ho = dec.handoffs.get(rid)
@@ -108,7 +113,7 @@ def test_abort_before_allocate_the_stream_began(gated):
     async def go():
         req, r = await handed_off(pre, "before-allocate")
         await dec.abort(req.request_id)
-        chunks = await collect(dec.generate(req, r.handoff, Local(pre)))
+        chunks = await landing(pre, dec, req, r)
         assert finishes(chunks) == [FinishReason.ABORT]
         await no_leaks(pre, dec)
 
@@ -121,7 +126,7 @@ def test_abort_while_the_allocation_is_queued_on_the_engine_thread(gated):
     async def go():
         req, r = await handed_off(pre, "allocating")
         busy = asyncio.ensure_future(dec.loop.call(time.sleep, 0.3))  # add_pulled waits behind this
-        task = asyncio.ensure_future(collect(dec.generate(req, r.handoff, Local(pre))))
+        task = asyncio.ensure_future(landing(pre, dec, req, r))
         await wait_state(dec, req.request_id, HandoffState.ALLOCATING)
         await dec.abort(req.request_id)
         before = outcome_count(dec, HandoffState.ABORTED)
@@ -138,7 +143,7 @@ def test_abort_during_the_pull(gated):
 
     async def go():
         req, r = await handed_off(pre, "pulling")
-        task = asyncio.ensure_future(collect(dec.generate(req, r.handoff, Local(pre))))
+        task = asyncio.ensure_future(landing(pre, dec, req, r))
         await wait_state(dec, req.request_id, HandoffState.PULLING)  # the gate holds the read
         await dec.abort(req.request_id)
         assert finishes(await task) == [FinishReason.ABORT]
@@ -155,7 +160,7 @@ def test_abort_after_the_read_before_ready(gated):
         g.gate.set()
         g.on_done = lambda: asyncio.ensure_future(dec.abort(req.request_id))  # the bytes are in
         before = outcome_count(dec, HandoffState.ABORTED)
-        chunks = await collect(dec.generate(req, r.handoff, Local(pre)))
+        chunks = await landing(pre, dec, req, r)
         assert finishes(chunks) == [FinishReason.ABORT] and not any(c.token_ids for c in chunks)
         assert outcome_count(dec, HandoffState.ABORTED) == before + 1
         await no_leaks(pre, dec)
@@ -178,7 +183,7 @@ def test_abort_during_verify(gated, monkeypatch):
     async def go():
         req, r = await handed_off(pre, "verifying")
         g.gate.set()
-        task = asyncio.ensure_future(collect(dec.generate(req, r.handoff, Local(pre))))
+        task = asyncio.ensure_future(landing(pre, dec, req, r))
         while not verifying.is_set():
             await asyncio.sleep(0.001)
         assert dec.handoffs[req.request_id].state is HandoffState.VERIFYING
@@ -212,7 +217,7 @@ def test_a_consumer_that_leaves_mid_pull_frees_everything(gated):
 
     async def go():
         req, r = await handed_off(pre, "cancelled")
-        task = asyncio.ensure_future(collect(dec.generate(req, r.handoff, Local(pre))))
+        task = asyncio.ensure_future(landing(pre, dec, req, r))
         await wait_state(dec, req.request_id, HandoffState.PULLING)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -227,7 +232,7 @@ def test_an_uninterrupted_handoff_and_a_corrupt_one_both_give_the_reference(work
 
     async def go(rid):
         req, r = await handed_off(pre, rid)
-        chunks = await collect(dec.generate(req, r.handoff, Local(pre)))
+        chunks = await landing(pre, dec, req, r)
         await no_leaks(pre, dec)
         return [r.handoff.first_token] + [t for c in chunks for t in c.token_ids]
 
@@ -339,7 +344,7 @@ def test_blocks_are_freed_only_after_a_released_transfer_stopped_even_when_cance
 
     async def go():
         req, r = await handed_off(pre, "slow-stop")
-        task = asyncio.ensure_future(collect(dec.generate(req, r.handoff, Local(pre))))
+        task = asyncio.ensure_future(landing(pre, dec, req, r))
         await wait_state(dec, req.request_id, HandoffState.PULLING)
         await asyncio.sleep(0.05)  # the bytes are in; the read is held open
         await dec.abort(req.request_id)
