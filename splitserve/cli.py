@@ -140,6 +140,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--prefill-timeout-s", type=float, default=120.0,
                    help="a prefill call unanswered this long is placed again (default: %(default)s)")
+    p.add_argument("--autoscale", nargs="?", const="{}", default=None, metavar="YAML",
+                   help="size the pools by load and the SLOs (--prefill / --decode are the starting sizes); "
+                        "optionally a mapping such as '{prefill: {min: 1, max: 3}, decode: {min: 1, max: 3}, "
+                        "interval_s: 10}' (see docs/architecture.md)")
     p.set_defaults(func=_run_serve, engine={})
 
 

@@ -118,6 +118,9 @@ class DeployConfig:
     prefill_timeout_s: float = 120.0  # a prefill call unanswered this long: its worker failed, place again
     decode_inactivity_timeout_s: float = 30.0  # no token for this long mid-stream: migrate the request
     migration_limit: int = 3  # how many times one request may move to another decode worker
+    # Pool autoscaling (autoscale.AutoscaleConfig; a mapping is read into one): None, the pools
+    # stay at prefill / decode (and `splitserve scale`); set, those are the starting sizes.
+    autoscale: Any = None
     # The worker class of a pool, as "module:Class" (a PrefillWorker / DecodeWorker subclass):
     # what tests use to put fault-injecting fakes into real actors. Empty: the real ones.
     worker_classes: dict = dataclasses.field(default_factory=dict)
@@ -153,6 +156,8 @@ class DeployConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0):
                 raise ConfigError(f"{name} must be a positive number of milliseconds, got {v!r}")
+        if self.autoscale is not None:
+            object.__setattr__(self, "autoscale", self._autoscale_config())
         if not isinstance(self.engine, dict) or "model" in self.engine:
             raise ConfigError("engine: must be a mapping of engine settings (the model is set by model:)")
         EngineConfig.from_dict({"model": self.model, **self.engine})  # every engine key checked now
@@ -180,6 +185,14 @@ class DeployConfig:
 
             opts["model"] = str(ensure_demo_model())
         return cls(**opts, engine=engine)
+
+    def _autoscale_config(self):
+        from splitserve.autoscale import AutoscaleConfig
+
+        if isinstance(self.autoscale, AutoscaleConfig):
+            return self.autoscale
+        ms = lambda v: None if v is None else v / 1000  # noqa: E731
+        return AutoscaleConfig.from_dict(self.autoscale, ms(self.ttft_slo_ms), ms(self.tpot_slo_ms))
 
     def resources(self, role: str) -> dict:
         return dict(getattr(self, f"{role}_resources"))

@@ -38,6 +38,22 @@ class Metrics:
                               registry=r)
         self.queue = Gauge(PREFIX + "worker_queue_length", "Requests waiting", ["role", "worker"], registry=r)
         self.pool_size = Gauge(PREFIX + "pool_size", "Workers per role", ["role"], registry=r)
+        self.autoscaler_target = Gauge(PREFIX + "autoscaler_target", "The autoscaler's target pool size", ["role"],
+                                       registry=r)
+        self.autoscaler_decisions = Counter(PREFIX + "autoscaler_decisions", "Autoscaler decisions by pool and reason",
+                                            ["role", "reason"], registry=r)
+        self._decisions_seen: dict[tuple[str, str], int] = {}
+
+    def export_autoscale(self, report) -> None:
+        """An AutoscaleReport (the Controller's totals) into the target gauge and the counter."""
+        for role, n in report.targets:
+            self.autoscaler_target.labels(role=role.value).set(n)
+        for role, reason, total in report.decisions:
+            key = (role.value, reason.value)
+            new = total - self._decisions_seen.get(key, 0)
+            if new > 0:  # the Controller's totals only grow (a restarted one starts again: skip to it)
+                self.autoscaler_decisions.labels(role=key[0], reason=key[1]).inc(new)
+            self._decisions_seen[key] = total
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

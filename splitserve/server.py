@@ -56,7 +56,8 @@ def deploy_options(args: argparse.Namespace, model: str) -> dict:
     """The app's args (config.DeployConfig keys) from the serve flags and the config file."""
     keys = ("prefill", "decode", "prefill_resources", "decode_resources", "transport", "policy",
             "disagg_min_tokens", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
-            "ingress_replicas", "no_admission", "migration_limit", "decode_inactivity_timeout_s", "prefill_timeout_s")
+            "ingress_replicas", "no_admission", "migration_limit", "decode_inactivity_timeout_s", "prefill_timeout_s",
+            "autoscale")
     return {"model": model, "engine": _engine_options(args), **{k: getattr(args, k) for k in keys}}
 
 
@@ -73,7 +74,8 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
 
     cfg = DeployConfig.from_options(deploy_options(args, model))
     began = time.monotonic()
-    started = connect_ray(args.address, cfg.prefill + cfg.decode)
+    a = cfg.autoscale
+    started = connect_ray(args.address, a.prefill.max + a.decode.max if a else cfg.prefill + cfg.decode)
     _say(f"{'started a local Ray cluster' if started else 'joined the Ray cluster'}")
     try:
         precheck(cfg, joined=not started)

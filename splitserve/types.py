@@ -200,6 +200,7 @@ class WorkerStats:
     pending_prefill_tokens: int = 0  # prompt tokens admitted or queued but not yet computed
     decode_context_tokens: int = 0  # context the running decodes read each step
     token_budget: int = 2048  # max_num_batched_tokens
+    prefill_tokens_total: int = 0  # prompt tokens computed (prefill chunks), ever
 
     @property
     def kv_usage(self) -> float:

@@ -18,6 +18,7 @@ since its last change (`up_cooldown_s`, the longer `down_cooldown_s`); targets s
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -73,17 +74,55 @@ class AutoscaleConfig:
     down_utilization: float = 0.5
     chunk_tokens: int = 512  # the prefill chunk the throughput fit is read at
     kv_headroom: float = 0.9  # the KV share a decode worker is sized to
+    window_s: float = 30.0  # latency percentiles and rates are over this much of the recent past
 
     def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            if not isinstance(getattr(self, name), Bounds):
+                raise ConfigError(f"autoscale {name} must be bounds {{min, max}}, got {getattr(self, name)!r}")
         if self.decode.min < 1:
             raise ConfigError("the decode pool needs at least one worker (decode.min >= 1)")
-        for name in ("interval_s", "ttft_slo_s", "tpot_slo_s", "up_cooldown_s", "down_cooldown_s"):
+        for name in ("interval_s", "ttft_slo_s", "tpot_slo_s", "up_cooldown_s", "down_cooldown_s", "window_s",
+                     "chunk_tokens", "kv_headroom"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"autoscale {name} must be a positive number, got {v!r}")
         if not 0 < self.down_utilization < self.target_utilization <= 1:
             raise ConfigError("autoscale needs 0 < down_utilization < target_utilization <= 1, got "
                               f"{self.down_utilization} and {self.target_utilization}")
+
+
+    @classmethod
+    def from_dict(cls, d: dict, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> "AutoscaleConfig":
+        """From the `autoscale:` mapping of a config file or the Serve args: `prefill` and
+        `decode` as {min, max}, the other fields by name; the SLOs from the app's own targets
+        when it has them."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"autoscale must be a mapping (prefill: {{min, max}}, decode: ..., interval_s, ...), "
+                              f"got {d!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown autoscale keys {sorted(unknown)}; known: {sorted(known)}")
+        fields = dict(d)
+        for role in ("prefill", "decode"):
+            if role in fields:
+                fields[role] = _bounds(role, fields[role], getattr(cls, role))
+        for name, slo in (("ttft_slo_s", ttft_slo_s), ("tpot_slo_s", tpot_slo_s)):
+            if slo is not None:
+                fields.setdefault(name, slo)
+        return cls(**fields)
+
+
+def _bounds(role: str, b, default: Bounds) -> Bounds:
+    if isinstance(b, Bounds):
+        return b
+    if not isinstance(b, dict) or set(b) - {"min", "max"}:
+        raise ConfigError(f"autoscale {role} must be {{min: N, max: M}}, got {b!r}")
+    try:
+        return Bounds(b.get("min", default.min), b.get("max", default.max))
+    except ConfigError as e:
+        raise ConfigError(f"autoscale {role}: {e}") from None
 
 
 @dataclass(frozen=True)

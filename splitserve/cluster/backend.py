@@ -4,6 +4,8 @@ refreshed in the background) and the request `Orchestrator`."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import AsyncIterator
 
 from splitserve.cluster.directory import Directory
@@ -16,6 +18,9 @@ from splitserve.router.protocol import APIError
 from splitserve.tokenizer import Tokenizer
 from splitserve.types import Request, TokenChunk
 
+log = logging.getLogger(__name__)
+REPORT_INTERVAL_S = 1.0
+
 
 class ControllerSource:
     """The registry, read from the app's Controller actor."""
@@ -25,6 +30,10 @@ class ControllerSource:
 
     async def fetch(self, known_version: int) -> RegistrySnapshot | None:
         return await self.controller.snapshot.remote(known_version)
+
+    async def report(self, samples: list) -> None:
+        """Finished requests' latencies, for the Controller's autoscaler."""
+        await self.controller.report.remote(samples)
 
 
 class ClusterBackend:
@@ -38,15 +47,42 @@ class ClusterBackend:
         self.vocab_size = mc.vocab_size
         policy = make_router(cfg.policy, disagg_min_tokens=cfg.disagg_min_tokens)
         self.directory = Directory(source, policy, int(cfg.engine.get("block_size") or 16))
+        self.source = source
+        self._reporter: asyncio.Task | None = None
         self.orchestrator = Orchestrator(self.directory, migration_limit=cfg.migration_limit,
                                          inactivity_timeout_s=cfg.decode_inactivity_timeout_s,
                                          prefill_timeout_s=cfg.prefill_timeout_s)
 
     async def start(self) -> None:
         await self.directory.start()
+        self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
 
     def stop(self) -> None:
         self.directory.stop()
+        if self._reporter is not None:
+            self._reporter.cancel()
+
+    async def _report_forever(self) -> None:
+        """Send the Controller the latencies of the requests that ended since the last report
+        (the TTFT / TPOT its autoscaler compares with the SLOs). Lost on a failed send: the
+        autoscaler reads a window of them, a gap only narrows it."""
+        samples = self.orchestrator.samples
+        while True:
+            await asyncio.sleep(REPORT_INTERVAL_S)
+            if not samples:
+                continue
+            batch = list(samples)
+            samples.clear()
+            try:
+                await self.source.report(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("latency report to the Controller failed: %s", e)
+
+    def autoscale_report(self):
+        """The Controller's last autoscaler report, as of the last registry read (None: fixed pools)."""
+        return self.directory.autoscale
 
     def ready(self) -> bool:
         return self.directory.ready()

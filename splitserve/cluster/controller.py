@@ -14,6 +14,11 @@ Every `probe_interval_s` it reconciles:
     seen it leave by then) its block counts are checked and recorded and it STOPs;
   * a pool below target spawns workers.
 
+With `autoscale` set, every `interval_s` its `Autoscaler` reads the READY workers' last loads
+and the latencies routers `report`, and the targets it returns are applied as `scale`'s are:
+a smaller pool drains (no request fails), a larger one spawns workers — on KubeRay a worker
+Ray cannot place yet stays pending, and Ray's autoscaler adds a node of its pool's group.
+
 The Serve ingress replicas are its owners (`attach` / `detach`, from their constructor and
 `__del__`): when the last one leaves — the app was deleted — it stops every worker and exits.
 """
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 
 import ray
 
+from splitserve.autoscale import Autoscaler, AutoscaleReport
 from splitserve.cluster.actors import gpu_share, resolve_transports, spawn
 from splitserve.cluster.registry import Registry, RegistrySnapshot, WorkerRecord
 from splitserve.config import DeployConfig
@@ -61,19 +67,31 @@ class ClusterStatus:
     workers: tuple[WorkerStatus, ...]
     errors: dict  # role -> why the pool cannot grow (a worker refused its configuration)
     version: int
+    autoscale: AutoscaleReport | None = None
 
     def to_json(self) -> dict:
         from dataclasses import asdict
 
-        return {"targets": dict(self.targets), "workers": [asdict(w) for w in self.workers],
-                "errors": dict(self.errors)}
+        out = {"targets": dict(self.targets), "workers": [asdict(w) for w in self.workers],
+               "errors": dict(self.errors)}
+        if self.autoscale is not None:
+            last = self.autoscale.last
+            out["autoscale"] = {
+                "decisions": [{"role": r.value, "reason": why.value, "count": n} for r, why, n in
+                              self.autoscale.decisions],
+                "last": None if last is None else {"prefill": last.prefill, "decode": last.decode,
+                                                   "prefill_reason": last.prefill_reason.value,
+                                                   "decode_reason": last.decode_reason.value,
+                                                   "detail": last.detail}}
+        return out
 
 
 class Controller:
     def __init__(self, cfg: DeployConfig, joined: bool = True) -> None:
         self.cfg = cfg
         self.registry = Registry()
-        self.targets = {Role.PREFILL: cfg.prefill, Role.DECODE: cfg.decode}
+        self.autoscaler: Autoscaler | None = None
+        self._set_config_targets(cfg)
         self.errors: dict[Role, str] = {}
         self._kinds = resolve_transports(cfg.transport)
         self._joined = joined
@@ -82,6 +100,7 @@ class Controller:
         self._describing: dict[WorkerId, asyncio.Task] = {}
         self._probes: dict[WorkerId, asyncio.Task] = {}
         self._loop: asyncio.Task | None = None
+        self._autoscaling: asyncio.Task | None = None
         self._closed = False
 
     # -- the API (Ray methods) ------------------------------------------------------------------
@@ -89,6 +108,7 @@ class Controller:
         """Begin reconciling (idempotent); returns the registry version."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop().create_task(self._reconcile_forever())
+            self._autoscaling = asyncio.get_running_loop().create_task(self._autoscale_forever())
             self._reconcile()
         return self.registry.version
 
@@ -100,7 +120,7 @@ class Controller:
             return
         replace = any(getattr(cfg, k) != getattr(self.cfg, k) for k in WORKER_KEYS)
         self.cfg, self._kinds = cfg, resolve_transports(cfg.transport)
-        self.targets = {Role.PREFILL: cfg.prefill, Role.DECODE: cfg.decode}
+        self._set_config_targets(cfg)
         self.errors.clear()
         if replace:
             for rec in self.registry:
@@ -114,7 +134,12 @@ class Controller:
         """The registry for routers; None when it has not changed since `known_version`."""
         if known_version == self.registry.version:
             return None
-        return self.registry.snapshot(self.targets)
+        return self.registry.snapshot(self.targets, self._autoscale_report())
+
+    async def report(self, samples: list) -> None:
+        """Finished requests' latencies from a router (autoscale.RequestSample)."""
+        if self.autoscaler is not None:
+            self.autoscaler.record(samples)
 
     async def scale(self, role: str, n: int) -> dict:
         role = Role(role)
@@ -130,7 +155,8 @@ class Controller:
         rows = [self._status_row(r) for r in self.registry]
         rows += [self._status_row(r) for r in self.registry.ended()[-16:]]
         return ClusterStatus({r.value: t for r, t in self.targets.items()}, tuple(rows),
-                             {r.value: e for r, e in self.errors.items()}, self.registry.version)
+                             {r.value: e for r, e in self.errors.items()}, self.registry.version,
+                             self._autoscale_report())
 
     async def ended(self) -> list[WorkerRecord]:
         """Workers that stopped or died, newest last (with a drained worker's final counts)."""
@@ -149,6 +175,42 @@ class Controller:
         """Stop every worker and this actor."""
         await self._stop_all()
         ray.actor.exit_actor()
+
+    # -- autoscaling ----------------------------------------------------------------------------
+    def _set_config_targets(self, cfg: DeployConfig) -> None:
+        """The targets a (new) config sets; a changed autoscale config starts a fresh autoscaler."""
+        if cfg.autoscale is None:
+            self.autoscaler = None
+        elif self.autoscaler is None or self.autoscaler.config != cfg.autoscale:
+            self.autoscaler = Autoscaler(cfg.autoscale)
+        a = self.autoscaler
+        self.targets = {r: a.initial(r, n) if a else n for r, n in ((Role.PREFILL, cfg.prefill),
+                                                                      (Role.DECODE, cfg.decode))}
+
+    def _autoscale_report(self) -> AutoscaleReport | None:
+        return None if self.autoscaler is None else self.autoscaler.report(self.targets)
+
+    async def _autoscale_forever(self) -> None:
+        while not self._closed:
+            a = self.autoscaler
+            await asyncio.sleep(a.config.interval_s if a else 1.0)
+            if a is None or a is not self.autoscaler or self._closed:
+                continue
+            try:
+                self._autoscale(a)
+            except Exception:  # a bad round must not stop autoscaling
+                log.exception("autoscaling failed")
+
+    def _autoscale(self, a: Autoscaler) -> None:
+        loads = {role: {str(r.id): r.load.stats for r in self.registry.pool(role, S.READY) if r.load is not None}
+                 for role in Role}
+        decision = a.tick(time.time(), dict(self.targets), loads[Role.PREFILL], loads[Role.DECODE])
+        for role in Role:
+            if decision.target(role) != self.targets[role]:
+                self.targets[role] = decision.target(role)
+                self.errors.pop(role, None)
+        self.registry.touch()  # routers export the new report
+        self._reconcile()
 
     # -- reconciling ----------------------------------------------------------------------------
     async def _reconcile_forever(self) -> None:

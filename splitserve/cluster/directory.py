@@ -117,6 +117,7 @@ class Directory:
         self._failed: set[WorkerId] = set()  # its calls fail: out of placement until it answers
         self._pollers: dict[WorkerId, asyncio.Task] = {}
         self._watcher: asyncio.Task | None = None
+        self.autoscale = None  # the Controller's last AutoscaleReport (None: fixed pools)
 
     # -- background -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -144,6 +145,7 @@ class Directory:
         if snap is None or snap.version == self.version:
             return
         self.version = snap.version
+        self.autoscale = snap.autoscale
         records = {w.id: w for w in snap.workers if w.state in (WorkerState.READY, WorkerState.DRAINING)}
         for wid in set(self.records) - set(records):
             self._forget(wid)

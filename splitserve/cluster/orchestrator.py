@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 from splitserve.cluster.directory import Directory, Route
 from splitserve.cluster.request_run import RequestRun
+from splitserve.autoscale.window import RequestSample
 from splitserve.cluster.trace import RequestTrace
 from splitserve.router.admission import Plan
 from splitserve.types import Request, TokenChunk
@@ -33,6 +34,8 @@ class Orchestrator:
         self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=traces)  # recent only
         self.prefill_failures = 0
         self.migrations = 0
+        # finished requests' latencies, for the Controller's autoscaler (the backend sends them)
+        self.samples: collections.deque[RequestSample] = collections.deque(maxlen=10_000)
 
     def plan(self, req: Request) -> Plan:
         route = self.directory.place(req)
@@ -48,9 +51,20 @@ class Orchestrator:
         trace = RequestTrace(req.request_id, time.time())
         self.traces.append(trace)
         run = RequestRun(self, req, route, trace)
+        start, first, tokens = time.monotonic(), None, 0
         try:
             async with aclosing(run.chunks()) as chunks:
                 async for chunk in chunks:
+                    if chunk.token_ids and first is None:
+                        first = time.monotonic()
+                    tokens += len(chunk.token_ids)
                     yield chunk
         finally:
             run.close()
+            self.samples.append(_sample(start, first, tokens))
+
+
+def _sample(start: float, first: float | None, tokens: int) -> RequestSample:
+    end = time.monotonic()
+    tpot = (end - first) / (tokens - 1) if first is not None and tokens > 1 else None
+    return RequestSample(time.time(), None if first is None else first - start, tpot)

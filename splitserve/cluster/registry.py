@@ -56,6 +56,7 @@ class RegistrySnapshot:
     version: int
     workers: tuple[WorkerRecord, ...]  # live ones (STARTING, READY, DRAINING)
     targets: tuple[tuple[Role, int], ...]
+    autoscale: Any = None  # autoscale.AutoscaleReport when the pools autoscale
 
     def role(self, role: Role, state: WorkerState | None = None) -> list[WorkerRecord]:
         return [w for w in self.workers if w.role is role and (state is None or w.state is state)]
@@ -119,8 +120,12 @@ class Registry:
     def ended(self) -> list[WorkerRecord]:
         return list(self._ended)
 
-    def snapshot(self, targets: dict[Role, int]) -> RegistrySnapshot:
-        return RegistrySnapshot(self.version, tuple(self._live.values()), tuple(sorted(targets.items())))
+    def touch(self) -> None:
+        """Something routers read beside the workers changed (the autoscaler decided)."""
+        self.version += 1
+
+    def snapshot(self, targets: dict[Role, int], autoscale: Any = None) -> RegistrySnapshot:
+        return RegistrySnapshot(self.version, tuple(self._live.values()), tuple(sorted(targets.items())), autoscale)
 
     def check_invariants(self) -> None:
         for wid, rec in self._live.items():

@@ -76,6 +76,7 @@ class Engine:
         self._detached: dict[str, list[int]] = {}  # blocks pinned for a KV handoff
         self._order = itertools.count()
         self._steps = 0
+        self._prefill_tokens = 0  # prompt tokens computed, ever (the autoscaler's served rate)
         self.step_model = StepTimeModel()
 
     def warmup(self, prompt_lens: tuple[int, ...] = (16, 64, 256), max_tokens: int = 4) -> None:
@@ -222,6 +223,7 @@ class Engine:
 
     def _observe(self, sched, seconds: float) -> None:
         decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        self._prefill_tokens += sched.num_tokens - len(decodes)
         self.step_model.observe(sched.num_tokens - len(decodes), len(decodes),
                                 sum(s.seq.num_computed_tokens for s in decodes), seconds)
 
@@ -278,6 +280,7 @@ class Engine:
             prefix_query_tokens_total=self.scheduler.prefix_query_tokens,
             prefix_hit_tokens_total=self.scheduler.prefix_hit_tokens,
             steps_total=self._steps,
+            prefill_tokens_total=self._prefill_tokens,
             step_time_coeffs=self.step_model.coeffs,
             pending_prefill_tokens=sum(max(0, s.num_tokens - s.num_computed_tokens - 1) for s in self._seqs.values()),
             decode_context_tokens=sum(s.num_computed_tokens for s in self.scheduler.running),

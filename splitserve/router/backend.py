@@ -33,6 +33,9 @@ class Backend(Protocol):
 
     def worker_views(self) -> list[WorkerView]: ...
 
+    def autoscale_report(self):
+        """The autoscaler's last report (autoscale.AutoscaleReport); None: fixed pools."""
+
 
 LOCAL = "local"
 
@@ -55,6 +58,9 @@ class LocalBackend:
 
     def abandon(self, plan: Plan) -> None:
         pass
+
+    def autoscale_report(self) -> None:
+        return None
 
     def worker_views(self) -> list[WorkerView]:
         s = self.loop.latest_stats

@@ -213,3 +213,6 @@ class Frontend:
             roles[w.role] = roles.get(w.role, 0) + (1 if w.healthy else 0)
         for role, n in roles.items():
             m.pool_size.labels(role=role).set(n)
+        report = self.backend.autoscale_report()
+        if report is not None:
+            m.export_autoscale(report)

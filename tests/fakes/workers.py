@@ -82,3 +82,37 @@ class BreakableDecode(DecodeWorker):
 
 def break_flag(pid: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"splitserve-test-break-{pid}")
+
+
+# -- emulated accelerators --------------------------------------------------------------------
+# On this 2-core machine N CPU workers share the same cores, so a pool's capacity does not grow
+# with its size. These workers run the real engine and then wait, off the CPU, as long as a
+# device of a fixed speed would take for the step — each worker's capacity is its own, as on a
+# GPU — so scaling a pool really adds capacity (autoscaling tests and the ramp benchmark).
+
+def pace(engine, base_s: float, per_prefill_token_s: float, per_decode_seq_s: float) -> None:
+    run = engine.runner.run
+
+    def paced(sched):
+        out = run(sched)
+        decodes = sum(1 for item in sched.scheduled if item.num_new_tokens == 1)
+        time.sleep(base_s + (sched.num_tokens - decodes) * per_prefill_token_s + decodes * per_decode_seq_s)
+        return out
+
+    engine.runner.run = paced
+
+
+class PacedPrefill(PrefillWorker):
+    """~3,200 prompt tokens/s in 512-token chunks."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        pace(self.engine, 0.005, 0.0003, 0.002)
+
+
+class PacedDecode(DecodeWorker):
+    """A step of B sequences takes 10 ms + 2 ms · B (a batch of 16: 42 ms per token)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        pace(self.engine, 0.01, 0.0003, 0.002)

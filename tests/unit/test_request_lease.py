@@ -52,6 +52,9 @@ class ScriptedBackend:
     def worker_views(self) -> list:
         return []
 
+    def autoscale_report(self):
+        return None
+
     async def generate(self, req, plan=None):
         self.opened += 1
         try:
