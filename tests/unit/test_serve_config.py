@@ -73,3 +73,25 @@ def test_the_app_config_reads_serve_run_strings_and_refuses_bad_values(tiny_chec
                        ({"engine": {"block_size": 3}}, "block_size"), ({"probe_timeout_s": 0}, "probe_timeout_s")]:
         with pytest.raises(ConfigError, match=match):
             DeployConfig.from_options({"model": model, **bad})
+
+
+def test_autoscale_flag_and_config_key_reach_the_app_config(tmp_path, tiny_checkpoint):
+    """`--autoscale` alone: the default bounds; `--autoscale MAPPING` or `autoscale:` in the
+    file: those; either way the app's config holds a checked AutoscaleConfig."""
+    from splitserve.autoscale import Bounds
+    from splitserve.config import DeployConfig
+    from splitserve.server import deploy_options
+
+    model = str(tiny_checkpoint("llama"))
+
+    def cfg(argv):
+        return DeployConfig.from_options(deploy_options(parse(argv), model))
+
+    assert cfg(["serve"]).autoscale is None
+    assert cfg(["serve", "--autoscale"]).autoscale.decode == Bounds(1, 4)
+    a = cfg(["serve", "--autoscale", "{prefill: {min: 1, max: 3}, interval_s: 5}", "--ttft-slo-ms", "800"]).autoscale
+    assert (a.prefill, a.interval_s, a.ttft_slo_s) == (Bounds(1, 3), 5, 0.8)
+    f = tmp_path / "serve.yaml"
+    f.write_text("autoscale: {decode: {min: 2, max: 6}, down_cooldown_s: 300}\n")
+    a = cfg(["serve", "--config", str(f)]).autoscale
+    assert (a.decode, a.down_cooldown_s) == (Bounds(2, 6), 300)
