@@ -46,7 +46,7 @@ def app_args(model: str, name: str, a, autoscale: bool) -> dict:
     if autoscale:
         args["autoscale"] = {"prefill": {"min": 1, "max": 3}, "decode": {"min": 1, "max": 2},
                              "interval_s": a.interval_s, "up_cooldown_s": a.up_cooldown_s,
-                             "down_cooldown_s": a.down_cooldown_s, "window_s": 10.0}
+                             "down_cooldown_s": a.down_cooldown_s, "window_s": 10.0, "rate_window_s": 6.0}
     return args
 
 

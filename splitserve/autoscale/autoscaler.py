@@ -20,6 +20,7 @@ class AutoscaleReport:
     targets: tuple[tuple[Role, int], ...]
     decisions: tuple[tuple[Role, Reason, int], ...]  # how many decisions had each reason, ever
     last: Decision | None
+    changes: tuple[Decision, ...] = ()  # the recent decisions that changed a target, oldest first
 
 
 class Autoscaler:
@@ -27,8 +28,9 @@ class Autoscaler:
         self.config = config
         self.policy = AutoscalePolicy(config)
         self.window = LatencyWindow(config.window_s)
-        self.observer = SignalObserver()
+        self.observer = SignalObserver(config.rate_window_s)
         self.decisions: deque[Decision] = deque(maxlen=history)
+        self.changes: deque[Decision] = deque(maxlen=32)
         self._counts: Counter = Counter()
 
     def initial(self, role: Role, n: int) -> int:
@@ -39,14 +41,16 @@ class Autoscaler:
         self.window.add(samples)
 
     def tick(self, now: float, targets: dict[Role, int], prefill: dict[str, WorkerStats],
-             decode: dict[str, WorkerStats]) -> Decision:
-        decision = self.policy.decide(self.observer.observe(now, targets, prefill, decode, self.window))
+             decode: dict[str, WorkerStats], starting: dict[Role, int] | None = None) -> Decision:
+        decision = self.policy.decide(self.observer.observe(now, targets, prefill, decode, self.window, starting))
         for role in Role:
             self._counts[role, decision.reason(role)] += 1
         self.decisions.append(decision)
+        if any(decision.target(r) != targets[r] for r in Role):
+            self.changes.append(decision)
         return decision
 
     def report(self, targets: dict[Role, int]) -> AutoscaleReport:
         return AutoscaleReport(tuple(sorted(targets.items())),
                                tuple((r, why, n) for (r, why), n in sorted(self._counts.items())),
-                               self.decisions[-1] if self.decisions else None)
+                               self.decisions[-1] if self.decisions else None, tuple(self.changes))

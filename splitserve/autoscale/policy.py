@@ -39,6 +39,7 @@ class Reason(str, enum.Enum):
     TPOT_MISS = "tpot_miss"  # the observed TPOT percentile is over the SLO
     IDLE = "idle"  # a smaller pool still meets the SLO with room
     COOLDOWN = "cooldown"  # a change is due, the last one too recent
+    STARTING = "starting"  # a smaller pool is due, but the last growth has not landed (workers starting)
     BOUND = "bound"  # what the load asks for is outside min / max
 
     def __str__(self) -> str:
@@ -74,7 +75,8 @@ class AutoscaleConfig:
     down_utilization: float = 0.5
     chunk_tokens: int = 512  # the prefill chunk the throughput fit is read at
     kv_headroom: float = 0.9  # the KV share a decode worker is sized to
-    window_s: float = 30.0  # latency percentiles and rates are over this much of the recent past
+    window_s: float = 30.0  # latency percentiles are over this much of the recent past
+    rate_window_s: float = 20.0  # token rates (served, arriving) are over this much
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
@@ -83,7 +85,7 @@ class AutoscaleConfig:
         if self.decode.min < 1:
             raise ConfigError("the decode pool needs at least one worker (decode.min >= 1)")
         for name in ("interval_s", "ttft_slo_s", "tpot_slo_s", "up_cooldown_s", "down_cooldown_s", "window_s",
-                     "chunk_tokens", "kv_headroom"):
+                     "rate_window_s", "chunk_tokens", "kv_headroom"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"autoscale {name} must be a positive number, got {v!r}")
@@ -170,10 +172,13 @@ class AutoscalePolicy:
             up = down = max(sig.workers, 1 if need > 0 else 0)
         else:
             up, down = _sizes(need / capacity, c)
+        # a miss with work queued grows the pool; a miss at all (a burst just ended) keeps it
         missed = sig.ttft_p90_s is not None and sig.ttft_p90_s > c.ttft_slo_s and sig.queued_tokens > 0
+        if sig.ttft_p90_s is not None and sig.ttft_p90_s > c.ttft_slo_s:
+            down = max(down, sig.workers)
         why = f"need {need:.0f} tok/s of {capacity or 0:.0f} per worker, TTFT p90 {sig.ttft_p90_s}"
-        return self._settle(Role.PREFILL, s.at, sig.workers, up, down, missed, Reason.PREFILL_BACKLOG,
-                            Reason.TTFT_MISS, c.prefill) + (why,)
+        return self._settle(Role.PREFILL, s.at, sig.workers, sig.starting, up, down, missed,
+                            Reason.PREFILL_BACKLOG, Reason.TTFT_MISS, c.prefill) + (why,)
 
     def _prefill_capacity(self, sig: PrefillSignals) -> float | None:
         pool = self._pools[Role.PREFILL]
@@ -201,8 +206,8 @@ class AutoscalePolicy:
         missed = sig.tpot_p90_s is not None and sig.tpot_p90_s > c.tpot_slo_s
         why = (f"{seqs:.0f} seqs, batch ≤ {batch_up:.0f} by TPOT and ≤ {per_worker_kv:.0f} by KV, "
                f"TPOT p90 {sig.tpot_p90_s}")
-        return self._settle(Role.DECODE, s.at, sig.workers, up, down, missed, reason, Reason.TPOT_MISS,
-                            c.decode) + (why,)
+        return self._settle(Role.DECODE, s.at, sig.workers, sig.starting, up, down, missed, reason,
+                            Reason.TPOT_MISS, c.decode) + (why,)
 
     def _tpot_batch(self, fit: StepFit | None, context: float, utilization: float) -> float:
         """The largest batch whose fitted step time stays within `utilization` of the TPOT SLO."""
@@ -219,10 +224,12 @@ class AutoscalePolicy:
         return max(1.0, (sig.running / sig.workers) * self.config.kv_headroom / sig.kv_usage)
 
     # -- shared ---------------------------------------------------------------------------------
-    def _settle(self, role: Role, now: float, current: int, up: int, down: int, missed: bool, grow: Reason,
-                miss: Reason, bounds: Bounds) -> tuple[int, Reason]:
+    def _settle(self, role: Role, now: float, current: int, starting: int, up: int, down: int, missed: bool,
+                grow: Reason, miss: Reason, bounds: Bounds) -> tuple[int, Reason]:
         """The pool's next size: up to `up` (at least one more while its SLO is missed), down to
-        `down` only with the SLO met, each after its cooldown, within bounds."""
+        `down` only with the SLO met and no worker still starting (the signals do not show the
+        last growth yet: a worker slower to start than the cooldown would be stopped unborn,
+        again and again), each after its cooldown, within bounds."""
         c, pool = self.config, self._pools[role]
         if missed and up <= current:
             want, reason = current + 1, miss
@@ -235,6 +242,8 @@ class AutoscalePolicy:
         clamped = bounds.clamp(want)
         if clamped == current:
             return current, Reason.HOLD if want == current else Reason.BOUND
+        if clamped < current and starting:
+            return current, Reason.STARTING
         cooldown = c.up_cooldown_s if clamped > current else c.down_cooldown_s
         if now - pool.last_change_at < cooldown:
             return current, Reason.COOLDOWN

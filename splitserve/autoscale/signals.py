@@ -33,12 +33,13 @@ class StepFit:
 
 @dataclass(frozen=True)
 class PrefillSignals:
-    workers: int  # READY now
+    workers: int  # the pool's size now (its target: what the policy moves from)
     queued_tokens: float  # prompt tokens waiting to be prefilled, over the pool
     arriving_tokens_per_s: float  # prompt tokens (not prefix-cached) arriving per second
     served_tokens_per_s: float  # prompt tokens the pool prefilled per second
     ttft_p90_s: float | None
     fit: StepFit  # the pool's typical worker
+    starting: int = 0  # workers asked for, not READY yet
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class DecodeSignals:
     mean_context: float  # tokens per running sequence
     tpot_p90_s: float | None
     fit: StepFit
+    starting: int = 0
 
 
 @dataclass(frozen=True)

@@ -76,17 +76,21 @@ def resolve_transports(name: str) -> list[str]:
         return ["shm", "tcp"]
 
 
-def gpu_share(device: str, cluster_gpus: float, workers: int, joined: bool) -> float:
+def gpu_share(device: str, cluster_gpus: float, workers: int, joined: bool, growing: bool = False) -> float:
     """The GPUs one worker asks Ray for. Ray hides every GPU from an actor that did not ask
     (CUDA_VISIBLE_DEVICES=""), so a GPU worker must: `auto` does when the cluster has GPUs,
     `cuda` always. With fewer GPUs than workers they share one evenly (1/2, 1/3 ... so every
     worker fits; each engine sizes its own KV cache). `cuda` with no GPU in sight fails here on
-    a cluster we started, and waits on one we joined (an autoscaler may add GPU nodes)."""
+    a cluster we started, and waits on one we joined (an autoscaler may add GPU nodes). On a
+    joined cluster whose pools autoscale (`growing`) each asks a whole GPU: a worker Ray cannot
+    place yet is what makes the cluster autoscaler add a GPU node, not a reason to share."""
     if device == "cpu" or (device == "auto" and cluster_gpus == 0):
         return 0.0
     if cluster_gpus == 0:
         if not joined:
             raise ConfigError(f"device {device!r}, but Ray sees no GPU here; use device auto or cpu")
+        return 1.0
+    if growing and joined:
         return 1.0
     return 1.0 / math.ceil(workers / cluster_gpus) if workers > cluster_gpus else 1.0
 

