@@ -8,18 +8,19 @@ independent PyTorch implementation the kernel is tested against.
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.kernels import native
+from splitserve import native
 
 _i64 = ctypes.c_int64
 _p = ctypes.c_void_p
 
 
 def _kernel():
-    lib = native.load("paged_decode")
+    lib = native.load(Path(__file__).parent / "csrc" / "paged_decode.c")
     if lib is None:
         return None
     fn = lib.paged_decode_f32

@@ -1,9 +1,12 @@
-"""Build and load the engine's small C kernels for CPU (`csrc/*.c`) with the system compiler.
+"""Build and load splitserve's small C sources (the engine's CPU kernels, the chained block
+hash) with the system compiler.
 
-Plain C with OpenMP, no torch headers: a build takes about a second and needs only `cc`. The
+Plain C with OpenMP, no torch or Python headers (called through ctypes): a build takes about a
+second and needs only `cc`. The
 shared object is cached per source, compiler and CPU (it is built with -march=native), written
 atomically so that concurrent first uses cannot see half a file. Where no compiler works the
-loader returns None and callers use their PyTorch path instead.
+loader returns None and callers use their Python / PyTorch path instead. Imports neither torch
+nor Ray (the router loads the hash through it).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from pathlib import Path
 from splitserve.config import default_cache_dir
 
 log = logging.getLogger(__name__)
-_CSRC = Path(__file__).parent / "csrc"
 # -fno-math-errno lets `omp simd` loops call glibc's vector expf (libmvec).
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
@@ -35,22 +37,22 @@ def _cpu_id() -> str:
         return ""
 
 
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled `csrc/<name>.c`, or None when it cannot be built here."""
+def load(src: Path) -> ctypes.CDLL | None:
+    """The compiled C file `src`, or None when it cannot be built here."""
     with _lock:
-        if name not in _loaded:
-            _loaded[name] = _build_and_load(name)
-        return _loaded[name]
+        if str(src) not in _loaded:
+            _loaded[str(src)] = _build_and_load(src)
+        return _loaded[str(src)]
 
 
-def _build_and_load(name: str) -> ctypes.CDLL | None:
+def _build_and_load(src: Path) -> ctypes.CDLL | None:
     if os.environ.get("SPLITSERVE_NO_NATIVE"):
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler found: native CPU kernels disabled, using the PyTorch path")
         return None
-    src = _CSRC / f"{name}.c"
+    name = src.stem
     key = hashlib.sha256(src.read_bytes() + cc.encode() + " ".join(_FLAGS).encode() + _cpu_id().encode())
     out = default_cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     if not out.exists():
