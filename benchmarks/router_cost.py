@@ -1,0 +1,88 @@
+"""What one routing decision costs on the ingress's hot path: hash the prompt's blocks
+(splitserve.hashing, the native chain) and place it with the `cache_aware` policy over W
+prefill + W decode workers, against a KV index populated with `--index-hashes` hashes (a quarter
+of the workers hold a shared system prefix, so the prefix scorer has matches to walk). Reports
+p50 / p99 of the hashing, the placement and both together for each workers × prompt length.
+
+    python benchmarks/router_cost.py [--workers 8 64 512] [--prompt-tokens 1024 8192 32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from splitserve.hashing import block_hashes
+from splitserve.router.policy import RouteRequest, WorkerView, make_router
+from splitserve.types import BlockStored, Role, WorkerId
+
+BLOCK = 16
+
+
+def populated(workers: int, index_hashes: int, shared: tuple[bytes, ...], seed: int):
+    router = make_router("cache_aware", disagg_min_tokens=32)
+    rng = random.Random(seed)
+    views = []
+    for role in (Role.PREFILL, Role.DECODE):
+        for i in range(workers):
+            wid = WorkerId(role, f"{i:08x}")
+            views.append(WorkerView(wid, role, f"10.0.{i // 256}.{i % 256}", num_waiting=rng.randrange(8),
+                                    num_running=rng.randrange(32), kv_usage=rng.random()))
+    per_worker = max(1, index_hashes // len(views))
+    for k, v in enumerate(views):
+        own = tuple(rng.randbytes(16) for _ in range(per_worker))
+        router.index.apply(str(v.worker_id), [BlockStored(own + (shared if k % 4 == 0 else ()))])
+    return router, [v for v in views if v.role is Role.PREFILL], [v for v in views if v.role is Role.DECODE]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workers", type=int, nargs="+", default=[8, 64, 512])
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024, 8192, 32768])
+    ap.add_argument("--index-hashes", type=int, default=1_000_000)
+    ap.add_argument("--decisions", type=int, default=200)
+    ap.add_argument("--out", default="results/router_cost.json")
+    a = ap.parse_args()
+    rng = random.Random(0)
+    system = [rng.randrange(32000) for _ in range(2048)]  # a shared 2K-token system prompt
+    rows = []
+    for w in a.workers:
+        shared = tuple(block_hashes(system, BLOCK))
+        router, prefills, decodes = populated(w, a.index_hashes, shared, seed=w)
+        for n in a.prompt_tokens:
+            hash_us, place_us = [], []
+            for d in range(a.decisions):
+                prompt = tuple(system[: min(n, len(system))] + [rng.randrange(32000) for _ in range(max(0, n - 2048))])
+                t0 = time.perf_counter()
+                hashes = tuple(block_hashes(prompt, BLOCK))
+                t1 = time.perf_counter()
+                router.place(RouteRequest(f"r{d}", n, hashes, BLOCK), prefills, decodes)
+                t2 = time.perf_counter()
+                hash_us.append((t1 - t0) * 1e6)
+                place_us.append((t2 - t1) * 1e6)
+            total = [h + p for h, p in zip(hash_us, place_us)]
+            row = {"workers": w, "prompt_tokens": n, "index_hashes": len(router.index),
+                   "hash_us": {"p50": statistics.median(hash_us), "p99": pct(hash_us, 0.99)},
+                   "place_us": {"p50": statistics.median(place_us), "p99": pct(place_us, 0.99)},
+                   "decision_us": {"p50": statistics.median(total), "p99": pct(total, 0.99)}}
+            rows.append(row)
+            print(f"{w:4d} workers × {n:6d} tokens: decision p50 {row['decision_us']['p50']:8.0f} µs, "
+                  f"p99 {row['decision_us']['p99']:8.0f} µs (hash p50 {row['hash_us']['p50']:.0f}, "
+                  f"place p50 {row['place_us']['p50']:.0f})")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": vars(a), "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
