@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import struct
 from array import array
 from pathlib import Path
 from typing import Sequence
@@ -60,9 +61,11 @@ def block_hashes(
     lib = _native()
     if lib is None or block_size > MAX_NATIVE_BLOCK:
         return _python_chain(prev, tokens, block_size, start, n)
-    ids = array("q", tokens[start * block_size:(start + n) * block_size])
+    # little-endian int64s, as hash_block's array("q") on the little-endian hosts we run on;
+    # struct packs a tuple of ints about twice as fast as array() does
+    ids = struct.pack(f"<{n * block_size}q", *tokens[start * block_size:(start + n) * block_size])
     out = ctypes.create_string_buffer(DIGEST_SIZE * n)
-    lib.chained_blake2b_128(prev, ids.buffer_info()[0], n, block_size, out)
+    lib.chained_blake2b_128(prev, ids, n, block_size, out)
     raw = out.raw
     return [raw[i:i + DIGEST_SIZE] for i in range(0, DIGEST_SIZE * n, DIGEST_SIZE)]
 
@@ -86,7 +89,7 @@ def _native():
 
         lib = native.load(Path(__file__).parent / "csrc" / "chained_blake2b.c")
         if lib is not None:
-            lib.chained_blake2b_128.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+            lib.chained_blake2b_128.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64,
                                                 ctypes.c_char_p]
             lib.chained_blake2b_128.restype = None
         _lib.append(lib)
