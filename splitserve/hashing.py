@@ -14,6 +14,7 @@ the router's hot path. Where no compiler works, hashlib block by block.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import struct
 from array import array
@@ -79,18 +80,16 @@ def _python_chain(prev: BlockHash, tokens: Sequence[int], block_size: int, start
 
 
 MAX_NATIVE_BLOCK = 1024  # tokens per block the native chain takes (its message buffer)
-_lib: list = []
 
 
+@functools.cache
 def _native():
     """The native chain, built on first use (None: no compiler here)."""
-    if not _lib:
-        from splitserve import native
+    from splitserve import native
 
-        lib = native.load(Path(__file__).parent / "csrc" / "chained_blake2b.c")
-        if lib is not None:
-            lib.chained_blake2b_128.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64,
-                                                ctypes.c_char_p]
-            lib.chained_blake2b_128.restype = None
-        _lib.append(lib)
-    return _lib[0]
+    lib = native.load(Path(__file__).parent / "csrc" / "chained_blake2b.c")
+    if lib is not None:
+        lib.chained_blake2b_128.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_char_p]
+        lib.chained_blake2b_128.restype = None
+    return lib

@@ -24,12 +24,12 @@ class AutoscaleReport:
 
 
 class Autoscaler:
-    def __init__(self, config: AutoscaleConfig, history: int = 256) -> None:
+    def __init__(self, config: AutoscaleConfig) -> None:
         self.config = config
         self.policy = AutoscalePolicy(config)
         self.window = LatencyWindow(config.window_s)
         self.observer = SignalObserver(config.rate_window_s)
-        self.decisions: deque[Decision] = deque(maxlen=history)
+        self.last: Decision | None = None
         self.changes: deque[Decision] = deque(maxlen=32)
         self._counts: Counter = Counter()
 
@@ -45,7 +45,7 @@ class Autoscaler:
         decision = self.policy.decide(self.observer.observe(now, targets, prefill, decode, self.window, starting))
         for role in Role:
             self._counts[role, decision.reason(role)] += 1
-        self.decisions.append(decision)
+        self.last = decision
         if any(decision.target(r) != targets[r] for r in Role):
             self.changes.append(decision)
         return decision
@@ -53,4 +53,4 @@ class Autoscaler:
     def report(self, targets: dict[Role, int]) -> AutoscaleReport:
         return AutoscaleReport(tuple(sorted(targets.items())),
                                tuple((r, why, n) for (r, why), n in sorted(self._counts.items())),
-                               self.decisions[-1] if self.decisions else None, tuple(self.changes))
+                               self.last, tuple(self.changes))

@@ -56,7 +56,6 @@ class SignalObserver:
                           _mean([s.kv_usage for s in decode.values()]), context / running if running else 0.0,
                           window.p90("tpot_s", at), pool_fit(decode.values()), starting.get(Role.DECODE, 0)))
 
-
     def _base(self, at: float) -> _Seen | None:
         """The newest observation at least `rate_window_s` old (else the oldest one kept)."""
         while len(self._seen) > 1 and self._seen[1].at <= at - self.rate_window_s:

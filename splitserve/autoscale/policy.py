@@ -93,7 +93,6 @@ class AutoscaleConfig:
             raise ConfigError("autoscale needs 0 < down_utilization < target_utilization <= 1, got "
                               f"{self.down_utilization} and {self.target_utilization}")
 
-
     @classmethod
     def from_dict(cls, d: dict, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> "AutoscaleConfig":
         """From the `autoscale:` mapping of a config file or the Serve args: `prefill` and
@@ -173,8 +172,9 @@ class AutoscalePolicy:
         else:
             up, down = _sizes(need / capacity, c)
         # a miss with work queued grows the pool; a miss at all (a burst just ended) keeps it
-        missed = sig.ttft_p90_s is not None and sig.ttft_p90_s > c.ttft_slo_s and sig.queued_tokens > 0
-        if sig.ttft_p90_s is not None and sig.ttft_p90_s > c.ttft_slo_s:
+        over = sig.ttft_p90_s is not None and sig.ttft_p90_s > c.ttft_slo_s
+        missed = over and sig.queued_tokens > 0
+        if over:
             down = max(down, sig.workers)
         why = f"need {need:.0f} tok/s of {capacity or 0:.0f} per worker, TTFT p90 {sig.ttft_p90_s}"
         return self._settle(Role.PREFILL, s.at, sig.workers, sig.starting, up, down, missed,

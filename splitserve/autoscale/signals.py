@@ -22,9 +22,6 @@ class StepFit:
     def of(cls, coeffs: tuple[float, ...]) -> "StepFit":
         return cls(*coeffs[:4])
 
-    def decode_step_s(self, seqs: float, mean_context: float) -> float:
-        return self.base + seqs * (self.per_decode_seq + mean_context * self.per_context_token)
-
     def prefill_tokens_per_s(self, chunk_tokens: int) -> float:
         """Prefill throughput of one worker running chunks of `chunk_tokens`."""
         step = self.base + chunk_tokens * self.per_prefill_token
