@@ -35,7 +35,7 @@ def populated(workers: int, index_hashes: int, shared: tuple[bytes, ...], seed: 
     per_worker = max(1, index_hashes // len(views))
     for k, v in enumerate(views):
         own = tuple(rng.randbytes(16) for _ in range(per_worker))
-        router.index.apply(str(v.worker_id), [BlockStored(own + (shared if k % 4 == 0 else ()))])
+        router.index.apply(v.worker_id, [BlockStored(own + (shared if k % 4 == 0 else ()))])
     return router, [v for v in views if v.role is Role.PREFILL], [v for v in views if v.role is Role.DECODE]
 
 

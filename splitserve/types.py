@@ -121,6 +121,16 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class PromptHashes:
+    """A prompt's chained block hashes (splitserve.hashing) as the ingress computed them to place
+    it, carried to the engines so that they do not hash the prompt again. Set by our ingress
+    only, never from a client's input."""
+
+    block_size: int
+    hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
 class Request:
     """One sequence to generate. `n > 1` is expanded by the front end into n requests."""
 
@@ -130,10 +140,14 @@ class Request:
     priority: Priority = Priority.STANDARD
     cache_salt: str | None = None  # keeps one tenant's prefix-cache blocks apart from another's
     arrival_time: float = 0.0
+    prompt_hashes: PromptHashes | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         _check(len(self.prompt_token_ids) > 0, f"request {self.request_id}: the prompt is empty")
+        ph = self.prompt_hashes
+        _check(ph is None or len(ph.hashes) == len(self.prompt_token_ids) // ph.block_size,
+               f"request {self.request_id}: prompt hashes do not cover the prompt's full blocks")
 
 
 @dataclass(frozen=True)
@@ -248,20 +262,35 @@ class Role(str, enum.Enum):
         return self.value
 
 
-@dataclass(frozen=True, order=True)
-class WorkerId:
+class WorkerId(str):
     """A worker's stable id: its role and a random suffix, e.g. `prefill-3f9a1c2e`. Never
-    reused, so a replacement is a new worker to every router (its cache starts empty)."""
+    reused, so a replacement is a new worker to every router (its cache starts empty).
 
-    role: Role
-    uid: str
+    The id is its own string: the routers' dicts and the KV index hash and compare it at C speed
+    on every decision (a dataclass's generated `__hash__` is several Python calls)."""
+
+    __slots__ = ()
+
+    def __new__(cls, role: Role, uid: str) -> "WorkerId":
+        return super().__new__(cls, f"{Role(role).value}-{uid}")
 
     @classmethod
     def new(cls, role: Role) -> "WorkerId":
         return cls(Role(role), uuid.uuid4().hex[:8])
 
-    def __str__(self) -> str:
-        return f"{self.role.value}-{self.uid}"
+    @property
+    def role(self) -> Role:
+        return Role(self.partition("-")[0])
+
+    @property
+    def uid(self) -> str:
+        return self.partition("-")[2]
+
+    def __getnewargs__(self) -> tuple[Role, str]:  # pickling (Ray) rebuilds it through __new__
+        return self.role, self.uid
+
+    def __repr__(self) -> str:
+        return f"WorkerId({self.role.value!r}, {self.uid!r})"
 
 
 class WorkerState(str, enum.Enum):

@@ -29,7 +29,7 @@ from splitserve.cluster.registry import RegistrySnapshot, WorkerRecord
 from splitserve.hashing import block_hashes
 from splitserve.kv_transfer import choose_transport
 from splitserve.router.policy import RouteRequest, Router, WorkerView
-from splitserve.types import Request, Role, WorkerId, WorkerState, WorkerStats
+from splitserve.types import PromptHashes, Request, Role, WorkerId, WorkerState, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class Route:
     cached_tokens: int
     transport: str | None
     _directory: "Directory" = field(repr=False)
+    hashes: PromptHashes | None = field(default=None, repr=False)  # the placed context's, as routed
     _tickets: dict = field(default_factory=dict, repr=False)
 
     def confirm(self, wid: WorkerId) -> None:
@@ -223,7 +224,13 @@ class Directory:
 
     # -- placing ----------------------------------------------------------------------------------
     def route_request(self, req: Request) -> RouteRequest:
-        hashes = tuple(block_hashes(req.prompt_token_ids, self.block_size, req.cache_salt))
+        """The policy's view of `req`: its block hashes, computed here once (or carried by a
+        request placed again) and then carried to the engines in the Route."""
+        ph = req.prompt_hashes
+        if ph is not None and ph.block_size == self.block_size:
+            hashes = ph.hashes
+        else:
+            hashes = tuple(block_hashes(req.prompt_token_ids, self.block_size, req.cache_salt))
         return RouteRequest(req.request_id, len(req.prompt_token_ids), hashes, self.block_size)
 
     def place(self, req: Request, route_req: RouteRequest | None = None,
@@ -233,13 +240,14 @@ class Directory:
         def views(role: Role) -> list[WorkerView]:
             return [v for v in self.views(role) if v.worker_id not in exclude]
 
-        pl = self.policy.place(route_req or self.route_request(req), views(Role.PREFILL), views(Role.DECODE))
+        rr = route_req or self.route_request(req)
+        pl = self.policy.place(rr, views(Role.PREFILL), views(Role.DECODE))
         p = self.records[pl.prefill] if pl.prefill is not None else None
         d = self.records[pl.decode]
         transport = None
         if p is not None:
             transport = choose_transport(p.node_ip == d.node_ip, p.info.transports, d.info.transports)
-        route = Route(p, d, pl.cached_tokens, transport, self)
+        route = Route(p, d, pl.cached_tokens, transport, self, PromptHashes(rr.block_size, rr.block_hashes))
         for rec in (p, d):
             if rec is not None:
                 route._tickets[rec.id] = self.pending.add(rec.id)

@@ -52,6 +52,8 @@ class Prefilled(NamedTuple):
 
 class RequestRun:
     def __init__(self, o, req: Request, route: Route, trace: RequestTrace) -> None:
+        if req.prompt_hashes is None and route.hashes is not None:  # the engines reuse the ingress's hashes
+            req = dataclasses.replace(req, prompt_hashes=route.hashes)
         self.o, self.req, self.route, self.trace = o, req, route, trace
         self.delivered: list[int] = []
         self.failed: set[WorkerId] = set()  # workers this request must not be placed on again
@@ -200,7 +202,8 @@ class RequestRun:
         """Placed again by its whole context, as a new request of that length would be: through a
         prefill worker when the policy finds it worth it, else on a decode worker that computes
         what its prefix cache lacks; never on a worker that failed it."""
-        context = dataclasses.replace(self.req, prompt_token_ids=self.req.prompt_token_ids + tuple(self.delivered))
+        context = dataclasses.replace(self.req, prompt_token_ids=self.req.prompt_token_ids + tuple(self.delivered),
+                                      prompt_hashes=None)  # hashed whole by the placement
         try:
             return self.o.directory.place(context, exclude=frozenset(self.failed))
         except NoCapacity:

@@ -1,6 +1,13 @@
-/* Chained BLAKE2b-128 block hashes (RFC 7693), one call per prompt: block i's digest is
- * BLAKE2b(digest_size=16) of (block i-1's digest || block i's tokens as little-endian int64),
- * exactly what splitserve/hashing.py computes with hashlib block by block. */
+/* Chained BLAKE2b-128 block hashes (RFC 7693), one call per prompt, straight from the Python
+ * list of token ids. Block i's digest is BLAKE2b(digest_size=16, salt=digest of block i-1) of
+ * block i's tokens as little-endian int64: exactly hashlib.blake2b(data, digest_size=16,
+ * salt=parent), which splitserve/hashing.py falls back to. The parent travels in the parameter
+ * block, not the message, so a 16-token block is one 128-byte compression.
+ *
+ * Built against Python.h and loaded with ctypes.PyDLL (the GIL stays held): it reads the list's
+ * ints and builds the digests' bytes objects itself. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -8,7 +15,7 @@ static const uint64_t IV[8] = {
     0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,
     0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL};
 
-static const uint8_t SIGMA[10][16] = {
+static const uint8_t SIGMA[12][16] = {
     {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
     {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
     {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
@@ -18,15 +25,11 @@ static const uint8_t SIGMA[10][16] = {
     {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
     {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
     {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
-    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0}};
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3}};
 
 static inline uint64_t rotr(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
-
-static inline uint64_t load64(const uint8_t *p) {
-    uint64_t x;
-    memcpy(&x, p, 8); /* x86-64 and aarch64 are little-endian, as BLAKE2b's words */
-    return x;
-}
 
 #define G(a, b, c, d, x, y)            \
     do {                               \
@@ -40,57 +43,89 @@ static inline uint64_t load64(const uint8_t *p) {
         b = rotr(b ^ c, 63);           \
     } while (0)
 
-static void compress(uint64_t h[8], const uint8_t block[128], uint64_t t, int last) {
-    uint64_t m[16], v[16];
-    for (int i = 0; i < 16; i++) m[i] = load64(block + 8 * i);
+/* Constant round numbers: the message schedule resolves at compile time. */
+#define ROUND(r)                                                        \
+    do {                                                                \
+        G(v[0], v[4], v[8], v[12], m[SIGMA[r][0]], m[SIGMA[r][1]]);     \
+        G(v[1], v[5], v[9], v[13], m[SIGMA[r][2]], m[SIGMA[r][3]]);     \
+        G(v[2], v[6], v[10], v[14], m[SIGMA[r][4]], m[SIGMA[r][5]]);    \
+        G(v[3], v[7], v[11], v[15], m[SIGMA[r][6]], m[SIGMA[r][7]]);    \
+        G(v[0], v[5], v[10], v[15], m[SIGMA[r][8]], m[SIGMA[r][9]]);    \
+        G(v[1], v[6], v[11], v[12], m[SIGMA[r][10]], m[SIGMA[r][11]]);  \
+        G(v[2], v[7], v[8], v[13], m[SIGMA[r][12]], m[SIGMA[r][13]]);   \
+        G(v[3], v[4], v[9], v[14], m[SIGMA[r][14]], m[SIGMA[r][15]]);   \
+    } while (0)
+
+/* m: the 16 message words (x86-64 and aarch64 are little-endian, as BLAKE2b's words). */
+static void compress(uint64_t h[8], const uint64_t m[16], uint64_t t, int last) {
+    uint64_t v[16];
     for (int i = 0; i < 8; i++) {
         v[i] = h[i];
         v[i + 8] = IV[i];
     }
     v[12] ^= t; /* byte counter, low word (messages here are far below 2^64 bytes) */
     if (last) v[14] = ~v[14];
-    for (int r = 0; r < 12; r++) {
-        const uint8_t *s = SIGMA[r % 10];
-        G(v[0], v[4], v[8], v[12], m[s[0]], m[s[1]]);
-        G(v[1], v[5], v[9], v[13], m[s[2]], m[s[3]]);
-        G(v[2], v[6], v[10], v[14], m[s[4]], m[s[5]]);
-        G(v[3], v[7], v[11], v[15], m[s[6]], m[s[7]]);
-        G(v[0], v[5], v[10], v[15], m[s[8]], m[s[9]]);
-        G(v[1], v[6], v[11], v[12], m[s[10]], m[s[11]]);
-        G(v[2], v[7], v[8], v[13], m[s[12]], m[s[13]]);
-        G(v[3], v[4], v[9], v[14], m[s[14]], m[s[15]]);
-    }
+    ROUND(0); ROUND(1); ROUND(2); ROUND(3); ROUND(4); ROUND(5);
+    ROUND(6); ROUND(7); ROUND(8); ROUND(9); ROUND(10); ROUND(11);
     for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
 }
 
-/* BLAKE2b, no key, 16-byte digest, of the `len` bytes at msg. */
-static void blake2b_128(const uint8_t *msg, uint64_t len, uint8_t out[16]) {
-    uint64_t h[8];
-    uint8_t block[128];
+/* BLAKE2b, no key, 16-byte digest, 16-byte salt, of `n` words (n >= 1). */
+static void blake2b_128_salted(const uint64_t *words, int64_t n, const uint8_t salt[16], uint8_t out[16]) {
+    uint64_t h[8], s[2], tail[16];
     memcpy(h, IV, sizeof h);
+    memcpy(s, salt, 16);
     h[0] ^= 0x01010000ULL ^ 16; /* fan-out 1, depth 1, no key, digest length 16 */
-    uint64_t off = 0;
-    do {
-        uint64_t n = len - off < 128 ? len - off : 128;
-        memset(block, 0, sizeof block);
-        memcpy(block, msg + off, n);
-        off += n;
-        compress(h, block, off, off == len);
-    } while (off < len);
+    h[4] ^= s[0];               /* parameter block bytes 32..47: the salt */
+    h[5] ^= s[1];
+    int64_t off = 0;
+    for (; n - off > 16; off += 16) compress(h, words + off, 8 * (uint64_t)(off + 16), 0);
+    memset(tail, 0, sizeof tail);
+    memcpy(tail, words + off, 8 * (size_t)(n - off));
+    compress(h, tail, 8 * (uint64_t)n, 1);
     memcpy(out, h, 16);
 }
 
-/* out[16 * b] = digest of block b; the chain starts at `parent` (the root or block start-1). */
-void chained_blake2b_128(const uint8_t parent[16], const int64_t *tokens, int64_t n_blocks, int64_t block_size,
-                         uint8_t *out) {
-    const uint64_t len = 16 + 8 * (uint64_t)block_size;
-    uint8_t msg[16 + 8 * 1024];
-    if (block_size > 1024) return; /* the caller checks; a bigger block never reaches here */
-    const uint8_t *prev = parent;
-    for (int64_t b = 0; b < n_blocks; b++) {
-        memcpy(msg, prev, 16);
-        memcpy(msg + 16, tokens + b * block_size, 8 * (size_t)block_size);
-        blake2b_128(msg, len, out + 16 * b);
-        prev = out + 16 * b;
+/* The digests of blocks [start, start + n_blocks) of `tokens` (a list or tuple of ints), the
+ * chain starting at `parent`; a new list of bytes, or NULL with an exception set. */
+PyObject *chained_blake2b_128(PyObject *tokens, Py_ssize_t start, Py_ssize_t n_blocks, Py_ssize_t block_size,
+                              const uint8_t *parent) {
+    PyObject *seq = PySequence_Fast(tokens, "token ids must be a sequence of ints");
+    if (seq == NULL) return NULL;
+    PyObject *out = NULL;
+    uint64_t *words = NULL;
+    if ((start + n_blocks) * block_size > PySequence_Fast_GET_SIZE(seq) || block_size <= 0 || n_blocks < 0) {
+        PyErr_SetString(PyExc_ValueError, "blocks beyond the end of the token ids");
+        goto done;
     }
+    PyObject **items = PySequence_Fast_ITEMS(seq) + start * block_size;
+    Py_ssize_t n = n_blocks * block_size;
+    words = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    if (words == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long x = PyLong_AsLongLong(items[i]);
+        if (x == -1 && PyErr_Occurred()) goto done; /* not an int, or outside int64 */
+        words[i] = (uint64_t)x;
+    }
+    out = PyList_New(n_blocks);
+    if (out == NULL) goto done;
+    uint8_t digest[16];
+    const uint8_t *prev = parent;
+    for (Py_ssize_t b = 0; b < n_blocks; b++) {
+        blake2b_128_salted(words + b * block_size, block_size, prev, digest);
+        PyObject *d = PyBytes_FromStringAndSize((const char *)digest, 16);
+        if (d == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, b, d);
+        prev = (const uint8_t *)PyBytes_AS_STRING(d);
+    }
+done:
+    PyMem_Free(words);
+    Py_DECREF(seq);
+    return out;
 }

@@ -65,8 +65,13 @@ class Sequence:
         return (int(self.request.priority), self.order)
 
     def update_hashes(self, block_size: int) -> None:
-        """Extend `block_hashes` to every full block of `token_ids`."""
+        """Extend `block_hashes` to every full block of `token_ids` (the prompt's from the
+        request when the ingress computed them for this block size)."""
         done = len(self.block_hashes)
+        ph = self.request.prompt_hashes
+        if not done and ph is not None and ph.block_size == block_size:
+            self.block_hashes = list(ph.hashes)
+            done = len(self.block_hashes)
         if done < self.num_tokens // block_size:
             parent = self.block_hashes[-1] if done else None
             self.block_hashes += block_hashes(

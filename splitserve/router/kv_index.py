@@ -5,12 +5,16 @@ least recently touched hashes are forgotten (a forgotten hash only costs a misse
 The router asks one question of it: for a request's chain of block hashes, how many leading
 blocks does each worker already hold? Hashes chain the whole prefix (splitserve.hashing), so a
 leading run of matches is exactly a cached prefix.
+
+Each hash maps to one int, a bit per worker (workers get small slot numbers, reused after they
+leave): walking a prompt's chain is one dict lookup and one AND per block, with no per-worker
+work except where a worker's run ends — a routing decision walks it once for every worker.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 from splitserve.types import BlockRemoved, BlockStored, KVEvent
 from splitserve.hashing import BlockHash
@@ -21,50 +25,90 @@ class KVIndex:
         if max_hashes <= 0:
             raise ValueError(f"max_hashes must be positive, got {max_hashes}")
         self.max_hashes = max_hashes
-        self._holders: OrderedDict[BlockHash, set[str]] = OrderedDict()
+        self._holders: OrderedDict[BlockHash, int] = OrderedDict()  # bit s set: slot s's worker holds it
+        self._slot: dict[Hashable, int] = {}
+        self._workers: list[Hashable | None] = []  # by slot; None: free
+        self._free: list[int] = []
 
     def __len__(self) -> int:
         return len(self._holders)
 
-    def apply(self, worker_id: str, events: Iterable[KVEvent]) -> None:
+    def apply(self, worker_id: Hashable, events: Iterable[KVEvent]) -> None:
+        holders = self._holders
+        bit = 1 << self._slot_of(worker_id)
         for ev in events:
             if isinstance(ev, BlockStored):
                 for h in ev.block_hashes:
-                    self._holders.setdefault(h, set()).add(worker_id)
-                    self._holders.move_to_end(h)
+                    holders[h] = holders.get(h, 0) | bit
+                    holders.move_to_end(h)
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
-                    self._discard(h, worker_id)
-        while len(self._holders) > self.max_hashes:
-            self._holders.popitem(last=False)
+                    self._discard(h, bit)
+        while len(holders) > self.max_hashes:
+            holders.popitem(last=False)
 
-    def remove_worker(self, worker_id: str) -> None:
+    def remove_worker(self, worker_id: Hashable) -> None:
         """A worker left (or restarted with an empty cache): forget everything it held."""
-        for h in [h for h, ws in self._holders.items() if worker_id in ws]:
-            self._discard(h, worker_id)
+        slot = self._slot.pop(worker_id, None)
+        if slot is None:
+            return
+        bit = 1 << slot
+        for h in [h for h, held in self._holders.items() if held & bit]:
+            self._discard(h, bit)
+        self._workers[slot] = None
+        self._free.append(slot)
 
-    def _discard(self, h: BlockHash, worker_id: str) -> None:
-        ws = self._holders.get(h)
-        if ws is not None:
-            ws.discard(worker_id)
-            if not ws:
+    def _slot_of(self, worker_id: Hashable) -> int:
+        slot = self._slot.get(worker_id)
+        if slot is None:
+            slot = self._free.pop() if self._free else len(self._workers)
+            if slot == len(self._workers):
+                self._workers.append(None)
+            self._workers[slot] = worker_id
+            self._slot[worker_id] = slot
+        return slot
+
+    def _discard(self, h: BlockHash, bit: int) -> None:
+        held = self._holders.get(h)
+        if held is not None:
+            if held & ~bit:
+                self._holders[h] = held & ~bit
+            else:
                 del self._holders[h]
 
-    def overlap(self, hashes: Sequence[BlockHash], workers: Iterable[str] | None = None) -> dict[str, int]:
+    def overlap(self, hashes: Sequence[BlockHash], workers: Iterable[Hashable] | None = None) -> dict:
         """Leading blocks of `hashes` each worker holds (workers holding none are omitted, unless
         listed in `workers`, which also restricts the answer)."""
-        alive: set[str] | None = None
-        out: dict[str, int] = {w: 0 for w in workers} if workers is not None else {}
-        for depth, h in enumerate(hashes):
-            ws = self._holders.get(h)
-            if not ws:
+        if workers is None:
+            out: dict = {}
+            alive = (1 << len(self._workers)) - 1
+        else:
+            out = dict.fromkeys(workers, 0)
+            alive = 0
+            for w in out:
+                slot = self._slot.get(w)
+                if slot is not None:
+                    alive |= 1 << slot
+        get, touch, depth, last = self._holders.get, self._holders.move_to_end, 0, None
+        for h in hashes:
+            held = get(h)
+            if held is None:
                 break
-            alive = set(ws) if alive is None else alive & ws
-            if workers is not None:
-                alive &= out.keys()
-            if not alive:
-                break
-            for w in alive:
-                out[w] = depth + 1
-            self._holders.move_to_end(h)
+            if held != last:  # the holders change rarely along a chain: most blocks skip this
+                still = alive & held
+                if not still:
+                    break
+                if depth and still != alive:  # some runs end here
+                    self._record(out, alive ^ still, depth)
+                alive, last = still, held
+            depth += 1
+            touch(h)
+        if depth:
+            self._record(out, alive, depth)
         return out
+
+    def _record(self, out: dict, bits: int, depth: int) -> None:
+        while bits:
+            low = bits & -bits
+            out[self._workers[low.bit_length() - 1]] = depth
+            bits ^= low

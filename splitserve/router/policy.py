@@ -10,18 +10,19 @@ is shorter than `disagg_min_tokens` to the decode worker alone (aggregated path)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import zlib
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from splitserve.hashing import BlockHash
 from splitserve.router.kv_index import KVIndex
 from splitserve.types import Role, WorkerId
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkerView:
     """One worker as the router sees it: the registry's facts (role, node) and its last
     reported load, plus what this router placed there since (see cluster/directory.py)."""
@@ -54,7 +55,6 @@ class Placement:
     prefill: WorkerId | None  # None: aggregated (the decode worker prefills)
     decode: WorkerId
     cached_tokens: int  # expected prefix-cache hit on the worker that prefills
-    scores: tuple[tuple[str, float], ...] = ()
 
 
 class Filter(Protocol):
@@ -62,24 +62,24 @@ class Filter(Protocol):
 
 
 class Scorer(Protocol):
-    def score(self, req: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]: ...
+    def score(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
+        """One score in [0, 1] per worker, in `workers`' order. `hits`: the leading blocks of the
+        request each worker holds (KVIndex.overlap, walked once per decision)."""
+        ...
 
 
 def available(req: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerView]:
     """Healthy and not draining; of those, the ones with room for the request's blocks, or all
     of them when none has room (its scheduler queues the request until blocks free up)."""
     up = [w for w in workers if w.healthy and not w.draining]
-    return [w for w in up if w.free_blocks >= req.blocks_needed] or up
+    need = req.blocks_needed
+    return [w for w in up if w.free_blocks >= need] or up
 
 
 class PrefixScorer:
-    def __init__(self, index: KVIndex) -> None:
-        self.index = index
-
-    def score(self, req: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
+    def score(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
         n = max(1, len(req.block_hashes))
-        hits = self.index.overlap(req.block_hashes, [w.worker_id for w in workers])
-        return {w.worker_id: hits.get(w.worker_id, 0) / n for w in workers}
+        return [hits.get(w.worker_id, 0) / n for w in workers]
 
 
 class QueueScorer:
@@ -89,34 +89,36 @@ class QueueScorer:
     def __init__(self, half: float = 8.0) -> None:
         self.half = half
 
-    def score(self, req: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
-        return {w.worker_id: 1.0 / (1.0 + (w.num_waiting + w.num_running) / self.half) for w in workers}
+    def score(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
+        half = self.half
+        return [half / (half + w.num_waiting + w.num_running) for w in workers]
 
 
 class KVUsageScorer:
-    def score(self, req: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
-        return {w.worker_id: 1.0 - min(1.0, max(0.0, w.kv_usage)) for w in workers}
+    def score(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
+        return [1.0 - (u if 0.0 <= u <= 1.0 else float(u > 1.0)) for u in (w.kv_usage for w in workers)]
 
 
 class WeightedPicker:
-    """Sum of weight × score; ties broken by a stable order so routing is reproducible."""
+    """Sum of weight × score per worker."""
 
     def __init__(self, scorers: Sequence[tuple[Scorer, float]]) -> None:
         self.scorers = list(scorers)
 
-    def totals(self, req: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
-        total = {w.worker_id: 0.0 for w in workers}
+    def totals(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
+        cols = []
         for scorer, weight in self.scorers:
-            for wid, s in scorer.score(req, workers).items():
-                if not 0.0 <= s <= 1.0:
-                    raise ValueError(f"{type(scorer).__name__} scored {wid} {s}, outside [0, 1]")
-                total[wid] += weight * s
-        return total
+            s = scorer.score(req, workers, hits)
+            if len(s) != len(workers) or (s and not 0.0 <= min(s) <= max(s) <= 1.0):
+                raise ValueError(f"{type(scorer).__name__} scored outside [0, 1] or not one score per worker")
+            cols.append(s if weight == 1.0 else [weight * x for x in s])
+        return list(map(sum, zip(*cols))) if cols else [0.0] * len(workers)
 
 
 class Router:
     """Chooses a (prefill, decode) pair for each request. Subclasses differ only in how they
-    rank workers of one pool (`rank`); pairing and the PD decision are shared."""
+    rank workers of one pool (`rank`: a score per worker, in order); pairing and the PD
+    decision are shared. Ties go to a stable, id-derived order."""
 
     name = "base"
 
@@ -126,7 +128,7 @@ class Router:
         self.disagg_min_tokens = disagg_min_tokens
         self.same_host_margin = same_host_margin
 
-    def rank(self, req: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, float]:
+    def rank(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
         raise NotImplementedError
 
     def place(self, req: RouteRequest, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView]) -> Placement:
@@ -135,15 +137,13 @@ class Router:
             raise NoCapacity("no decode worker is ready")
         prefills = available(req, prefills)
         hits = self.index.overlap(req.block_hashes)
-        d_scores = self.rank(req, decodes)
-        best_d = max(decodes, key=lambda w: (d_scores[w.worker_id], -_order(w)))
+        d_scores = self.rank(req, decodes, hits)
+        best_d = decodes[_best(decodes, d_scores)]
         d_cached = self._cached_tokens(req, hits.get(best_d.worker_id, 0))
         if not prefills or req.num_tokens - d_cached < self.disagg_min_tokens:
-            return Placement(None, best_d.worker_id, d_cached, tuple(sorted(d_scores.items())))
-        p_scores = self.rank(req, prefills)
-        best_p = self._pick_prefill(prefills, p_scores, best_d)
-        p_cached = self._cached_tokens(req, hits.get(best_p.worker_id, 0))
-        return Placement(best_p.worker_id, best_d.worker_id, p_cached, tuple(sorted({**p_scores, **d_scores}.items())))
+            return Placement(None, best_d.worker_id, d_cached)
+        best_p = self._pick_prefill(prefills, self.rank(req, prefills, hits), best_d)
+        return Placement(best_p.worker_id, best_d.worker_id, self._cached_tokens(req, hits.get(best_p.worker_id, 0)))
 
     @staticmethod
     def _cached_tokens(req: RouteRequest, blocks: int) -> int:
@@ -151,23 +151,32 @@ class Router:
         # (its logits must be computed).
         return min(blocks, (req.num_tokens - 1) // req.block_size) * req.block_size
 
-    def _pick_prefill(self, prefills: Sequence[WorkerView], scores: dict[str, float], decode: WorkerView) -> WorkerView:
+    def _pick_prefill(self, prefills: Sequence[WorkerView], scores: list[float], decode: WorkerView) -> WorkerView:
         """The best prefill worker, or a same-host one whose score is within the margin (KV over
         shared memory beats KV over the network)."""
-        best = max(prefills, key=lambda w: (scores[w.worker_id], -_order(w)))
-        near = [w for w in prefills if w.host == decode.host
-                and scores[w.worker_id] >= scores[best.worker_id] - self.same_host_margin]
-        return max(near, key=lambda w: (scores[w.worker_id], -_order(w))) if near else best
+        floor = scores[_best(prefills, scores)] - self.same_host_margin
+        near = [i for i, w in enumerate(prefills) if w.host == decode.host and scores[i] >= floor]
+        if near:
+            return prefills[near[_best([prefills[i] for i in near], [scores[i] for i in near])]]
+        return prefills[_best(prefills, scores)]
 
 
 class NoCapacity(RuntimeError):
     """No worker can take the request now (all unhealthy, draining or full)."""
 
 
-def _order(w: WorkerView) -> int:
+def _best(workers: Sequence[WorkerView], scores: list[float]) -> int:
+    """The index of the highest score; ties to the lowest `_order`."""
+    top = max(scores)
+    tied = [i for i, s in enumerate(scores) if s == top]
+    return tied[0] if len(tied) == 1 else min(tied, key=lambda i: _order(workers[i].worker_id))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _order(worker_id) -> int:
     # A stable, id-derived order for ties: the same on every router replica and every run
     # (str hash() is salted per process).
-    return zlib.crc32(str(w.worker_id).encode())
+    return zlib.crc32(str(worker_id).encode())
 
 
 class RoundRobin(Router):
@@ -177,17 +186,21 @@ class RoundRobin(Router):
         super().__init__(*a, **kw)
         self._turns: dict[str, itertools.count] = {}  # one turn per pool
 
-    def rank(self, req, workers):
+    def rank(self, req, workers, hits):
         turn = self._turns.setdefault(workers[0].role, itertools.count())
-        pick = workers[next(turn) % len(workers)].worker_id
-        return {w.worker_id: 1.0 if w.worker_id == pick else 0.0 for w in workers}
+        pick = next(turn) % len(workers)
+        return [1.0 if i == pick else 0.0 for i in range(len(workers))]
 
 
 class LeastLoaded(Router):
     name = "least_loaded"
 
-    def rank(self, req, workers):
-        return WeightedPicker([(QueueScorer(), 1.0), (KVUsageScorer(), 0.5)]).totals(req, workers)
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.picker = WeightedPicker([(QueueScorer(), 1.0), (KVUsageScorer(), 0.5)])
+
+    def rank(self, req, workers, hits):
+        return self.picker.totals(req, workers, hits)
 
 
 class PowerOfTwo(Router):
@@ -199,11 +212,10 @@ class PowerOfTwo(Router):
         super().__init__(*a, **kw)
         self._rng = random.Random(seed)
 
-    def rank(self, req, workers):
-        two = self._rng.sample(list(workers), min(2, len(workers)))
-        load = {w.worker_id: w.num_waiting + w.num_running + w.kv_usage for w in two}
-        pick = min(two, key=lambda w: load[w.worker_id]).worker_id
-        return {w.worker_id: 1.0 if w.worker_id == pick else 0.0 for w in workers}
+    def rank(self, req, workers, hits):
+        two = self._rng.sample(range(len(workers)), min(2, len(workers)))
+        pick = min(two, key=lambda i: workers[i].num_waiting + workers[i].num_running + workers[i].kv_usage)
+        return [1.0 if i == pick else 0.0 for i in range(len(workers))]
 
 
 class CacheAware(Router):
@@ -212,11 +224,11 @@ class CacheAware(Router):
     def __init__(self, *a, prefix_weight: float = 1.0, queue_weight: float = 1.0, kv_weight: float = 0.5,
                  **kw) -> None:
         super().__init__(*a, **kw)
-        self.picker = WeightedPicker([(PrefixScorer(self.index), prefix_weight), (QueueScorer(), queue_weight),
+        self.picker = WeightedPicker([(PrefixScorer(), prefix_weight), (QueueScorer(), queue_weight),
                                       (KVUsageScorer(), kv_weight)])
 
-    def rank(self, req, workers):
-        return self.picker.totals(req, workers)
+    def rank(self, req, workers, hits):
+        return self.picker.totals(req, workers, hits)
 
 
 POLICIES = {cls.name: cls for cls in (RoundRobin, LeastLoaded, PowerOfTwo, CacheAware)}

@@ -219,3 +219,33 @@ def test_half_precision_runs_and_agrees_where_decisive(tiny_checkpoint, dtype):
     assert decisive >= 2, "the test needs decisive cases to mean anything"
     half.engine.check_invariants()
     assert half.engine.pool.num_in_use == 0
+
+
+def test_the_ingress_hashes_reach_the_engine_and_its_kv_events(tiny_checkpoint, monkeypatch):
+    """The hashes a router computes to place a request (Directory.route_request) are the ones the
+    engine caches the prompt under and announces in its KV events: carried in the Request, not
+    computed again for the prompt (only the generated tokens' blocks are hashed on the engine)."""
+    from splitserve.cluster.directory import Directory
+    from splitserve.engine import sequence
+    from splitserve.router import make_router
+    from splitserve.types import BlockStored, PromptHashes
+
+    llm = LLM(str(tiny_checkpoint("llama")), num_kv_blocks=64)
+    eng = llm.engine
+    bs = eng.config.block_size
+    ids = prompt(5 * bs + 3, seed=7)
+    route = Directory(None, make_router(), block_size=bs).route_request(Request("r", ids, cache_salt="t"))
+    hashed = []
+    real = sequence.block_hashes
+    monkeypatch.setattr(sequence, "block_hashes", lambda t, *a, **k: hashed.append(len(t)) or real(t, *a, **k))
+    eng.drain_kv_events()
+    req = Request("r", ids, SamplingParams(temperature=0, max_tokens=bs, ignore_eos=True), cache_salt="t",
+                  prompt_hashes=PromptHashes(bs, route.block_hashes))
+    eng.add_request(req)
+    outputs = [t for c in run_all(eng) for t in c.token_ids]
+    stored = [h for ev in eng.drain_kv_events() if isinstance(ev, BlockStored) for h in ev.block_hashes]
+    assert len(route.block_hashes) == 5 and stored[:5] == list(route.block_hashes)
+    assert len(stored) == 6 and stored == real(ids + outputs, bs, "t")[:6]  # + the first generated block
+    assert hashed and min(hashed) > len(ids), "the prompt's blocks were hashed again on the engine"
+    with pytest.raises(ConfigError, match="prompt hashes"):
+        Request("x", ids, prompt_hashes=PromptHashes(bs, route.block_hashes[:2]))

@@ -34,10 +34,25 @@ def test_bad_arguments():
         block_hashes([1] * 32, 16, start=1)
 
 
+def test_the_definition_is_salted_blake2b_of_int64_ids():
+    """Block i = BLAKE2b-128 of its tokens (little-endian int64) with block i-1's digest as the
+    BLAKE2b salt; spelled out here with hashlib, independently of hashing.py's code."""
+    import hashlib
+    import struct
+
+    from splitserve.hashing import root_hash
+
+    toks = [5, -7, 2**40, 31999] * 8  # two 16-token blocks
+    h0 = hashlib.blake2b(struct.pack("<16q", *toks[:16]), digest_size=16, salt=root_hash("s")).digest()
+    h1 = hashlib.blake2b(struct.pack("<16q", *toks[16:]), digest_size=16, salt=h0).digest()
+    assert block_hashes(toks, 16, "s") == [h0, h1]
+
+
 def test_the_native_chain_equals_hashlib_block_by_block():
-    """One native call per prompt (csrc/chained_blake2b.c) gives hashlib's digests exactly: every
-    block size, salts, incremental starts, token ids up to int64, a message of one and of several
-    BLAKE2b blocks (16 + 8·bs bytes: 24 .. 8208)."""
+    """One native call per prompt (csrc/chained_blake2b.c, reading the list itself) gives
+    hashlib's digests exactly: block sizes from 1 to 2048, salts, incremental starts, token ids
+    over the whole int64 range, messages of one and of many BLAKE2b blocks (8·bs bytes); ids
+    that are not int64s are refused as hashlib's path refuses them."""
     import random
     import shutil
 
@@ -47,12 +62,14 @@ def test_the_native_chain_equals_hashlib_block_by_block():
         pytest.skip("no C compiler: hashlib block by block is the only path")
     assert hashing._native() is not None, "a C compiler is here: the native chain must build"
     r = random.Random(0)
-    for bs in (1, 2, 14, 16, 17, 32, 256, 1024):
+    for bs in (1, 2, 14, 16, 17, 32, 256, 1024, 2048):
         tokens = [r.randrange(-2**63, 2**63) for _ in range(bs * 9 + 3)]
         for salt in (None, "tenant-a"):
             fast = hashing.block_hashes(tokens, bs, salt)
             slow = hashing._python_chain(hashing.root_hash(salt), tokens, bs, 0, len(tokens) // bs)
             assert fast == slow and len(fast) == len(tokens) // bs
-            assert hashing.block_hashes(tokens, bs, salt, start=4, parent=fast[3]) == fast[4:]
-    big = list(range(2 * 2048))  # a block size the native buffer does not take: hashlib, same chain
-    assert hashing.block_hashes(big, 2048) == hashing._python_chain(hashing.root_hash(), big, 2048, 0, 2)
+            assert hashing.block_hashes(tuple(tokens), bs, salt, start=4, parent=fast[3]) == fast[4:]
+    assert hashing.block_hashes(range(64), 16) == hashing._python_chain(hashing.root_hash(), range(64), 16, 0, 4)
+    for bad, err in (([2**63] * 16, OverflowError), ([1.5] * 16, TypeError), (["x"] * 16, TypeError)):
+        with pytest.raises(err):
+            hashing.block_hashes(bad, 16)

@@ -33,6 +33,38 @@ def test_index_leading_overlap_and_removal():
     assert idx.overlap(h) == {"a": 1}
 
 
+def test_index_overlap_equals_a_naive_walk_per_worker():
+    """Random stores, removals and workers leaving (their slots reused by new ones): every
+    overlap equals the obvious per-worker walk over what each worker holds."""
+    import random
+
+    rng = random.Random(0)
+    chain = block_hashes(list(range(40 * BS)), BS)
+    idx, held = KVIndex(), {}
+    for step in range(400):
+        w = f"w{rng.randrange(12)}"
+        op = rng.random()
+        if op < 0.5:
+            got = chain[: rng.randrange(len(chain) + 1)]
+            idx.apply(w, [BlockStored(tuple(got))])
+            held.setdefault(w, set()).update(got)
+        elif op < 0.85:
+            gone = tuple(rng.sample(chain, 3))
+            idx.apply(w, [BlockRemoved(gone)])
+            held.setdefault(w, set()).difference_update(gone)
+        else:
+            idx.remove_worker(w)
+            held.pop(w, None)
+        naive = {}
+        for name, hs in held.items():
+            run = next((i for i, h in enumerate(chain) if h not in hs), len(chain))
+            if run:
+                naive[name] = run
+        assert idx.overlap(chain) == naive, step
+        some = [f"w{i}" for i in range(0, 12, 3)]
+        assert idx.overlap(chain, some) == {name: naive.get(name, 0) for name in some}
+
+
 def test_index_is_bounded():
     idx = KVIndex(max_hashes=10)
     for i in range(5):
@@ -105,11 +137,11 @@ def test_same_host_pair_preferred_within_margin():
 
 def test_scores_outside_unit_interval_are_refused():
     class Bad:
-        def score(self, req, ws):
-            return {w.worker_id: 2.0 for w in ws}
+        def score(self, req, ws, hits):
+            return [2.0 for w in ws]
 
     with pytest.raises(ValueError, match="outside"):
-        WeightedPicker([(Bad(), 1.0)]).totals(req([1] * 20), workers("p", 1))
+        WeightedPicker([(Bad(), 1.0)]).totals(req([1] * 20), workers("p", 1), {})
 
 
 def test_unknown_policy_lists_known():
