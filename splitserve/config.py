@@ -38,9 +38,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA with the triton backend)
-    fused_kernels: bool = True  # residual + RMSNorm and rotary as fused Triton kernels (CUDA)
+    fused_kernels: bool = True  # residual + RMSNorm and rotary fused: Triton kernels (CUDA), native ones (CPU bf16)
     seed: int = 0
     kv_shared_memory: bool = False  # KV storage in a /dev/shm file, readable by same-host peers
+    host_kv_blocks: int = 0  # a host-memory KV tier of this many blocks below the device pool (0: none)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -50,6 +51,11 @@ class EngineConfig:
 
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             positive(name)
+        h = self.host_kv_blocks
+        if not isinstance(h, int) or isinstance(h, bool) or h < 0:
+            raise ConfigError(f"host_kv_blocks must be a non-negative integer, got {h!r}")
+        if h and not self.enable_prefix_caching:
+            raise ConfigError("host_kv_blocks needs enable_prefix_caching: the tier holds cached prefixes")
         for name in ("enable_prefix_caching", "cuda_graphs", "fused_kernels", "kv_shared_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -215,6 +215,8 @@ class WorkerStats:
     decode_context_tokens: int = 0  # context the running decodes read each step
     token_budget: int = 2048  # max_num_batched_tokens
     prefill_tokens_total: int = 0  # prompt tokens computed (prefill chunks), ever
+    host_hit_tokens_total: int = 0  # of the prefix hits, tokens loaded back from the host KV tier
+    kv_host_blocks_cached: int = 0  # blocks the host tier holds now
 
     @property
     def kv_usage(self) -> float:
@@ -239,14 +241,24 @@ class WorkerLoad:
 
 # -- KV events: a BlockPool's cache changes, for the router's cluster KV index -----------------
 
+class Tier(str, enum.Enum):
+    """Where a worker holds a cached block: its device pool, or the host-memory tier below it
+    (loaded back instead of recomputed, but a load is not free: routers weigh it lower)."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
 @dataclass(frozen=True)
 class BlockStored:
     block_hashes: tuple[bytes, ...]
+    tier: Tier = Tier.DEVICE
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: tuple[bytes, ...]
+    tier: Tier = Tier.DEVICE
 
 
 KVEvent = BlockStored | BlockRemoved

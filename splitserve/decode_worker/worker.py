@@ -159,7 +159,10 @@ class DecodeWorker(KVWorker):
         if not live:
             raise TransferError("lease_expired", f"lease {h.lease_id} lapsed before the read was acknowledged")
         ho.move(S.VERIFYING)
-        await self.loop.call(verify_landed, self.engine.kv.storage, self.layout, h, dst)
+        # Off the engine thread: running decodes keep stepping while a long prompt's KV is
+        # checked. Nothing writes these blocks meanwhile (they join the batch only once READY);
+        # an abort now frees them, and then the verdict is never used.
+        await asyncio.to_thread(verify_landed, self.engine.kv.storage, self.layout, h, dst)
 
     async def _read(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
         transport = self.transports.get(h.endpoint.transport)

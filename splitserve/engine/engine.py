@@ -22,7 +22,8 @@ from splitserve.config import EngineConfig
 from splitserve.engine.attention import get_backend
 from splitserve.engine.attention.paged_backends import triton_unavailable
 from splitserve.engine.decode_graphs import cuda_graph_capture
-from splitserve.engine.kv_cache import BlockPool, BlockStored, KVCacheTensors, KVEvent
+from splitserve.engine.kv_cache import BlockPool, BlockStored, HostTier, KVCacheTensors, KVEvent
+from splitserve.engine.kernels.norm_rope_cpu import available as cpu_kernels
 from splitserve.engine.kv_cache.tensors import SHM_PREFIX, sweep_stale_shm
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_model, resolve_dtype
@@ -37,6 +38,7 @@ from splitserve.types import (
     PhaseTimes,
     Request,
     SamplingParams,
+    Tier,
     TokenChunk,
     WorkerStats,
     as_token_ids,
@@ -61,9 +63,17 @@ class Engine:
         self.kv = KVCacheTensors.allocate(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
                                           mc.head_dim, self.dtype, self.device, shm_path=shm)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.host: HostTier | None = None
+        if config.host_kv_blocks:
+            self.host = HostTier(config.host_kv_blocks, self.kv.storage)
+            self.pool.on_evict = self.host.save
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.host)
         if config.fused_kernels and self.device.type == "cuda" and triton_unavailable(self.device) is None:
             model.use_triton_kernels()  # fused residual + RMSNorm and rotary: fewer passes, same rounding
+        elif config.fused_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_kernels():
+            # bf16 only: the kernels round as torch does but sum a row in another order, and fp32
+            # keeps the torch ops so that greedy output stays bit-exact with Hugging Face
+            model.use_cpu_kernels()
         backend = get_backend(config.attention_backend, self.dtype, self.device, block_size=config.block_size,
                               head_dim=mc.head_dim)
         self.runner = ModelRunner(model, self.kv, backend, config.block_size, self.device)
@@ -96,7 +106,10 @@ class Engine:
                 self.step()
         self.pool.reset_prefix_cache()
         self.pool.drain_events()
-        self.scheduler.prefix_query_tokens = self.scheduler.prefix_hit_tokens = 0
+        if self.host is not None:
+            self.host.reset()
+            self.host.drain_events()
+        self.scheduler.prefix_query_tokens = self.scheduler.prefix_hit_tokens = self.scheduler.host_hit_tokens = 0
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = ()) -> None:
@@ -279,6 +292,8 @@ class Engine:
             kv_blocks_cached=self.pool.num_cached,
             prefix_query_tokens_total=self.scheduler.prefix_query_tokens,
             prefix_hit_tokens_total=self.scheduler.prefix_hit_tokens,
+            host_hit_tokens_total=self.scheduler.host_hit_tokens,
+            kv_host_blocks_cached=0 if self.host is None else len(self.host),
             steps_total=self._steps,
             prefill_tokens_total=self._prefill_tokens,
             step_time_coeffs=self.step_model.coeffs,
@@ -294,14 +309,17 @@ class Engine:
         return {"in_use": p.num_in_use, "free": p.num_free, "cached": p.num_cached, "total": p.num_blocks}
 
     def drain_kv_events(self) -> list[KVEvent]:
-        return self.pool.drain_events()
+        return self.pool.drain_events() + (self.host.drain_events() if self.host is not None else [])
 
     def kv_listing(self) -> list[KVEvent]:
         """The whole prefix cache as events: what a router rebuilds this worker's index from."""
-        return [BlockStored(self.pool.cached_hashes())]
+        listing = [BlockStored(self.pool.cached_hashes())]
+        return listing + ([BlockStored(self.host.held_hashes(), Tier.HOST)] if self.host is not None else [])
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants()
         held = sum(len(s.block_ids) for s in (*self._seqs.values(), *self._pulling.values()))
         held += sum(len(b) for b in self._detached.values())
         if not (self._seqs or self._pulling or self._detached) and self.pool.num_in_use:

@@ -17,7 +17,7 @@ import bisect
 import time
 from dataclasses import dataclass
 
-from splitserve.engine.kv_cache import BlockPool
+from splitserve.engine.kv_cache import BlockPool, HostTier
 from splitserve.engine.sequence import Sequence, SeqStatus
 
 
@@ -38,8 +38,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 host: HostTier | None = None) -> None:
         self.pool = pool
+        self.host = host
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -48,6 +50,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (first admission)
         self.prefix_hit_tokens = 0  # of which found cached
+        self.host_hit_tokens = 0  # of those, brought back from the host tier
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -157,7 +160,12 @@ class Scheduler:
         # into a shared block: only blocks entirely before the last token are reused.
         seq.update_hashes(self.block_size)
         usable = (seq.num_tokens - 1) // self.block_size
-        return self.pool.match_prefix(seq.block_hashes[:usable]).block_ids
+        match = self.pool.match_prefix(seq.block_hashes[:usable]).block_ids
+        if self.host is not None and len(match) < usable:  # the prefix may go on in host memory
+            more = self.host.promote(self.pool, match, seq.block_hashes[len(match):usable])
+            self.host_hit_tokens += len(more) * self.block_size
+            match += more
+        return match
 
     def _lower_priority_victim(self, seq: Sequence, out: list[Scheduled]) -> Sequence | None:
         scheduled = {id(s.seq) for s in out}

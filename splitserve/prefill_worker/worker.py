@@ -85,7 +85,8 @@ class PrefillWorker(KVWorker):
 
     async def _handoff(self, req: Request, chunk: TokenChunk, endpoint: TransportEndpoint) -> KVHandoff:
         blocks = chunk.kv_blocks
-        checksum = await self.loop.call(kv_checksum, self.engine.kv.storage, self.layout, blocks)
+        # Off the engine thread (prefills keep running): detached blocks are written by no one.
+        checksum = await asyncio.to_thread(kv_checksum, self.engine.kv.storage, self.layout, blocks)
         lease = self.leases.grant(req.request_id)
         header = TransferHeader(req.request_id, self.layout.model_fingerprint, self.layout.dtype,
                                 self.layout.block_size, self.layout.num_layers, len(blocks), lease.epoch)

@@ -4,7 +4,9 @@ least recently touched hashes are forgotten (a forgotten hash only costs a misse
 
 The router asks one question of it: for a request's chain of block hashes, how many leading
 blocks does each worker already hold? Hashes chain the whole prefix (splitserve.hashing), so a
-leading run of matches is exactly a cached prefix.
+leading run of matches is exactly a cached prefix. Blocks in a worker's host-memory tier
+(events with `tier=Tier.HOST`) are kept apart: `host_overlap` is how far each worker's prefix
+goes on there past its device run (as the engine promotes them: engine/kv_cache/host_tier.py).
 
 Each hash maps to one int, a bit per worker (workers get small slot numbers, reused after they
 leave): walking a prompt's chain is one dict lookup and one AND per block, with no per-worker
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable, Iterable, Sequence
 
-from splitserve.types import BlockRemoved, BlockStored, KVEvent
+from splitserve.types import BlockRemoved, BlockStored, KVEvent, Tier
 from splitserve.hashing import BlockHash
 
 
@@ -26,26 +28,27 @@ class KVIndex:
             raise ValueError(f"max_hashes must be positive, got {max_hashes}")
         self.max_hashes = max_hashes
         self._holders: OrderedDict[BlockHash, int] = OrderedDict()  # bit s set: slot s's worker holds it
+        self._host: OrderedDict[BlockHash, int] = OrderedDict()  # the same, for host-tier blocks
         self._slot: dict[Hashable, int] = {}
         self._workers: list[Hashable | None] = []  # by slot; None: free
         self._free: list[int] = []
 
     def __len__(self) -> int:
-        return len(self._holders)
+        return len(self._holders) + len(self._host)
 
     def apply(self, worker_id: Hashable, events: Iterable[KVEvent]) -> None:
-        holders = self._holders
         bit = 1 << self._slot_of(worker_id)
         for ev in events:
+            holders = self._host if ev.tier is Tier.HOST else self._holders
             if isinstance(ev, BlockStored):
                 for h in ev.block_hashes:
                     holders[h] = holders.get(h, 0) | bit
                     holders.move_to_end(h)
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
-                    self._discard(h, bit)
-        while len(holders) > self.max_hashes:
-            holders.popitem(last=False)
+                    self._discard(holders, h, bit)
+        while len(self._holders) + len(self._host) > self.max_hashes:
+            (self._host if self._host else self._holders).popitem(last=False)  # host hits are worth less
 
     def remove_worker(self, worker_id: Hashable) -> None:
         """A worker left (or restarted with an empty cache): forget everything it held."""
@@ -53,8 +56,9 @@ class KVIndex:
         if slot is None:
             return
         bit = 1 << slot
-        for h in [h for h, held in self._holders.items() if held & bit]:
-            self._discard(h, bit)
+        for holders in (self._holders, self._host):
+            for h in [h for h, held in holders.items() if held & bit]:
+                self._discard(holders, h, bit)
         self._workers[slot] = None
         self._free.append(slot)
 
@@ -68,13 +72,14 @@ class KVIndex:
             self._slot[worker_id] = slot
         return slot
 
-    def _discard(self, h: BlockHash, bit: int) -> None:
-        held = self._holders.get(h)
+    @staticmethod
+    def _discard(holders: OrderedDict, h: BlockHash, bit: int) -> None:
+        held = holders.get(h)
         if held is not None:
             if held & ~bit:
-                self._holders[h] = held & ~bit
+                holders[h] = held & ~bit
             else:
-                del self._holders[h]
+                del holders[h]
 
     def overlap(self, hashes: Sequence[BlockHash], workers: Iterable[Hashable] | None = None) -> dict:
         """Leading blocks of `hashes` each worker holds (workers holding none are omitted, unless
@@ -112,3 +117,28 @@ class KVIndex:
             low = bits & -bits
             out[self._workers[low.bit_length() - 1]] = depth
             bits ^= low
+
+    def host_overlap(self, hashes: Sequence[BlockHash], device: dict) -> dict:
+        """For each worker, how many blocks past its device run (`device`, as `overlap` gave it;
+        workers absent from it ran 0) its host tier holds in a row. Workers with none omitted."""
+        out: dict = {}
+        if not self._host:
+            return out
+        starts: dict[int, int] = {}  # device run length -> the workers' bits
+        for w, slot in self._slot.items():
+            d = device.get(w, 0)
+            starts[d] = starts.get(d, 0) | 1 << slot
+        get = self._host.get
+        for start, alive in starts.items():
+            depth = 0
+            for h in hashes[start:]:
+                held = get(h)
+                if held is None or not alive & held:
+                    break
+                if depth and alive & ~held:
+                    self._record(out, alive & ~held, depth)
+                alive &= held
+                depth += 1
+            if depth:
+                self._record(out, alive, depth)
+        return out

@@ -123,10 +123,13 @@ class Router:
     name = "base"
 
     def __init__(self, index: KVIndex | None = None, disagg_min_tokens: int = 32,
-                 same_host_margin: float = 0.1) -> None:
+                 same_host_margin: float = 0.1, host_hit_weight: float = 0.5) -> None:
         self.index = index or KVIndex()
         self.disagg_min_tokens = disagg_min_tokens
         self.same_host_margin = same_host_margin
+        # a block in a worker's host tier is loaded back, not recomputed, but the load costs:
+        # the prefix scorer counts it this fraction of a device block
+        self.host_hit_weight = host_hit_weight
 
     def rank(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
         raise NotImplementedError
@@ -136,14 +139,19 @@ class Router:
         if not decodes:
             raise NoCapacity("no decode worker is ready")
         prefills = available(req, prefills)
-        hits = self.index.overlap(req.block_hashes)
+        device = self.index.overlap(req.block_hashes)
+        host = self.index.host_overlap(req.block_hashes, device)
+        blocks, hits = device, device  # blocks reused (cached tokens), and what the prefix scorer weighs
+        if host:
+            blocks = {w: device.get(w, 0) + host.get(w, 0) for w in device.keys() | host.keys()}
+            hits = {w: device.get(w, 0) + self.host_hit_weight * host.get(w, 0) for w in blocks}
         d_scores = self.rank(req, decodes, hits)
         best_d = decodes[_best(decodes, d_scores)]
-        d_cached = self._cached_tokens(req, hits.get(best_d.worker_id, 0))
+        d_cached = self._cached_tokens(req, blocks.get(best_d.worker_id, 0))
         if not prefills or req.num_tokens - d_cached < self.disagg_min_tokens:
             return Placement(None, best_d.worker_id, d_cached)
         best_p = self._pick_prefill(prefills, self.rank(req, prefills, hits), best_d)
-        return Placement(best_p.worker_id, best_d.worker_id, self._cached_tokens(req, hits.get(best_p.worker_id, 0)))
+        return Placement(best_p.worker_id, best_d.worker_id, self._cached_tokens(req, blocks.get(best_p.worker_id, 0)))
 
     @staticmethod
     def _cached_tokens(req: RouteRequest, blocks: int) -> int:

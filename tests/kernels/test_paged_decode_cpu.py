@@ -1,6 +1,6 @@
 """The native CPU paged-decode kernel against its independent torch reference, over a grid of
 head dims, GQA ratios, block sizes, context lengths that are not block multiples, scattered
-block tables and a batch mixing short and long sequences. fp32 (the kernel's only dtype)."""
+block tables and a batch mixing short and long sequences; fp32 and bf16 caches."""
 
 import pytest
 import torch
@@ -38,6 +38,21 @@ def test_matches_reference(dim, heads, kvh, bs):
     out = K.paged_decode(q, k, v, table, ctx, scale)
     ref = K.reference(q, k, v, table, ctx, scale)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)  # fp32: summation order only
+
+
+@pytest.mark.parametrize("heads,kvh,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 40)])
+def test_bf16_cache_matches_reference(heads, kvh, dim):
+    """bf16 q/K/V widened exactly, fp32 arithmetic, one rounding at the end: within one bf16
+    rounding step of the reference (SDPA in fp32 over the same bf16 values)."""
+    lens = [1, 7, 16, 33, 200, 513]
+    q, k, v, table, ctx = make(len(lens), heads, kvh, dim, 16, lens, seed=heads + dim)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out = K.paged_decode(q, k, v, table, ctx, dim ** -0.5)
+    ref = K.reference(q, k, v, table, ctx, dim ** -0.5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=8e-3)
+    exact = K.reference(q.float(), k.float(), v.float(), table, ctx, dim ** -0.5)
+    assert (out.float() - exact).abs().max() <= (ref.float() - exact).abs().max() * 2 + 1e-6
 
 
 def test_reads_only_the_context():

@@ -141,7 +141,7 @@ class CpuBackend(TorchBackend):
     name = "cpu"
 
     def gathers_decodes(self) -> bool:
-        return self.dtype != torch.float32  # the native kernel is fp32 only
+        return self.dtype not in paged_decode_cpu.DTYPES
 
     def _decode(self, q, k_cache, v_cache, meta: TorchMeta, scale: float) -> torch.Tensor:
         if self.gathers_decodes():

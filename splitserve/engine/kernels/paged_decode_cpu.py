@@ -1,6 +1,8 @@
-"""Paged decode attention on CPU (fp32): the native kernel's launcher and its torch reference.
+"""Paged decode attention on CPU (fp32 or bf16 cache): the native kernel's launcher and its
+torch reference.
 
-One new token per sequence attends to its whole context, read from the paged cache in place.
+One new token per sequence attends to its whole context, read from the paged cache in place;
+arithmetic in fp32 (q widened first, the output rounded back to q's dtype).
 The launcher checks shapes, dtypes and strides and says what is wrong; `reference` is the
 independent PyTorch implementation the kernel is tested against.
 """
@@ -19,11 +21,14 @@ _i64 = ctypes.c_int64
 _p = ctypes.c_void_p
 
 
-def _kernel():
+DTYPES = (torch.float32, torch.bfloat16)  # the caches the kernel reads
+
+
+def _kernel(dtype: torch.dtype = torch.float32):
     lib = native.load(Path(__file__).parent / "csrc" / "paged_decode.c")
     if lib is None:
         return None
-    fn = lib.paged_decode_f32
+    fn = lib.paged_decode_f32 if dtype == torch.float32 else lib.paged_decode_bf16
     fn.restype = ctypes.c_int
     fn.argtypes = [_p, _p, _p, _p, _p, _p] + [_i64] * 8 + [ctypes.c_float, ctypes.c_int]
     return fn
@@ -42,8 +47,10 @@ def _check(q, k_cache, v_cache, block_table, context_lens) -> None:
     if k_cache.shape[3] != dim or heads % kvh:
         raise ValueError(f"head_dim {dim} vs cache {k_cache.shape[3]}, heads {heads} vs kv heads {kvh}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+        if t.dtype not in DTYPES or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a float32 or bfloat16 CPU tensor, got {t.dtype} on {t.device}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache {v_cache.dtype}")
     if not q.is_contiguous():
         raise ValueError("q must be contiguous")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -63,18 +70,19 @@ def _check(q, k_cache, v_cache, block_table, context_lens) -> None:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """out[s, h] = softmax(q[s, h] · K_s^T · scale) · V_s over the first context_lens[s] tokens."""
-    fn = _kernel()
+    _check(q, k_cache, v_cache, block_table, context_lens)
+    fn = _kernel(k_cache.dtype)
     if fn is None:
         raise RuntimeError("the native paged-decode kernel is not available on this machine")
-    _check(q, k_cache, v_cache, block_table, context_lens)
-    out = torch.empty_like(q)
+    q32 = q.float().contiguous()
+    out = torch.empty_like(q32)
     n, heads, dim = q.shape
-    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), context_lens.data_ptr(),
+    rc = fn(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), context_lens.data_ptr(),
             out.data_ptr(), n, heads, k_cache.shape[2], dim, k_cache.shape[1], block_table.shape[1],
             k_cache.stride(0), v_cache.stride(0), float(scale), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged-decode kernel could not allocate its score buffer")
-    return out
+    return out.to(q.dtype)
 
 
 def reference(q, k_cache, v_cache, block_table, context_lens, scale) -> torch.Tensor:

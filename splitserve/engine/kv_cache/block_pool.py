@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from splitserve.hashing import BlockHash
 from splitserve.types import BlockRemoved, BlockStored, KVEvent  # noqa: F401 (re-exported)
@@ -48,6 +48,8 @@ class BlockPool:
         self._lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._events: list[KVEvent] = []
         self._num_cached = 0  # available blocks that carry a hash (kept, not recounted)
+        # called with (block, hash) as a cached block is evicted, before it is reused (a host tier's save)
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -81,6 +83,8 @@ class BlockPool:
                 self._hash[block] = None
                 del self._cached[h]
                 removed.append(h)
+                if self.on_evict is not None:
+                    self.on_evict(block, h)
             self._ref[block] = 1
             out.append(block)
         if removed:
@@ -98,6 +102,10 @@ class BlockPool:
                 break
             ids.append(b)
         return PrefixMatch(tuple(ids))
+
+    def has(self, h: BlockHash) -> bool:
+        """Whether a block holds prefix `h` (in use or reusable)."""
+        return h in self._cached
 
     def count_available(self, block_ids: Iterable[int]) -> int:
         """How many of these blocks sit in the free/cached queue (touching them shrinks it)."""

@@ -27,7 +27,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
-        self.rope = apply_rope  # or the fused Triton kernel (LlamaModel.use_triton_kernels)
+        self.rope = apply_rope  # or a fused kernel (LlamaModel.use_triton_kernels / use_cpu_kernels)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: Any):
         c = self.cfg
@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.fused_rms_norm = None  # the Triton kernel, set by LlamaModel.use_triton_kernels
+        self.fused_rms_norm = None  # a fused kernel, set by LlamaModel.use_triton_kernels / use_cpu_kernels
 
     def forward(self, x, cos, sin, kv, backend, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, backend, meta)
@@ -95,7 +95,7 @@ class LlamaModel(nn.Module):
 
     @property
     def fused(self) -> bool:
-        """Whether the layers run the fused Triton kernels (`use_triton_kernels`)."""
+        """Whether the layers run fused kernels (`use_triton_kernels` / `use_cpu_kernels`)."""
         return self.layers[0].fused_rms_norm is not None
 
     def use_triton_kernels(self, enabled: bool = True) -> None:
@@ -106,6 +106,18 @@ class LlamaModel(nn.Module):
             from splitserve.engine.kernels.triton_norm import apply_rotary, rms_norm  # triton: a GPU extra
         else:
             apply_rotary, rms_norm = apply_rope, None
+        self._use_kernels(rms_norm, apply_rotary)
+
+    def use_cpu_kernels(self, enabled: bool = True) -> None:
+        """The same two fused layers as native CPU kernels (kernels/norm_rope_cpu.py), or back to
+        the torch ops."""
+        if enabled:
+            from splitserve.engine.kernels.norm_rope_cpu import apply_rotary, rms_norm
+        else:
+            apply_rotary, rms_norm = apply_rope, None
+        self._use_kernels(rms_norm, apply_rotary)
+
+    def _use_kernels(self, rms_norm, apply_rotary) -> None:
         for layer in self.layers:
             layer.fused_rms_norm = rms_norm
             layer.self_attn.rope = apply_rotary
