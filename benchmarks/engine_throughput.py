@@ -30,7 +30,7 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]
 def run_splitserve(model: str, prompts, out_len: int, args) -> dict:
     from splitserve import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32", max_num_seqs=args.max_num_seqs,
+    llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
     sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default="results/engine_throughput.json")
     args = ap.parse_args()
@@ -98,7 +99,7 @@ def main() -> None:
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     prompts = workload(args.num_requests, args.min_len, args.max_len, vocab, args.seed)
     result = {"benchmark": "engine_throughput", "model": args.model, "num_requests": args.num_requests,
-              "prompt_len": [args.min_len, args.max_len], "output_len": args.output_len, "dtype": "float32",
+              "prompt_len": [args.min_len, args.max_len], "output_len": args.output_len, "dtype": args.dtype,
               "machine": machine()}
     result["splitserve"] = run_splitserve(args.model, prompts, args.output_len, args)
     print(json.dumps(result["splitserve"]), flush=True)

@@ -87,7 +87,7 @@ def bench(a, model: str, out_dir: Path, name: str) -> dict:
            "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len",
            str(a.output_len), "--num-prompts", str(a.num_prompts), "--request-rate", str(a.request_rate),
            "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
-           "50,90,99", "--save-result", "--result-dir", str(out_dir), "--result-filename", fname]
+           "50,90,99", "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", fname]
     subprocess.run(cmd, check=True, timeout=1800)
     return json.loads((out_dir / fname).read_text())
 
@@ -107,7 +107,18 @@ def run_one(a, model: str, name: str, out_dir: Path) -> dict:
     keep = ("completed", "duration", "output_throughput", "request_throughput", "total_token_throughput")
     summary = {k: result.get(k) for k in keep}
     summary.update({k: v for k, v in result.items() if k.split("_")[0] in ("mean", "median", "p50", "p90", "p99")})
+    summary.update(_itl_split(result.get("itls") or []))
     return {"command": cmd, "summary": summary}
+
+
+def _itl_split(itls: list[list[float]]) -> dict:
+    """Each request's first gap (token 1 → 2: in PD mode the KV handoff) apart from the rest
+    (steady decoding), p50 / p99 in ms."""
+    def pcts(xs: list[float], name: str) -> dict:
+        xs = sorted(x * 1e3 for x in xs)
+        return {f"p50_{name}_ms": xs[len(xs) // 2], f"p99_{name}_ms": xs[min(len(xs) - 1, int(len(xs) * 0.99))]} if xs else {}
+
+    return {**pcts([r[0] for r in itls if r], "first_itl"), **pcts([x for r in itls for x in r[1:]], "steady_itl")}
 
 
 def plot(res: dict, path: Path) -> None:

@@ -128,6 +128,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                                                                         "without --gpu-memory-utilization)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="on a GPU: the share of its memory each worker may use; the KV cache takes the rest")
+    p.add_argument("--host-kv-blocks", type=int, default=0,
+                   help="a host-memory KV tier of this many blocks below each worker's KV cache: evicted "
+                        "prefix blocks are kept there and loaded back on a hit (default: none)")
     p.add_argument("--max-inflight", type=int, default=256, help="admission: requests in flight at most")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="admission: default TTFT target")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="admission: default TPOT target")

@@ -89,7 +89,8 @@ class EngineConfig:
 
 POOL_KEYS = ("prefill", "decode")
 TRANSPORTS = ("auto", "shm", "tcp", "nixl")
-ENGINE_FLAG_KEYS = ("dtype", "device", "attention_backend", "kv_cache_memory_gib", "gpu_memory_utilization")
+ENGINE_FLAG_KEYS = ("dtype", "device", "attention_backend", "kv_cache_memory_gib", "gpu_memory_utilization",
+                    "host_kv_blocks")
 
 
 @dataclass(frozen=True)
