@@ -392,6 +392,43 @@ class Bench:
             print(f"fused={fused}: {rows[-1]}", flush=True)
         self.model.use_triton_kernels(self.device.type == "cuda" and bool(self.result.get("fused_norm_rotary")))
 
+    def host_tier(self) -> None:
+        """The host-memory KV tier (engine/kv_cache/host_tier.py) against this device pool: GB/s
+        of saving evicted blocks to pinned host memory and of promoting them back on a prefix hit,
+        and that a promoted block is bit-identical to what was evicted."""
+        torch = self.torch
+        from splitserve.engine.kv_cache import BlockPool, HostTier
+
+        storage = self.kv_storage
+        n = min(storage.shape[2] // 2, 8 if self.smoke else 256)
+        pool, tier = BlockPool(storage.shape[2], self.block_size), HostTier(n, storage)
+        hashes = [i.to_bytes(16, "little") for i in range(n)]
+        blocks = pool.allocate(n)
+        pool.cache_blocks(blocks, hashes)
+        pool.free(blocks)
+        idx = torch.tensor(blocks, device=storage.device)
+        ref = storage.index_select(2, idx).clone()
+        sync = torch.cuda.synchronize if storage.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for b, h in zip(blocks, hashes):
+            tier.save(b, h)
+        sync()
+        t1 = time.perf_counter()
+        pool.reset_prefix_cache()
+        storage.index_fill_(2, idx, 0)  # the device copies are gone: only the tier has them
+        sync()
+        t2 = time.perf_counter()
+        got = tier.promote(pool, (), hashes)
+        sync()
+        t3 = time.perf_counter()
+        nbytes = ref.numel() * ref.element_size()
+        exact = len(got) == n and torch.equal(storage.index_select(2, torch.tensor(got, device=storage.device)), ref)
+        self.result["host_tier"] = {"blocks": n, "bytes": nbytes, "save_gb_per_s": nbytes / (t1 - t0) / 1e9,
+                                    "promote_gb_per_s": nbytes / (t3 - t2) / 1e9, "exact": bool(exact)}
+        print("host tier:", json.dumps(self.result["host_tier"]), flush=True)
+        del ref
+
     def summary(self) -> dict:
         """The issue's two goals, read off the rows."""
         out: dict[str, Any] = {}
@@ -529,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, if the GPU name is not known")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    ap.add_argument("--sections", default="kernels,decode,prefill,fused_ablation")
+    ap.add_argument("--sections", default="kernels,decode,prefill,fused_ablation,host_tier")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -542,12 +579,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.copy_bandwidth()
     if "kernels" in sections:
         bench.guarded("kernels", bench.kernels)
-    if {"decode", "prefill", "fused_ablation"} & set(sections):
+    if {"decode", "prefill", "fused_ablation", "host_tier"} & set(sections):
         bench.guarded("model", bench.build_model)
         need = 512 if args.smoke else 256 * (8192 + 16)  # the largest batch x context (capped by memory)
         if hasattr(bench, "model"):
             bench.guarded("kv", lambda: bench.allocate_kv(need))
-        for name in ("decode", "prefill", "fused_ablation"):
+        for name in ("decode", "prefill", "fused_ablation", "host_tier"):
             if name in sections and hasattr(bench, "kv_storage"):
                 bench.guarded(name, getattr(bench, name))
     bench.result["summary"] = bench.summary()

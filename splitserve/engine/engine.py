@@ -26,7 +26,8 @@ from splitserve.engine.kv_cache import BlockPool, BlockStored, HostTier, KVCache
 from splitserve.engine.kernels.norm_rope_cpu import available as cpu_kernels
 from splitserve.engine.kv_cache.tensors import SHM_PREFIX, sweep_stale_shm
 from splitserve.engine.model.config import ModelConfig
-from splitserve.engine.model.loader import load_model, resolve_dtype
+from splitserve.engine.model.loader import cpu_has_amx, load_model, resolve_dtype
+from splitserve.engine.model.widened_linear import widen_linears
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, SamplingState, make_generator
 from splitserve.engine.scheduler import Scheduler
@@ -74,6 +75,8 @@ class Engine:
             # bf16 only: the kernels round as torch does but sum a row in another order, and fp32
             # keeps the torch ops so that greedy output stays bit-exact with Hugging Face
             model.use_cpu_kernels()
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not cpu_has_amx():
+            widen_linears(model)  # prefill matmuls at fp32 speed, same bf16 result (model/widened_linear.py)
         backend = get_backend(config.attention_backend, self.dtype, self.device, block_size=config.block_size,
                               head_dim=mc.head_dim)
         self.runner = ModelRunner(model, self.kv, backend, config.block_size, self.device)

@@ -1,6 +1,7 @@
 """The one-shot GPU script (benchmarks/gpu/bench_gpu.py) runs end to end in its --smoke mode:
 tiny shapes on CPU under the Triton interpreter, every section (kernels checked against their
-references, decode over triton-graph / triton-eager / torch, prefill), JSON written, no error —
+references, decode over triton-graph / triton-eager / torch, prefill, the host KV tier's save and
+promote), JSON written, no error —
 in a fresh interpreter where the packages the GPU machine lacks (Ray, PyYAML, ...) cannot be
 imported."""
 
@@ -42,3 +43,5 @@ def test_gpu_bench_smoke(tmp_path):
     assert res["copy"]["gb_per_s"] > 0
     assert [r["fused"] for r in res["fused_ablation"]] == [True, False]
     assert all(r["decode_step_ms"] > 0 and r["prefill_ms"] > 0 for r in res["fused_ablation"])
+    ht = res["host_tier"]
+    assert ht["exact"] and ht["blocks"] > 0 and ht["save_gb_per_s"] > 0 and ht["promote_gb_per_s"] > 0
