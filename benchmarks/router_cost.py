@@ -1,5 +1,6 @@
-"""What one routing decision costs on the ingress's hot path: hash the prompt's blocks
-(splitserve.hashing, the native chain) and place it with the `cache_aware` policy over W
+"""What one routing decision costs on the ingress's hot path: hash the prompt's blocks as the
+ingress does (KVIndex.routable_hashes: the native chain, as far as some worker may hold the
+prefix; the engine continues the chain) and place it with the `cache_aware` policy over W
 prefill + W decode workers, against a KV index populated with `--index-hashes` hashes (a quarter
 of the workers hold a shared system prefix, so the prefix scorer has matches to walk). Reports
 p50 / p99 of the hashing, the placement and both together for each workers × prompt length.
@@ -63,7 +64,7 @@ def main() -> None:
             for d in range(a.decisions):
                 prompt = tuple(system[: min(n, len(system))] + [rng.randrange(32000) for _ in range(max(0, n - 2048))])
                 t0 = time.perf_counter()
-                hashes = tuple(block_hashes(prompt, BLOCK))
+                hashes = router.index.routable_hashes(prompt, BLOCK)
                 t1 = time.perf_counter()
                 router.place(RouteRequest(f"r{d}", n, hashes, BLOCK), prefills, decodes)
                 t2 = time.perf_counter()

@@ -46,8 +46,10 @@ def block_hashes(
     *,
     start: int = 0,
     parent: BlockHash | None = None,
+    stop: int | None = None,
 ) -> list[BlockHash]:
-    """Hashes of the full blocks of `tokens` from block index `start` on.
+    """Hashes of the full blocks of `tokens` from block index `start` on (up to block `stop`,
+    exclusive, when given).
 
     `parent` must be the hash of block `start - 1` when `start > 0` (incremental hashing as a
     sequence grows); with `start == 0` the chain starts at the (salted) root.
@@ -57,7 +59,7 @@ def block_hashes(
     if start > 0 and parent is None:
         raise ValueError("parent hash is required when start > 0")
     prev = root_hash(salt) if start == 0 else parent
-    n = len(tokens) // block_size - start
+    n = min(len(tokens) // block_size, len(tokens) if stop is None else stop) - start
     if n <= 0:
         return []
     fn = _native()

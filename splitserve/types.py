@@ -122,9 +122,10 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class PromptHashes:
-    """A prompt's chained block hashes (splitserve.hashing) as the ingress computed them to place
-    it, carried to the engines so that they do not hash the prompt again. Set by our ingress
-    only, never from a client's input."""
+    """A prompt's leading chained block hashes (splitserve.hashing) as the ingress computed them
+    to place it — as far as some worker may hold the prefix, maybe not every full block —
+    carried to the engines so that they continue the chain instead of hashing the prompt
+    again. Set by our ingress only, never from a client's input."""
 
     block_size: int
     hashes: tuple[bytes, ...]
@@ -146,8 +147,8 @@ class Request:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         _check(len(self.prompt_token_ids) > 0, f"request {self.request_id}: the prompt is empty")
         ph = self.prompt_hashes
-        _check(ph is None or len(ph.hashes) == len(self.prompt_token_ids) // ph.block_size,
-               f"request {self.request_id}: prompt hashes do not cover the prompt's full blocks")
+        _check(ph is None or (ph.block_size > 0 and len(ph.hashes) <= len(self.prompt_token_ids) // ph.block_size),
+               f"request {self.request_id}: more prompt hashes than the prompt has full blocks")
 
 
 @dataclass(frozen=True)

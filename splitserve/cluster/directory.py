@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from splitserve.cluster.registry import RegistrySnapshot, WorkerRecord
-from splitserve.hashing import block_hashes
 from splitserve.kv_transfer import choose_transport
 from splitserve.router.policy import RouteRequest, Router, WorkerView
 from splitserve.types import PromptHashes, Request, Role, WorkerId, WorkerState, WorkerStats
@@ -229,8 +228,8 @@ class Directory:
         ph = req.prompt_hashes
         if ph is not None and ph.block_size == self.block_size:
             hashes = ph.hashes
-        else:
-            hashes = tuple(block_hashes(req.prompt_token_ids, self.block_size, req.cache_salt))
+        else:  # as far as any worker may hold the prefix; the engine hashes the rest
+            hashes = self.policy.index.routable_hashes(req.prompt_token_ids, self.block_size, req.cache_salt)
         return RouteRequest(req.request_id, len(req.prompt_token_ids), hashes, self.block_size)
 
     def place(self, req: Request, route_req: RouteRequest | None = None,

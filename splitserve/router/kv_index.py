@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import Hashable, Iterable, Sequence
 
 from splitserve.types import BlockRemoved, BlockStored, KVEvent, Tier
-from splitserve.hashing import BlockHash
+from splitserve.hashing import BlockHash, block_hashes
 
 
 class KVIndex:
@@ -35,6 +35,23 @@ class KVIndex:
 
     def __len__(self) -> int:
         return len(self._holders) + len(self._host)
+
+    def __contains__(self, h: BlockHash) -> bool:
+        return h in self._holders or h in self._host
+
+    def routable_hashes(self, tokens: Sequence[int], block_size: int, salt: str | None = None,
+                        chunk: int = 32) -> tuple[BlockHash, ...]:
+        """The prompt's leading block hashes, `chunk` blocks at a time, as far as some worker may
+        hold them: past the first chunk whose last block nobody holds, no worker's prefix can
+        go on (a run ends at its first missing block), so those blocks are left to the engine,
+        which continues the chain from the last one given (Request.prompt_hashes)."""
+        out: list[BlockHash] = []
+        while True:
+            more = block_hashes(tokens, block_size, salt, start=len(out), parent=out[-1] if out else None,
+                                stop=len(out) + chunk)
+            out += more
+            if len(more) < chunk or more[-1] not in self:
+                return tuple(out)
 
     def apply(self, worker_id: Hashable, events: Iterable[KVEvent]) -> None:
         bit = 1 << self._slot_of(worker_id)

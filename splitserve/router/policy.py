@@ -42,7 +42,7 @@ class WorkerView:
 class RouteRequest:
     request_id: str
     num_tokens: int
-    block_hashes: tuple[BlockHash, ...]
+    block_hashes: tuple[BlockHash, ...]  # the prompt's leading blocks' (KVIndex.routable_hashes: maybe not all)
     block_size: int = 16
 
     @property
@@ -78,7 +78,7 @@ def available(req: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerVi
 
 class PrefixScorer:
     def score(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
-        n = max(1, len(req.block_hashes))
+        n = max(1, req.num_tokens // req.block_size)  # of the prompt's full blocks (its hashes may stop short)
         return [hits.get(w.worker_id, 0) / n for w in workers]
 
 

@@ -1,6 +1,8 @@
 """Engine behaviour beyond parity: aborts at any point, priorities, stop rules, bad input,
 seeds, logprobs, stop strings and the vLLM-shaped offline API. Every test ends drained."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -247,5 +249,12 @@ def test_the_ingress_hashes_reach_the_engine_and_its_kv_events(tiny_checkpoint, 
     assert len(route.block_hashes) == 5 and stored[:5] == list(route.block_hashes)
     assert len(stored) == 6 and stored == real(ids + outputs, bs, "t")[:6]  # + the first generated block
     assert hashed and min(hashed) > len(ids), "the prompt's blocks were hashed again on the engine"
+    # hashes that stop short (KVIndex.routable_hashes): the engine continues the same chain
+    eng.pool.reset_prefix_cache()
+    eng.drain_kv_events()
+    eng.add_request(dataclasses.replace(req, request_id="r2", prompt_hashes=PromptHashes(bs, route.block_hashes[:2])))
+    run_all(eng)
+    stored = [h for ev in eng.drain_kv_events() if isinstance(ev, BlockStored) for h in ev.block_hashes]
+    assert stored[:5] == list(route.block_hashes)
     with pytest.raises(ConfigError, match="prompt hashes"):
-        Request("x", ids, prompt_hashes=PromptHashes(bs, route.block_hashes[:2]))
+        Request("x", ids, prompt_hashes=PromptHashes(bs, route.block_hashes + route.block_hashes[:1]))

@@ -65,6 +65,18 @@ def test_index_overlap_equals_a_naive_walk_per_worker():
         assert idx.overlap(chain, some) == {name: naive.get(name, 0) for name in some}
 
 
+def test_routable_hashes_stop_after_the_first_chunk_nobody_holds():
+    toks = list(range(100 * BS))
+    full = block_hashes(toks, BS, "t")
+    idx = KVIndex()
+    assert idx.routable_hashes(toks, BS, "t", chunk=16) == tuple(full[:16])  # empty index: one chunk
+    idx.apply("a", [BlockStored(tuple(full[:40]))])
+    assert idx.routable_hashes(toks, BS, "t", chunk=16) == tuple(full[:48])  # chunk 32..47 ends unheld
+    idx.apply("b", [BlockStored(tuple(full))])
+    assert idx.routable_hashes(toks, BS, "t", chunk=16) == tuple(full)  # all of it, and the tail's 4 tokens not
+    assert idx.overlap(idx.routable_hashes(toks, BS, "t", chunk=16)) == idx.overlap(full)
+
+
 def test_index_is_bounded():
     idx = KVIndex(max_hashes=10)
     for i in range(5):
