@@ -69,13 +69,14 @@ class Engine:
             self.host = HostTier(config.host_kv_blocks, self.kv.storage)
             self.pool.on_evict = self.host.save
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.host)
+        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         if config.fused_kernels and self.device.type == "cuda" and triton_unavailable(self.device) is None:
             model.use_triton_kernels()  # fused residual + RMSNorm and rotary: fewer passes, same rounding
-        elif config.fused_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_kernels():
+        elif config.fused_kernels and cpu_bf16 and cpu_kernels():
             # bf16 only: the kernels round as torch does but sum a row in another order, and fp32
             # keeps the torch ops so that greedy output stays bit-exact with Hugging Face
             model.use_cpu_kernels()
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not cpu_has_amx():
+        if cpu_bf16 and not cpu_has_amx():
             widen_linears(model)  # prefill matmuls at fp32 speed, same bf16 result (model/widened_linear.py)
         backend = get_backend(config.attention_backend, self.dtype, self.device, block_size=config.block_size,
                               head_dim=mc.head_dim)
@@ -112,7 +113,7 @@ class Engine:
         if self.host is not None:
             self.host.reset()
             self.host.drain_events()
-        self.scheduler.prefix_query_tokens = self.scheduler.prefix_hit_tokens = self.scheduler.host_hit_tokens = 0
+        self.scheduler.prefix_query_tokens = self.scheduler.prefix_hit_tokens = 0
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = ()) -> None:
@@ -295,7 +296,7 @@ class Engine:
             kv_blocks_cached=self.pool.num_cached,
             prefix_query_tokens_total=self.scheduler.prefix_query_tokens,
             prefix_hit_tokens_total=self.scheduler.prefix_hit_tokens,
-            host_hit_tokens_total=self.scheduler.host_hit_tokens,
+            host_hit_tokens_total=0 if self.host is None else self.host.promoted_total * self.config.block_size,
             kv_host_blocks_cached=0 if self.host is None else len(self.host),
             steps_total=self._steps,
             prefill_tokens_total=self._prefill_tokens,

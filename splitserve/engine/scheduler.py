@@ -50,7 +50,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (first admission)
         self.prefix_hit_tokens = 0  # of which found cached
-        self.host_hit_tokens = 0  # of those, brought back from the host tier
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -162,9 +161,7 @@ class Scheduler:
         usable = (seq.num_tokens - 1) // self.block_size
         match = self.pool.match_prefix(seq.block_hashes[:usable]).block_ids
         if self.host is not None and len(match) < usable:  # the prefix may go on in host memory
-            more = self.host.promote(self.pool, match, seq.block_hashes[len(match):usable])
-            self.host_hit_tokens += len(more) * self.block_size
-            match += more
+            match += self.host.promote(self.pool, match, seq.block_hashes[len(match):usable])
         return match
 
     def _lower_priority_victim(self, seq: Sequence, out: list[Scheduled]) -> Sequence | None:

@@ -111,7 +111,13 @@ class KVIndex:
                 slot = self._slot.get(w)
                 if slot is not None:
                     alive |= 1 << slot
-        get, touch, depth, last = self._holders.get, self._holders.move_to_end, 0, None
+        self._walk(self._holders, hashes, alive, out, touch=True)
+        return out
+
+    def _walk(self, holders: OrderedDict, hashes: Sequence[BlockHash], alive: int, out: dict, touch: bool) -> None:
+        """Record in `out` how many leading `hashes` `holders` has for each worker whose bit is
+        in `alive` (nothing for a worker with none); `touch`: mark the matched hashes recent."""
+        get, depth, last = holders.get, 0, None
         for h in hashes:
             held = get(h)
             if held is None:
@@ -124,10 +130,10 @@ class KVIndex:
                     self._record(out, alive ^ still, depth)
                 alive, last = still, held
             depth += 1
-            touch(h)
+            if touch:
+                holders.move_to_end(h)
         if depth:
             self._record(out, alive, depth)
-        return out
 
     def _record(self, out: dict, bits: int, depth: int) -> None:
         while bits:
@@ -145,17 +151,6 @@ class KVIndex:
         for w, slot in self._slot.items():
             d = device.get(w, 0)
             starts[d] = starts.get(d, 0) | 1 << slot
-        get = self._host.get
         for start, alive in starts.items():
-            depth = 0
-            for h in hashes[start:]:
-                held = get(h)
-                if held is None or not alive & held:
-                    break
-                if depth and alive & ~held:
-                    self._record(out, alive & ~held, depth)
-                alive &= held
-                depth += 1
-            if depth:
-                self._record(out, alive, depth)
+            self._walk(self._host, hashes[start:], alive, out, touch=False)
         return out

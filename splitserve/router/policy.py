@@ -162,11 +162,12 @@ class Router:
     def _pick_prefill(self, prefills: Sequence[WorkerView], scores: list[float], decode: WorkerView) -> WorkerView:
         """The best prefill worker, or a same-host one whose score is within the margin (KV over
         shared memory beats KV over the network)."""
-        floor = scores[_best(prefills, scores)] - self.same_host_margin
+        best = _best(prefills, scores)
+        floor = scores[best] - self.same_host_margin
         near = [i for i, w in enumerate(prefills) if w.host == decode.host and scores[i] >= floor]
         if near:
             return prefills[near[_best([prefills[i] for i in near], [scores[i] for i in near])]]
-        return prefills[_best(prefills, scores)]
+        return prefills[best]
 
 
 class NoCapacity(RuntimeError):

@@ -8,6 +8,7 @@ triton_norm's `*_reference` (the torch definitions), which the tests compare aga
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
@@ -21,13 +22,14 @@ _MAX_HIDDEN = 65536  # a row's fp32 copy lives on the kernel's stack
 _MAX_HEAD_DIM = 1024
 
 
+@functools.cache
 def _lib():
+    """The kernels, built and typed on first use (None: no compiler here)."""
     lib = native.load(Path(__file__).parent / "csrc" / "norm_rope.c")
-    if lib is not None and not getattr(lib, "_typed", False):
+    if lib is not None:
         lib.rms_norm.argtypes = [_p] * 5 + [_i64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         lib.rotary.argtypes = [_p] * 4 + [_i64] * 4 + [ctypes.c_int, ctypes.c_int]
         lib.rms_norm.restype = lib.rotary.restype = None
-        lib._typed = True
     return lib
 
 

@@ -89,6 +89,8 @@ class HostTier:
         return tuple(blocks)
 
     def reset(self) -> None:
+        """Forget every block and the counters (the engine's warm-up leaves no trace)."""
+        self.saved_total = self.promoted_total = 0
         if self._slot:
             self._emit(BlockRemoved, list(self._slot))
         self._free.extend(self._slot.values())

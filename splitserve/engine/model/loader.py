@@ -45,7 +45,7 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
     if dtype == "auto":
         # GPUs want the checkpoint's half type. On a CPU, bf16 pays only with AMX tiles: an
         # AVX-512-BF16 dot product retires no more flops than fp32 FMAs do, and oneDNN's bf16
-        # matmuls measured 0.6x fp32's MKL ones on such a CPU (results/engine_throughput*.json).
+        # matmuls measured ~0.6x MKL's fp32 ones on such a CPU (see model/widened_linear.py).
         if not torch.cuda.is_available():
             return torch.bfloat16 if cpu_has_amx() else torch.float32
         return DTYPES.get(cfg.torch_dtype or "bfloat16", torch.bfloat16)
