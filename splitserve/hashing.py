@@ -20,8 +20,9 @@ import ctypes
 import functools
 import hashlib
 import struct
+from collections import OrderedDict
 from pathlib import Path
-from typing import Sequence
+from typing import Container, Sequence
 
 BlockHash = bytes  # 16 bytes
 
@@ -47,32 +48,45 @@ def block_hashes(
     start: int = 0,
     parent: BlockHash | None = None,
     stop: int | None = None,
+    known: tuple[Container[BlockHash], ...] | None = None,
+    check_every: int = 8,
 ) -> list[BlockHash]:
     """Hashes of the full blocks of `tokens` from block index `start` on (up to block `stop`,
     exclusive, when given).
 
     `parent` must be the hash of block `start - 1` when `start > 0` (incremental hashing as a
     sequence grows); with `start == 0` the chain starts at the (salted) root.
+
+    `known`: stop early. Every `check_every`-th block's hash (and the last one's) is looked up
+    in these containers, and the chain ends after the first one that none of them holds (for a
+    caller that wants only hashes something may know; the native chain needs dicts).
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if start > 0 and parent is None:
         raise ValueError("parent hash is required when start > 0")
+    if check_every <= 0:
+        raise ValueError(f"check_every must be positive, got {check_every}")
     prev = root_hash(salt) if start == 0 else parent
     n = min(len(tokens) // block_size, len(tokens) if stop is None else stop) - start
     if n <= 0:
         return []
     fn = _native()
-    if fn is None:
-        return _python_chain(prev, tokens, block_size, start, n)
-    return fn(tokens if isinstance(tokens, (list, tuple)) else list(tokens), start, n, block_size, prev)
+    if fn is None or (known is not None and not all(type(k) in (dict, OrderedDict) for k in known)):
+        return _python_chain(prev, tokens, block_size, start, n, known, check_every)
+    return fn(tokens if isinstance(tokens, (list, tuple)) else list(tokens), start, n, block_size, prev,
+              None if known is None else tuple(known), check_every)
 
 
-def _python_chain(prev: BlockHash, tokens: Sequence[int], block_size: int, start: int, n: int) -> list[BlockHash]:
+def _python_chain(prev: BlockHash, tokens: Sequence[int], block_size: int, start: int, n: int,
+                  known=None, check_every: int = 8) -> list[BlockHash]:
     out: list[BlockHash] = []
     for b in range(start, start + n):
         prev = hash_block(prev, tokens[b * block_size : (b + 1) * block_size])
         out.append(prev)
+        if known is not None and (len(out) % check_every == 0 or b + 1 == start + n):
+            if not any(prev in k for k in known):
+                break
     return out
 
 
@@ -85,6 +99,7 @@ def _native():
     if lib is None:
         return None
     fn = lib.chained_blake2b_128
-    fn.argtypes = [ctypes.py_object, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_char_p]
+    fn.argtypes = [ctypes.py_object, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_char_p,
+                   ctypes.py_object, ctypes.c_ssize_t]
     fn.restype = ctypes.py_object
     return fn

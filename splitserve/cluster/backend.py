@@ -5,6 +5,7 @@ refreshed in the background) and the request `Orchestrator`."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from typing import AsyncIterator
 
@@ -55,6 +56,10 @@ class ClusterBackend:
 
     async def start(self) -> None:
         await self.directory.start()
+        # Everything built so far lives as long as the process (the KV index's tables among it,
+        # which grow to a million hashes): out of the collector's sight, a full collection no
+        # longer walks them (~60 ms with a full index, measured here: a stall of every request).
+        gc.freeze()
         self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
 
     def stop(self) -> None:

@@ -44,23 +44,32 @@ class Pending:
     confirmation has been applied, or until the request ends; one never confirmed (a plan that
     was refused or never ran) lapses after `ttl_s`."""
 
-    def __init__(self, ttl_s: float = 2.0, clock=time.monotonic) -> None:
+    def __init__(self, ttl_s: float = 2.0, clock=time.monotonic, on_change=lambda wid: None) -> None:
         self.ttl_s, self._clock = ttl_s, clock
+        self._on_change = on_change  # a worker's count may have changed
         self._entries: dict[WorkerId, dict[int, list]] = {}  # worker -> ticket -> [placed_at, confirmed_at]
         self._tickets = itertools.count()
 
     def add(self, wid: WorkerId) -> int:
         t = next(self._tickets)
         self._entries.setdefault(wid, {})[t] = [self._clock(), None]
+        self._on_change(wid)
         return t
 
     def confirm(self, wid: WorkerId, ticket: int) -> None:
         e = self._entries.get(wid, {}).get(ticket)
         if e is not None and e[1] is None:
             e[1] = self._clock()
+            self._on_change(wid)
 
     def done(self, wid: WorkerId, ticket: int) -> None:
-        self._entries.get(wid, {}).pop(ticket, None)
+        if self._entries.get(wid, {}).pop(ticket, None) is not None:
+            self._on_change(wid)
+
+    def lapses_at(self, wid: WorkerId) -> float:
+        """When the worker's count next drops by itself (an unconfirmed entry's ttl ends)."""
+        return min((placed + self.ttl_s for placed, confirmed in self._entries.get(wid, {}).values()
+                    if confirmed is None), default=float("inf"))
 
     def count(self, wid: WorkerId, seen_at: float | None) -> int:
         now, entries = self._clock(), self._entries.get(wid, {})
@@ -72,6 +81,7 @@ class Pending:
 
     def forget(self, wid: WorkerId) -> None:
         self._entries.pop(wid, None)
+        self._on_change(wid)
 
 
 @dataclass
@@ -108,7 +118,10 @@ class Directory:
             registry_interval_s, load_interval_s, answer_timeout_s)
         self.router_id = uuid.uuid4().hex  # each router replica acknowledges KV events on its own
         self._clock = clock
-        self.pending = Pending(clock=clock)
+        self.pending = Pending(clock=clock, on_change=self._stale)
+        self._views: dict[WorkerId, WorkerView] = {}  # built once per change of a worker's facts
+        self._lists: dict[Role | None, tuple[WorkerView, ...]] = {}
+        self._views_lapse = float("inf")  # when some cached view's pending count drops by itself
         self.version = -1
         self.records: dict[WorkerId, WorkerRecord] = {}
         self._stats: dict[WorkerId, WorkerStats] = {}
@@ -153,11 +166,13 @@ class Directory:
             if task is not None:
                 task.cancel()
         self.records = records
+        self._stale()
         for wid in records:
             if wid not in self._pollers:
                 self._pollers[wid] = asyncio.get_running_loop().create_task(self._poll(wid))
 
     def _forget(self, wid: WorkerId) -> None:
+        self._stale(wid)
         self._stats.pop(wid, None)
         self._acked.pop(wid, None)  # so its next answer is a full listing
         self._seen_at.pop(wid, None)
@@ -189,6 +204,7 @@ class Directory:
             self._forget(wid)
             return
         self._failed.discard(wid)
+        self._stale(wid)
         self._stats[wid] = snap.stats
         self._acked[wid] = snap.seq
         self._seen_at[wid] = sent
@@ -200,6 +216,7 @@ class Directory:
     def mark_failed(self, wid: WorkerId) -> None:
         """A request's call to this worker failed: out of placement until it answers again."""
         self._failed.add(wid)
+        self._stale(wid)
 
     def stats(self, wid: WorkerId) -> WorkerStats | None:
         return self._stats.get(wid)
@@ -215,8 +232,32 @@ class Directory:
         return WorkerView(wid, rec.role, rec.node_ip, s.num_waiting + pending, s.num_running, s.kv_usage,
                           s.kv_blocks_free + s.kv_blocks_cached, healthy, rec.state is WorkerState.DRAINING)
 
-    def views(self, role: Role | None = None) -> list[WorkerView]:
-        return [self.view(r) for r in self.records.values() if role is None or r.role is role]
+    def views(self, role: Role | None = None) -> tuple[WorkerView, ...]:
+        """The workers' views (of one role), the same objects until a worker's facts change:
+        the policy re-scores only the views that are new (router/policy.py Pool)."""
+        if self._clock() >= self._views_lapse:
+            self._stale()
+        got = self._lists.get(role)
+        if got is None:
+            got = self._lists[role] = tuple(self._cached_view(r) for r in self.records.values()
+                                            if role is None or r.role is role)
+        return got
+
+    def _cached_view(self, rec: WorkerRecord) -> WorkerView:
+        v = self._views.get(rec.id)
+        if v is None:
+            v = self._views[rec.id] = self.view(rec)
+            self._views_lapse = min(self._views_lapse, self.pending.lapses_at(rec.id))
+        return v
+
+    def _stale(self, wid: WorkerId | None = None) -> None:
+        """A worker's facts changed (None: any worker's): its view is built again when next asked."""
+        if wid is None:
+            self._views.clear()
+            self._views_lapse = float("inf")
+        else:
+            self._views.pop(wid, None)
+        self._lists.clear()
 
     def ready(self) -> bool:
         return any(v.healthy for v in self.views(Role.DECODE))
@@ -236,8 +277,9 @@ class Directory:
               exclude: frozenset[WorkerId] = frozenset()) -> Route:
         """The policy's placement over the current views (raises NoCapacity), counted as pending
         on the workers it names. `exclude`: workers that already failed this request."""
-        def views(role: Role) -> list[WorkerView]:
-            return [v for v in self.views(role) if v.worker_id not in exclude]
+        def views(role: Role) -> tuple[WorkerView, ...]:
+            every = self.views(role)
+            return tuple(v for v in every if v.worker_id not in exclude) if exclude else every
 
         rr = route_req or self.route_request(req)
         pl = self.policy.place(rr, views(Role.PREFILL), views(Role.DECODE))

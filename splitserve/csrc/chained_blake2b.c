@@ -86,44 +86,63 @@ static void blake2b_128_salted(const uint64_t *words, int64_t n, const uint8_t s
     memcpy(out, h, 16);
 }
 
+/* Is `digest` a key of one of the dicts in the tuple `known`? -1: an error is set. */
+static int known_anywhere(PyObject *known, PyObject *digest) {
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(known); k++) {
+        int found = PyDict_Contains(PyTuple_GET_ITEM(known, k), digest);
+        if (found) return found;
+    }
+    return 0;
+}
+
 /* The digests of blocks [start, start + n_blocks) of `tokens` (a list or tuple of ints), the
- * chain starting at `parent`; a new list of bytes, or NULL with an exception set. */
+ * chain starting at `parent`; a new list of bytes, or NULL with an exception set. `known`: None,
+ * or a tuple of dicts keyed by digests: every `check_every`-th block (and the last) is looked up
+ * there, and the chain stops after the first looked-up digest none of them holds (the caller
+ * wants only what might be known; the rest costs hashing for nothing). */
 PyObject *chained_blake2b_128(PyObject *tokens, Py_ssize_t start, Py_ssize_t n_blocks, Py_ssize_t block_size,
-                              const uint8_t *parent) {
+                              const uint8_t *parent, PyObject *known, Py_ssize_t check_every) {
     PyObject *seq = PySequence_Fast(tokens, "token ids must be a sequence of ints");
     if (seq == NULL) return NULL;
     PyObject *out = NULL;
     uint64_t *words = NULL;
-    if ((start + n_blocks) * block_size > PySequence_Fast_GET_SIZE(seq) || block_size <= 0 || n_blocks < 0) {
-        PyErr_SetString(PyExc_ValueError, "blocks beyond the end of the token ids");
+    if ((start + n_blocks) * block_size > PySequence_Fast_GET_SIZE(seq) || block_size <= 0 || n_blocks < 0 ||
+        check_every <= 0 || (known != Py_None && !PyTuple_Check(known))) {
+        PyErr_SetString(PyExc_ValueError, "blocks beyond the end of the token ids, or bad arguments");
         goto done;
     }
     PyObject **items = PySequence_Fast_ITEMS(seq) + start * block_size;
-    Py_ssize_t n = n_blocks * block_size;
-    words = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
-    if (words == NULL) {
-        PyErr_NoMemory();
-        goto done;
+    words = PyMem_Malloc(sizeof(uint64_t) * (size_t)block_size);
+    out = PyList_New(0);
+    if (words == NULL || out == NULL) {
+        if (words == NULL) PyErr_NoMemory();
+        goto fail;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long x = PyLong_AsLongLong(items[i]);
-        if (x == -1 && PyErr_Occurred()) goto done; /* not an int, or outside int64 */
-        words[i] = (uint64_t)x;
-    }
-    out = PyList_New(n_blocks);
-    if (out == NULL) goto done;
     uint8_t digest[16];
     const uint8_t *prev = parent;
     for (Py_ssize_t b = 0; b < n_blocks; b++) {
-        blake2b_128_salted(words + b * block_size, block_size, prev, digest);
-        PyObject *d = PyBytes_FromStringAndSize((const char *)digest, 16);
-        if (d == NULL) {
-            Py_CLEAR(out);
-            goto done;
+        for (Py_ssize_t i = 0; i < block_size; i++) {
+            long long x = PyLong_AsLongLong(items[b * block_size + i]);
+            if (x == -1 && PyErr_Occurred()) goto fail; /* not an int, or outside int64 */
+            words[i] = (uint64_t)x;
         }
-        PyList_SET_ITEM(out, b, d);
+        blake2b_128_salted(words, block_size, prev, digest);
+        PyObject *d = PyBytes_FromStringAndSize((const char *)digest, 16);
+        if (d == NULL || PyList_Append(out, d) < 0) {
+            Py_XDECREF(d);
+            goto fail;
+        }
+        Py_DECREF(d); /* the list holds it */
         prev = (const uint8_t *)PyBytes_AS_STRING(d);
+        if (known != Py_None && ((b + 1) % check_every == 0 || b + 1 == n_blocks)) {
+            int found = known_anywhere(known, d);
+            if (found < 0) goto fail;
+            if (!found) break;
+        }
     }
+    goto done;
+fail:
+    Py_CLEAR(out);
 done:
     PyMem_Free(words);
     Py_DECREF(seq);

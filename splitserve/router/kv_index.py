@@ -1,6 +1,7 @@
 """The cluster KV index: which worker holds which block hash, fed by the workers' KV events
 (BlockStored / BlockRemoved from their BlockPools). Exact, and bounded: past `max_hashes` the
-least recently touched hashes are forgotten (a forgotten hash only costs a missed cache hit).
+least recently stored or matched hashes are forgotten (a forgotten hash only costs a missed
+cache hit).
 
 The router asks one question of it: for a request's chain of block hashes, how many leading
 blocks does each worker already hold? Hashes chain the whole prefix (splitserve.hashing), so a
@@ -15,9 +16,15 @@ work except where a worker's run ends — a routing decision walks it once for e
 
 from __future__ import annotations
 
+import collections
+import ctypes
+import functools
+import itertools
 from collections import OrderedDict
+from pathlib import Path
 from typing import Hashable, Iterable, Sequence
 
+from splitserve import native
 from splitserve.types import BlockRemoved, BlockStored, KVEvent, Tier
 from splitserve.hashing import BlockHash, block_hashes
 
@@ -32,6 +39,9 @@ class KVIndex:
         self._slot: dict[Hashable, int] = {}
         self._workers: list[Hashable | None] = []  # by slot; None: free
         self._free: list[int] = []
+        self._stored = 0  # hashes stored so far: the index's clock for touches
+        self._touched: dict[BlockHash, int] = {}  # a matched run's last hash -> `_stored` when touched
+        self._members: dict[int, tuple] = {}  # holder bits -> their workers (cleared when a slot changes hands)
 
     def __len__(self) -> int:
         return len(self._holders) + len(self._host)
@@ -40,24 +50,19 @@ class KVIndex:
         return h in self._holders or h in self._host
 
     def routable_hashes(self, tokens: Sequence[int], block_size: int, salt: str | None = None,
-                        chunk: int = 32) -> tuple[BlockHash, ...]:
-        """The prompt's leading block hashes, `chunk` blocks at a time, as far as some worker may
-        hold them: past the first chunk whose last block nobody holds, no worker's prefix can
-        go on (a run ends at its first missing block), so those blocks are left to the engine,
-        which continues the chain from the last one given (Request.prompt_hashes)."""
-        out: list[BlockHash] = []
-        while True:
-            more = block_hashes(tokens, block_size, salt, start=len(out), parent=out[-1] if out else None,
-                                stop=len(out) + chunk)
-            out += more
-            if len(more) < chunk or more[-1] not in self:
-                return tuple(out)
+                        check_every: int = 8) -> tuple[BlockHash, ...]:
+        """The prompt's leading block hashes as far as some worker may hold them: the chain
+        stops after the first `check_every`-th block nobody holds (a run ends at its first
+        missing block, so no worker's prefix goes on past it). The engine hashes the rest,
+        continuing the chain from the last one given (Request.prompt_hashes)."""
+        return tuple(block_hashes(tokens, block_size, salt, known=(self._holders, self._host), check_every=check_every))
 
     def apply(self, worker_id: Hashable, events: Iterable[KVEvent]) -> None:
         bit = 1 << self._slot_of(worker_id)
         for ev in events:
             holders = self._host if ev.tier is Tier.HOST else self._holders
             if isinstance(ev, BlockStored):
+                self._stored += len(ev.block_hashes)
                 for h in ev.block_hashes:
                     holders[h] = holders.get(h, 0) | bit
                     holders.move_to_end(h)
@@ -78,6 +83,7 @@ class KVIndex:
                 self._discard(holders, h, bit)
         self._workers[slot] = None
         self._free.append(slot)
+        self._members.clear()
 
     def _slot_of(self, worker_id: Hashable) -> int:
         slot = self._slot.get(worker_id)
@@ -116,29 +122,48 @@ class KVIndex:
 
     def _walk(self, holders: OrderedDict, hashes: Sequence[BlockHash], alive: int, out: dict, touch: bool) -> None:
         """Record in `out` how many leading `hashes` `holders` has for each worker whose bit is
-        in `alive` (nothing for a worker with none); `touch`: mark the matched hashes recent."""
-        get, depth, last = holders.get, 0, None
-        for h in hashes:
-            held = get(h)
-            if held is None:
-                break
-            if held != last:  # the holders change rarely along a chain: most blocks skip this
-                still = alive & held
+        in `alive` (nothing for a worker with none); `touch`: mark the matched hashes recent.
+        A chain's holders change at a few blocks only: Python works there, not per block."""
+        depth = 0
+        for end, bits in _prefix_runs(holders, hashes):
+            still = alive & bits
+            if still != alive:
+                if depth:  # some runs end here
+                    self._record(out, alive ^ still, depth)
                 if not still:
                     break
-                if depth and still != alive:  # some runs end here
-                    self._record(out, alive ^ still, depth)
-                alive, last = still, held
-            depth += 1
-            if touch:
-                holders.move_to_end(h)
-        if depth:
-            self._record(out, alive, depth)
+                alive = still
+            depth = end
+        else:
+            if depth:
+                self._record(out, alive, depth)
+        if touch and depth:
+            self._touch(holders, hashes[:depth])
+
+    def _touch(self, holders: OrderedDict, run: Sequence[BlockHash]) -> None:
+        """Mark a matched run recent — at most once per quarter of the index's capacity in new
+        hashes: it then sits within the newest half of the index, which eviction never reaches,
+        so a prefix matched that often stays, and the hot path skips 100+ touches per decision."""
+        last = self._touched.get(run[-1])
+        if last is not None and self._stored - last < self.max_hashes // 4:
+            return
+        if len(self._touched) >= 1 << 16:
+            self._touched.clear()
+        self._touched[run[-1]] = self._stored
+        collections.deque(map(holders.move_to_end, run), 0)
 
     def _record(self, out: dict, bits: int, depth: int) -> None:
+        members = self._members.get(bits)
+        if members is None:  # the same few holder sets recur (who holds a hot prefix): decoded once
+            if len(self._members) >= 4096:
+                self._members.clear()
+            members = self._members[bits] = tuple(self._decode(bits))
+        out.update(dict.fromkeys(members, depth))
+
+    def _decode(self, bits: int):
         while bits:
             low = bits & -bits
-            out[self._workers[low.bit_length() - 1]] = depth
+            yield self._workers[low.bit_length() - 1]
             bits ^= low
 
     def host_overlap(self, hashes: Sequence[BlockHash], device: dict) -> dict:
@@ -154,3 +179,32 @@ class KVIndex:
         for start, alive in starts.items():
             self._walk(self._host, hashes[start:], alive, out, touch=False)
         return out
+
+
+def _prefix_runs(holders: dict, hashes: Sequence[BlockHash]) -> list[tuple[int, int]]:
+    """How far `hashes` go in `holders`, in runs of equal holders: [(end, bits), ...], each run
+    hashes[previous end:end] (csrc/prefix_runs.c; the same in Python where it cannot build)."""
+    fn = _native_runs()
+    return _python_runs(holders, hashes) if fn is None else fn(holders, hashes)
+
+
+def _python_runs(holders: dict, hashes: Sequence[BlockHash]) -> list[tuple[int, int]]:
+    held = list(map(holders.get, hashes))
+    if None in held:
+        del held[held.index(None):]
+    runs, end = [], 0
+    for bits, run in itertools.groupby(held):
+        end += len(list(run))
+        runs.append((end, bits))
+    return runs
+
+
+@functools.cache
+def _native_runs():
+    lib = native.load(Path(__file__).parent / "csrc" / "prefix_runs.c", python=True)
+    if lib is None:
+        return None
+    fn = lib.prefix_runs
+    fn.argtypes = [ctypes.py_object, ctypes.py_object]
+    fn.restype = ctypes.py_object
+    return fn

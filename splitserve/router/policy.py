@@ -6,16 +6,22 @@ Policies by name: `round_robin`, `least_loaded`, `power_of_two`, `cache_aware` (
 overlap from the cluster KV index, weighed against queue length and KV usage, so a hot prefix
 does not pile every request on one worker). The PD decider sends a request whose uncached part
 is shorter than `disagg_min_tokens` to the decode worker alone (aggregated path).
+
+A worker's score is a request-independent part (its load: `Router.load_score`, computed when its
+view changes and kept ranked in a `Pool`) plus a request's bonus, which only a few workers get
+(the holders of its prefix: `Router.bonus`). So a decision compares those few with the best of
+the rest, and its cost grows with the prefix's holders, not with the pool.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import random
 import zlib
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Callable, Hashable, Mapping, Protocol, Sequence
 
 from splitserve.hashing import BlockHash
 from splitserve.router.kv_index import KVIndex
@@ -37,6 +43,10 @@ class WorkerView:
     healthy: bool = True
     draining: bool = False
 
+    @property
+    def up(self) -> bool:
+        return self.healthy and not self.draining
+
 
 @dataclass(frozen=True)
 class RouteRequest:
@@ -57,29 +67,23 @@ class Placement:
     cached_tokens: int  # expected prefix-cache hit on the worker that prefills
 
 
-class Filter(Protocol):
-    def __call__(self, req: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerView]: ...
-
-
-class Scorer(Protocol):
-    def score(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
-        """One score in [0, 1] per worker, in `workers`' order. `hits`: the leading blocks of the
-        request each worker holds (KVIndex.overlap, walked once per decision)."""
+class LoadScorer(Protocol):
+    def score(self, worker: WorkerView) -> float:
+        """A score in [0, 1] from the worker's reported load alone (no request)."""
         ...
 
 
-def available(req: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerView]:
-    """Healthy and not draining; of those, the ones with room for the request's blocks, or all
-    of them when none has room (its scheduler queues the request until blocks free up)."""
-    up = [w for w in workers if w.healthy and not w.draining]
-    need = req.blocks_needed
-    return [w for w in up if w.free_blocks >= need] or up
+class RequestScorer(Protocol):
+    def score(self, req: RouteRequest, hits: Mapping) -> Mapping[Hashable, float]:
+        """Scores in [0, 1] of the workers this request singles out; every other worker scores 0.
+        `hits`: the leading blocks of the request each worker holds (KVIndex.overlap)."""
+        ...
 
 
 class PrefixScorer:
-    def score(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
+    def score(self, req: RouteRequest, hits: Mapping) -> Mapping[Hashable, float]:
         n = max(1, req.num_tokens // req.block_size)  # of the prompt's full blocks (its hashes may stop short)
-        return [hits.get(w.worker_id, 0) / n for w in workers]
+        return {w: h / n for w, h in hits.items()}
 
 
 class QueueScorer:
@@ -89,36 +93,151 @@ class QueueScorer:
     def __init__(self, half: float = 8.0) -> None:
         self.half = half
 
-    def score(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
-        half = self.half
-        return [half / (half + w.num_waiting + w.num_running) for w in workers]
+    def score(self, worker: WorkerView) -> float:
+        return self.half / (self.half + worker.num_waiting + worker.num_running)
 
 
 class KVUsageScorer:
-    def score(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
-        return [1.0 - (u if 0.0 <= u <= 1.0 else float(u > 1.0)) for u in (w.kv_usage for w in workers)]
+    def score(self, worker: WorkerView) -> float:
+        u = worker.kv_usage
+        return 1.0 - (u if 0.0 <= u <= 1.0 else float(u > 1.0))
 
 
 class WeightedPicker:
-    """Sum of weight × score per worker."""
+    """Sum of weight × score: over the load scorers for a worker's load score, over the request
+    scorers for a request's bonuses."""
 
-    def __init__(self, scorers: Sequence[tuple[Scorer, float]]) -> None:
-        self.scorers = list(scorers)
+    def __init__(self, load: Sequence[tuple[LoadScorer, float]] = (),
+                 request: Sequence[tuple[RequestScorer, float]] = ()) -> None:
+        self.load, self.request = list(load), list(request)
+        if any(weight < 0 for _, weight in self.load + self.request):
+            raise ValueError("scorer weights must be >= 0")
 
-    def totals(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
-        cols = []
-        for scorer, weight in self.scorers:
-            s = scorer.score(req, workers, hits)
-            if len(s) != len(workers) or (s and not 0.0 <= min(s) <= max(s) <= 1.0):
-                raise ValueError(f"{type(scorer).__name__} scored outside [0, 1] or not one score per worker")
-            cols.append(s if weight == 1.0 else [weight * x for x in s])
-        return list(map(sum, zip(*cols))) if cols else [0.0] * len(workers)
+    def load_score(self, worker: WorkerView) -> float:
+        total = 0.0
+        for scorer, weight in self.load:
+            total += weight * _checked(scorer, scorer.score(worker))
+        return total
+
+    def bonus(self, req: RouteRequest, hits: Mapping) -> Mapping[Hashable, float]:
+        out: dict = {}
+        for scorer, weight in self.request:
+            scores = scorer.score(req, hits)
+            if scores:
+                _checked(scorer, min(scores.values()))
+                _checked(scorer, max(scores.values()))
+            if not out and weight == 1.0:
+                out = dict(scores)
+            else:
+                for w, s in scores.items():
+                    out[w] = out.get(w, 0.0) + weight * s
+        return out
+
+
+def _checked(scorer, s: float) -> float:
+    if not 0.0 <= s <= 1.0:
+        raise ValueError(f"{type(scorer).__name__} scored {s}, outside [0, 1]")
+    return s
+
+
+class Pool:
+    """One pool's workers as a router keeps them between decisions: the up ones (healthy, not
+    draining) ranked by load score, re-scored one changed view at a time (`sync`)."""
+
+    def __init__(self, load_score: Callable[[WorkerView], float]) -> None:
+        self._load_score = load_score
+        self._synced: tuple | None = None  # the views last synced, when given as a tuple
+        self._given: tuple[WorkerView, ...] = ()  # the views last synced, in the caller's order
+        self._all: dict[Hashable, WorkerView] = {}  # every view, up or not
+        self._keys: dict[Hashable, tuple] = {}  # up workers' sort keys: (-load score, _order, id)
+        self._ranked: list[tuple] = []  # the keys, best first
+        self._hosts: dict[str, list[tuple]] = {}  # the same, per host
+        self._free: list[int] = []  # up workers' free blocks, ascending
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def sync(self, views: Sequence[WorkerView]) -> "Pool":
+        """Make the pool these views; only views that are new objects are scored again (the
+        Directory hands the same view object until the worker's facts change)."""
+        if isinstance(views, tuple) and views is self._synced:
+            return self
+        for v in views:
+            if self._all.get(v.worker_id) is not v:
+                self._put(v)
+        if len(self._all) != len(views):
+            keep = {v.worker_id for v in views}
+            for wid in [w for w in self._all if w not in keep]:
+                self._drop(wid)
+                del self._all[wid]
+        self._synced = views if isinstance(views, tuple) else None
+        self._given = tuple(views)
+        return self
+
+    def _put(self, v: WorkerView) -> None:
+        wid = v.worker_id
+        self._drop(wid)
+        self._all[wid] = v
+        if v.up:
+            key = self._keys[wid] = (-self._load_score(v), _order(wid), wid)
+            bisect.insort(self._ranked, key)
+            bisect.insort(self._hosts.setdefault(v.host, []), key)
+            bisect.insort(self._free, v.free_blocks)
+
+    def _drop(self, wid: Hashable) -> None:
+        key = self._keys.pop(wid, None)
+        if key is None:
+            return
+        v = self._all[wid]
+        for ranked in (self._ranked, self._hosts[v.host]):
+            del ranked[bisect.bisect_left(ranked, key)]
+        del self._free[bisect.bisect_left(self._free, v.free_blocks)]
+
+    def eligible(self, need: int) -> list[WorkerView]:
+        """The up workers with room for `need` blocks, or all of them when none has room (its
+        scheduler queues the request until blocks free up); in the order `sync` was given them."""
+        ups = [v for v in self._given if v.up]
+        return [v for v in ups if v.free_blocks >= need] if self._room(need) else ups
+
+    def best(self, bonus: Mapping[Hashable, float], need: int, host: str | None = None
+             ) -> tuple[tuple[float, WorkerView], tuple[float, WorkerView] | None]:
+        """The eligible worker (see `eligible`) with the highest load score + bonus, and that
+        score; ties to the lowest `_order`. Second, the same among the workers on `host` (None
+        when none is, or no host is given). The pool must not be empty."""
+        room = self._room(need)
+        best = near = None  # (score, key, view)
+        for key in self._ranked:  # the best by load; bonuses (>= 0) can only add
+            v = self._all[key[2]]
+            if not room or v.free_blocks >= need:
+                best = (-key[0], key, v)
+                break
+        for key in self._hosts.get(host, ()) if host is not None else ():
+            v = self._all[key[2]]
+            if not room or v.free_blocks >= need:
+                near = (-key[0], key, v)
+                break
+        for wid, b in bonus.items():
+            key = self._keys.get(wid)
+            if key is None:  # not in this pool, or not up
+                continue
+            v = self._all[wid]
+            if room and v.free_blocks < need:
+                continue
+            s = b - key[0]
+            if s > best[0] or (s == best[0] and key[1:] < best[1][1:]):
+                best = (s, key, v)
+            if v.host == host and (near is None or s > near[0] or (s == near[0] and key[1:] < near[1][1:])):
+                near = (s, key, v)
+        return (best[0], best[2]), None if near is None else (near[0], near[2])
+
+    def _room(self, need: int) -> bool:
+        return bool(self._free) and self._free[-1] >= need
 
 
 class Router:
     """Chooses a (prefill, decode) pair for each request. Subclasses differ only in how they
-    rank workers of one pool (`rank`: a score per worker, in order); pairing and the PD
-    decision are shared. Ties go to a stable, id-derived order."""
+    score workers (`load_score`, `bonus`); pairing and the PD decision are shared. Ties go to a
+    stable, id-derived order."""
 
     name = "base"
 
@@ -130,28 +249,36 @@ class Router:
         # a block in a worker's host tier is loaded back, not recomputed, but the load costs:
         # the prefix scorer counts it this fraction of a device block
         self.host_hit_weight = host_hit_weight
+        self._pools = {"prefill": Pool(self.load_score), "decode": Pool(self.load_score)}
 
-    def rank(self, req: RouteRequest, workers: Sequence[WorkerView], hits: Mapping) -> list[float]:
-        raise NotImplementedError
+    def load_score(self, worker: WorkerView) -> float:
+        return 0.0
+
+    def bonus(self, req: RouteRequest, pool: Pool, hits: Mapping) -> Mapping[Hashable, float]:
+        return {}
 
     def place(self, req: RouteRequest, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView]) -> Placement:
-        decodes = available(req, decodes)
-        if not decodes:
+        dpool, ppool = self._pools["decode"].sync(decodes), self._pools["prefill"].sync(prefills)
+        if not dpool:
             raise NoCapacity("no decode worker is ready")
-        prefills = available(req, prefills)
+        blocks, hits = self._hits(req)
+        need = req.blocks_needed
+        (_, d), _ = dpool.best(self.bonus(req, dpool, hits), need)
+        d_cached = self._cached_tokens(req, blocks.get(d.worker_id, 0))
+        if not ppool or req.num_tokens - d_cached < self.disagg_min_tokens:
+            return Placement(None, d.worker_id, d_cached)
+        p = self._pick_prefill(ppool, self.bonus(req, ppool, hits), need, d)
+        return Placement(p.worker_id, d.worker_id, self._cached_tokens(req, blocks.get(p.worker_id, 0)))
+
+    def _hits(self, req: RouteRequest) -> tuple[Mapping, Mapping]:
+        """Blocks each worker would reuse (device + host tier), and what the prefix scorer
+        weighs (host blocks at `host_hit_weight`); workers with none are absent."""
         device = self.index.overlap(req.block_hashes)
         host = self.index.host_overlap(req.block_hashes, device)
-        blocks, hits = device, device  # blocks reused (cached tokens), and what the prefix scorer weighs
-        if host:
-            blocks = {w: device.get(w, 0) + host.get(w, 0) for w in device.keys() | host.keys()}
-            hits = {w: device.get(w, 0) + self.host_hit_weight * host.get(w, 0) for w in blocks}
-        d_scores = self.rank(req, decodes, hits)
-        best_d = decodes[_best(decodes, d_scores)]
-        d_cached = self._cached_tokens(req, blocks.get(best_d.worker_id, 0))
-        if not prefills or req.num_tokens - d_cached < self.disagg_min_tokens:
-            return Placement(None, best_d.worker_id, d_cached)
-        best_p = self._pick_prefill(prefills, self.rank(req, prefills, hits), best_d)
-        return Placement(best_p.worker_id, best_d.worker_id, self._cached_tokens(req, blocks.get(best_p.worker_id, 0)))
+        if not host:
+            return device, device
+        blocks = {w: device.get(w, 0) + host.get(w, 0) for w in device.keys() | host.keys()}
+        return blocks, {w: device.get(w, 0) + self.host_hit_weight * host.get(w, 0) for w in blocks}
 
     @staticmethod
     def _cached_tokens(req: RouteRequest, blocks: int) -> int:
@@ -159,26 +286,15 @@ class Router:
         # (its logits must be computed).
         return min(blocks, (req.num_tokens - 1) // req.block_size) * req.block_size
 
-    def _pick_prefill(self, prefills: Sequence[WorkerView], scores: list[float], decode: WorkerView) -> WorkerView:
-        """The best prefill worker, or a same-host one whose score is within the margin (KV over
-        shared memory beats KV over the network)."""
-        best = _best(prefills, scores)
-        floor = scores[best] - self.same_host_margin
-        near = [i for i, w in enumerate(prefills) if w.host == decode.host and scores[i] >= floor]
-        if near:
-            return prefills[near[_best([prefills[i] for i in near], [scores[i] for i in near])]]
-        return prefills[best]
+    def _pick_prefill(self, pool: Pool, bonus: Mapping, need: int, decode: WorkerView) -> WorkerView:
+        """The best prefill worker, or the best one on the decode worker's host if its score is
+        within the margin (KV over shared memory beats KV over the network)."""
+        (score, best), near = pool.best(bonus, need, decode.host)
+        return near[1] if near is not None and near[0] >= score - self.same_host_margin else best
 
 
 class NoCapacity(RuntimeError):
     """No worker can take the request now (all unhealthy, draining or full)."""
-
-
-def _best(workers: Sequence[WorkerView], scores: list[float]) -> int:
-    """The index of the highest score; ties to the lowest `_order`."""
-    top = max(scores)
-    tied = [i for i, s in enumerate(scores) if s == top]
-    return tied[0] if len(tied) == 1 else min(tied, key=lambda i: _order(workers[i].worker_id))
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -193,12 +309,11 @@ class RoundRobin(Router):
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
-        self._turns: dict[str, itertools.count] = {}  # one turn per pool
+        self._turns = {id(p): itertools.count() for p in self._pools.values()}  # one turn per pool
 
-    def rank(self, req, workers, hits):
-        turn = self._turns.setdefault(workers[0].role, itertools.count())
-        pick = next(turn) % len(workers)
-        return [1.0 if i == pick else 0.0 for i in range(len(workers))]
+    def bonus(self, req, pool, hits):
+        eligible = pool.eligible(req.blocks_needed)
+        return {eligible[next(self._turns[id(pool)]) % len(eligible)].worker_id: 1.0}
 
 
 class LeastLoaded(Router):
@@ -206,10 +321,10 @@ class LeastLoaded(Router):
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
-        self.picker = WeightedPicker([(QueueScorer(), 1.0), (KVUsageScorer(), 0.5)])
+        self.picker = WeightedPicker(load=[(QueueScorer(), 1.0), (KVUsageScorer(), 0.5)])
 
-    def rank(self, req, workers, hits):
-        return self.picker.totals(req, workers, hits)
+    def load_score(self, worker):
+        return self.picker.load_score(worker)
 
 
 class PowerOfTwo(Router):
@@ -221,10 +336,10 @@ class PowerOfTwo(Router):
         super().__init__(*a, **kw)
         self._rng = random.Random(seed)
 
-    def rank(self, req, workers, hits):
-        two = self._rng.sample(range(len(workers)), min(2, len(workers)))
-        pick = min(two, key=lambda i: workers[i].num_waiting + workers[i].num_running + workers[i].kv_usage)
-        return [1.0 if i == pick else 0.0 for i in range(len(workers))]
+    def bonus(self, req, pool, hits):
+        eligible = pool.eligible(req.blocks_needed)
+        two = self._rng.sample(eligible, min(2, len(eligible)))
+        return {min(two, key=lambda w: w.num_waiting + w.num_running + w.kv_usage).worker_id: 1.0}
 
 
 class CacheAware(Router):
@@ -232,12 +347,19 @@ class CacheAware(Router):
 
     def __init__(self, *a, prefix_weight: float = 1.0, queue_weight: float = 1.0, kv_weight: float = 0.5,
                  **kw) -> None:
+        self.picker = WeightedPicker(load=[(QueueScorer(), queue_weight), (KVUsageScorer(), kv_weight)],
+                                     request=[(PrefixScorer(), prefix_weight)])
+        self._last_bonus: tuple = (None, {})
         super().__init__(*a, **kw)
-        self.picker = WeightedPicker([(PrefixScorer(), prefix_weight), (QueueScorer(), queue_weight),
-                                      (KVUsageScorer(), kv_weight)])
 
-    def rank(self, req, workers, hits):
-        return self.picker.totals(req, workers, hits)
+    def load_score(self, worker):
+        return self.picker.load_score(worker)
+
+    def bonus(self, req, pool, hits):
+        # the same for both pools of one decision: computed once
+        if hits is not self._last_bonus[0]:
+            self._last_bonus = (hits, self.picker.bonus(req, hits))
+        return self._last_bonus[1]
 
 
 POLICIES = {cls.name: cls for cls in (RoundRobin, LeastLoaded, PowerOfTwo, CacheAware)}

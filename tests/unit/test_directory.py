@@ -260,3 +260,40 @@ def test_a_request_placed_again_after_a_failed_prefill_leaves_no_pending_count()
     assert len(calls) == 2 and calls[0] is not calls[1]
     assert [c.token_ids for c in chunks] == [(7,)]
     assert set(counts.values()) == {0}, counts
+
+
+def test_views_are_the_same_objects_until_a_workers_facts_change():
+    """The policy re-scores only the views that are new objects, so the Directory must hand a
+    new view exactly when a worker's facts change: a placement (its pending count), its route
+    closing, its own report, a failure, and a pending count lapsing with time; every other view
+    stays the object it was, and each cached view equals one built afresh."""
+    async def go():
+        now = [0.0]
+        src = FakeSource()
+        a, b = src.add(Role.DECODE), src.add(Role.DECODE)
+        d = directory(src, load_interval_s=3600, clock=lambda: now[0])
+        await d.start()
+        await settle(0.05)
+
+        def check():
+            views = d.views(Role.DECODE)
+            assert views == tuple(d.view(d.records[w]) for w in (a, b))  # cached, yet as fresh
+            assert d.views(Role.DECODE) is views  # nothing changed: the very same tuple
+            return dict(zip((a, b), views))
+
+        before = check()
+        route = d.place(req(0))
+        placed, other = route.decode.id, ({a, b} - {route.decode.id}).pop()
+        after = check()
+        assert after[other] is before[other] and after[placed] is not before[placed]
+        assert after[placed].num_waiting == 1
+        now[0] += d.pending.ttl_s + 0.1  # never confirmed: the count lapses, and the view shows it
+        lapsed = check()
+        assert lapsed[placed].num_waiting == 0
+        route.close()
+        d.mark_failed(other)
+        failed = check()
+        assert not failed[other].healthy and failed[placed] is lapsed[placed]
+        d.stop()
+
+    asyncio.run(go())

@@ -73,3 +73,26 @@ def test_the_native_chain_equals_hashlib_block_by_block():
     for bad, err in (([2**63] * 16, OverflowError), ([1.5] * 16, TypeError), (["x"] * 16, TypeError)):
         with pytest.raises(err):
             hashing.block_hashes(bad, 16)
+
+
+def test_the_chain_stops_after_the_first_checked_block_nothing_knows():
+    """`known`: the native chain and hashlib's both look up every check_every-th block (and the
+    last) and end after the first one no container holds, from any start."""
+    import random
+    from collections import OrderedDict
+
+    from splitserve import hashing
+
+    r = random.Random(1)
+    tokens = [r.randrange(32000) for _ in range(16 * 50 + 5)]
+    full = hashing.block_hashes(tokens, 16)
+    for held, every, start in ((0, 8, 0), (19, 8, 0), (19, 1, 0), (24, 8, 0), (50, 8, 0), (30, 7, 3), (19, 8, 25)):
+        device, host = OrderedDict.fromkeys(full[:held], 1), {h: 1 for h in full[held : held + 5]}
+        last = next((b for b in range(start, 50) if (b - start + 1) % every == 0 and full[b] not in device
+                     and full[b] not in host), 49)
+        parent = full[start - 1] if start else None
+        got = hashing.block_hashes(tokens, 16, start=start, parent=parent, known=(device, host), check_every=every)
+        slow = hashing._python_chain(parent or hashing.root_hash(), tokens, 16, start, 50 - start, (device, host), every)
+        assert got == slow == full[start : last + 1], (held, every, start)
+    with pytest.raises(ValueError):
+        hashing.block_hashes(tokens, 16, known=({},), check_every=0)

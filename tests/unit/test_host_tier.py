@@ -93,8 +93,8 @@ def test_router_counts_host_blocks_as_cached_but_weighs_them_lower():
     pl = router.place(req, ws, [WorkerView("d0", "decode", "h")])
     assert pl.prefill == "dev" and pl.cached_tokens == 96
     hits = {"dev": 6, "host": 2 + router.host_hit_weight * 4}
-    dev, host = PrefixScorer().score(req, ws, hits)
-    assert 0 < host < dev
+    scores = PrefixScorer().score(req, hits)
+    assert 0 < scores["host"] < scores["dev"]
     only_host = [ws[1], WorkerView("cold", "prefill", "h")]
     pl = router.place(req, only_host, [WorkerView("d0", "decode", "h")])
     assert pl.prefill == "host" and pl.cached_tokens == 96  # loaded back counts as cached for the PD decision

@@ -65,16 +65,45 @@ def test_index_overlap_equals_a_naive_walk_per_worker():
         assert idx.overlap(chain, some) == {name: naive.get(name, 0) for name in some}
 
 
-def test_routable_hashes_stop_after_the_first_chunk_nobody_holds():
+def test_native_prefix_runs_equal_python():
+    """csrc/prefix_runs.c groups a chain's leading run into runs of equal holders exactly as the
+    Python fallback does: holders changing, repeating, equal ints that are distinct objects,
+    a missing hash early, late or never."""
+    import random
+    import shutil
+    from collections import OrderedDict
+
+    from splitserve.router import kv_index
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler: the Python runs are the only path")
+    assert kv_index._native_runs() is not None, "a C compiler is here: the native runs must build"
+    rng = random.Random(3)
+    chain = block_hashes(list(range(60 * BS)), BS)
+    for trial in range(200):
+        holders = OrderedDict()
+        for h in chain[: rng.randrange(len(chain) + 1)]:
+            holders[h] = int(str(rng.choice([1, 3, 2**70 + 5])))  # equal values, new objects
+        if holders and rng.random() < 0.3:
+            del holders[rng.choice(list(holders))]
+        want = kv_index._python_runs(holders, chain)
+        assert kv_index._native_runs()(holders, chain) == want == kv_index._python_runs(holders, tuple(chain))
+        assert kv_index._native_runs()(holders, tuple(chain)) == want
+    assert kv_index._native_runs()({}, []) == []
+    with pytest.raises(TypeError):
+        kv_index._native_runs()([], chain)
+
+
+def test_routable_hashes_stop_after_the_first_checked_block_nobody_holds():
     toks = list(range(100 * BS))
     full = block_hashes(toks, BS, "t")
     idx = KVIndex()
-    assert idx.routable_hashes(toks, BS, "t", chunk=16) == tuple(full[:16])  # empty index: one chunk
+    assert idx.routable_hashes(toks, BS, "t", check_every=16) == tuple(full[:16])  # empty index: one chunk
     idx.apply("a", [BlockStored(tuple(full[:40]))])
-    assert idx.routable_hashes(toks, BS, "t", chunk=16) == tuple(full[:48])  # chunk 32..47 ends unheld
+    assert idx.routable_hashes(toks, BS, "t", check_every=16) == tuple(full[:48])  # chunk 32..47 ends unheld
     idx.apply("b", [BlockStored(tuple(full))])
-    assert idx.routable_hashes(toks, BS, "t", chunk=16) == tuple(full)  # all of it, and the tail's 4 tokens not
-    assert idx.overlap(idx.routable_hashes(toks, BS, "t", chunk=16)) == idx.overlap(full)
+    assert idx.routable_hashes(toks, BS, "t", check_every=16) == tuple(full)  # all of it, and the tail's 4 tokens not
+    assert idx.overlap(idx.routable_hashes(toks, BS, "t", check_every=16)) == idx.overlap(full)
 
 
 def test_index_is_bounded():
@@ -148,12 +177,18 @@ def test_same_host_pair_preferred_within_margin():
 
 
 def test_scores_outside_unit_interval_are_refused():
-    class Bad:
-        def score(self, req, ws, hits):
-            return [2.0 for w in ws]
+    class BadLoad:
+        def score(self, worker):
+            return 2.0
+
+    class BadBonus:
+        def score(self, req, hits):
+            return {w: -0.5 for w in hits}
 
     with pytest.raises(ValueError, match="outside"):
-        WeightedPicker([(Bad(), 1.0)]).totals(req([1] * 20), workers("p", 1), {})
+        WeightedPicker(load=[(BadLoad(), 1.0)]).load_score(workers("p", 1)[0])
+    with pytest.raises(ValueError, match="outside"):
+        WeightedPicker(request=[(BadBonus(), 1.0)]).bonus(req([1] * 20), {"p0": 1})
 
 
 def test_unknown_policy_lists_known():
@@ -182,3 +217,82 @@ def test_shared_prefix_hit_rate(policy, min_fraction):
         assert frac >= min_fraction, frac
     else:
         assert frac < 0.95, f"round robin should split groups across workers, got {frac}"
+
+
+def naive_place(router, r, prefills, decodes):
+    """The placement written the obvious way: every eligible worker scored in full."""
+    from splitserve.router.policy import _order
+
+    def eligible(ws):
+        up = [w for w in ws if w.healthy and not w.draining]
+        return [w for w in up if w.free_blocks >= r.blocks_needed] or up
+
+    blocks, hits = router._hits(r)
+    bonus = router.picker.bonus(r, hits)
+
+    def best(ws):
+        total = {w.worker_id: router.load_score(w) + bonus.get(w.worker_id, 0.0) for w in ws}
+        w = min(ws, key=lambda w: (-total[w.worker_id], _order(w.worker_id), w.worker_id))
+        return w, total[w.worker_id]
+
+    d, _ = best(eligible(decodes))
+    d_cached = router._cached_tokens(r, blocks.get(d.worker_id, 0))
+    ps = eligible(prefills)
+    if not ps or r.num_tokens - d_cached < router.disagg_min_tokens:
+        return None, d.worker_id
+    p, top = best(ps)
+    near = [w for w in ps if w.host == d.host]
+    if near and p.host != d.host:
+        n, score = best(near)
+        p = n if score >= top - router.same_host_margin else p
+    return p.worker_id, d.worker_id
+
+
+def test_ranked_pools_place_as_scoring_every_worker_would():
+    """A router keeps its pools ranked between decisions and scores only a request's prefix
+    holders in full; over random loads, hosts, room, health, pools that change one view at a
+    time or shrink, and shared prefixes, it places exactly as scoring every worker does."""
+    import random
+
+    rng = random.Random(7)
+    router = make_router("cache_aware", disagg_min_tokens=40, same_host_margin=0.15)
+    systems = [[rng.randrange(1000) for _ in range(64)] for _ in range(4)]
+
+    def view(role, i):
+        return WorkerView(f"{role}{i}", role, f"h{rng.randrange(3)}", num_waiting=rng.randrange(4),
+                          num_running=rng.randrange(4), kv_usage=rng.choice([0.0, 0.5, 1.0]),
+                          free_blocks=rng.choice([2, 8, 100]), healthy=rng.random() > 0.1,
+                          draining=rng.random() < 0.1)
+
+    pools = {role: tuple(view(role, i) for i in range(12)) for role in ("prefill", "decode")}
+    for step in range(300):
+        for role, ws in pools.items():  # one worker's facts change, or the pool shrinks or regrows
+            ws = list(ws)
+            if rng.random() < 0.1 and len(ws) > 3:
+                ws.pop(rng.randrange(len(ws)))
+            else:
+                i = rng.randrange(12)
+                ws = [w for w in ws if w.worker_id != f"{role}{i}"] + [view(role, i)]
+            pools[role] = tuple(ws)
+        tokens = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randrange(0, 96))]
+        r = req(tokens, f"r{step}")
+        if not any(w.healthy and not w.draining for w in pools["decode"]):
+            continue
+        pl = router.place(r, pools["prefill"], pools["decode"])
+        assert (pl.prefill, pl.decode) == naive_place(router, r, pools["prefill"], pools["decode"]), step
+        holder = rng.choice(pools[rng.choice(("prefill", "decode"))]).worker_id
+        router.index.apply(holder, [BlockStored(r.block_hashes[: rng.randrange(len(r.block_hashes) + 1)])])
+
+
+def test_a_bounded_index_keeps_the_prefix_decisions_keep_matching():
+    """Past its bound the index forgets the least recently stored or matched hashes: a system
+    prompt that routing keeps matching survives one-off prompts churning through many times
+    the index's size; one nobody asks for is forgotten."""
+    idx = KVIndex(max_hashes=400)
+    hot = block_hashes(list(range(10_000, 10_000 + 20 * BS)), BS)
+    cold = block_hashes(list(range(20_000, 20_000 + 20 * BS)), BS)
+    idx.apply("a", [BlockStored(tuple(hot)), BlockStored(tuple(cold))])
+    for i in range(200):  # 4,000 one-off blocks: 10x the bound
+        idx.apply("b", [BlockStored(tuple(block_hashes(list(range(i * 320, (i + 1) * 320)), BS)))])
+        assert idx.overlap(hot) == {"a": 20}, i
+    assert len(idx) == 400 and idx.overlap(cold) == {}
