@@ -86,7 +86,10 @@ def main() -> None:
             hash_us, place_us = [], []
             for d in range(-20, a.decisions):  # the first 20 warm up (first use builds the pools)
                 start = rng.randrange(len(pool) - n)
-                prompt = tuple(system[: min(n, len(system))] + pool[start : start + max(0, n - len(system))])
+                # the system prompt's ids made anew, as each request's tokenization gives them
+                # (equal ids that are one object would compare for free)
+                head = list(map(int, map(str, system[: min(n, len(system))])))
+                prompt = tuple(head + pool[start : start + max(0, n - len(system))])
                 t0 = time.perf_counter()
                 hashes = router.index.routable_hashes(prompt, BLOCK)
                 t1 = time.perf_counter()

@@ -96,3 +96,41 @@ def test_the_chain_stops_after_the_first_checked_block_nothing_knows():
         assert got == slow == full[start : last + 1], (held, every, start)
     with pytest.raises(ValueError):
         hashing.block_hashes(tokens, 16, known=({},), check_every=0)
+
+
+def test_the_chain_cache_gives_block_hashes_own_digests():
+    """Prompts that open as remembered ones did (shared system prompts, equal ids as distinct
+    int objects, salts, two block sizes, a `known` stop, which reused hashes may pass): the chain
+    cache's hashes are always `block_hashes`' own, it reuses a remembered chain as far as the ids agree, and it stays
+    within its token bound."""
+    import random
+    from collections import OrderedDict
+
+    from splitserve import hashing
+
+    r = random.Random(2)
+    systems = [[r.randrange(32000) for _ in range(r.randrange(20, 200))] for _ in range(3)]
+    cache = hashing.ChainCache(max_tokens=2000)
+    known = OrderedDict()
+    for step in range(300):
+        sys_ids = [int(str(t)) for t in r.choice(systems)]  # equal ids, new objects, as a tokenizer gives
+        tokens = tuple(sys_ids[: r.randrange(len(sys_ids) + 1)] + [r.randrange(32000) for _ in range(r.randrange(40))])
+        bs, salt = r.choice([4, 16]), r.choice([None, "t"])
+        want = hashing.block_hashes(tokens, bs, salt)
+        assert cache.block_hashes(tokens, bs, salt) == want, step
+        known.update(dict.fromkeys(want[: r.randrange(len(want) + 1)], 1))
+        stop = hashing.block_hashes(tokens, bs, salt, known=(known,), check_every=3)
+        got = cache.block_hashes(tokens, bs, salt, known=(known,), check_every=3)
+        assert got == want[: len(got)] and len(got) >= len(stop), step  # the stop, or past it on reused hashes
+        assert cache._tokens <= cache.max_tokens and cache._tokens == sum(len(t) for t, _ in cache._chains.values())
+    long = tuple(systems[0] * 4)
+    cache.block_hashes(long, 4)
+    calls = []
+    real = hashing.block_hashes
+    try:  # a prompt sharing the whole remembered chain hashes only its new blocks
+        hashing.block_hashes = lambda *a, **kw: calls.append(kw.get("start")) or real(*a, **kw)
+        assert cache.block_hashes(long + (1, 2, 3, 4), 4) == real(long + (1, 2, 3, 4), 4)
+    finally:
+        hashing.block_hashes = real
+    assert calls == [len(long) // 4]
+    assert hashing._common_prefix([1, 2, 3], (1, 2, 4)) == 2 == hashing._common_prefix(range(1, 4), [1, 2])
