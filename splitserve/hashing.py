@@ -90,61 +90,6 @@ def _python_chain(prev: BlockHash, tokens: Sequence[int], block_size: int, start
     return out
 
 
-class ChainCache:
-    """The chains of recent prompts, so that a prompt opening as a remembered one did (a shared
-    system prompt) reuses those blocks' hashes instead of hashing them again: the digests are
-    `block_hashes`' own, for the same salt and block size, over the tokens both prompts share
-    (found by comparing the ids, ~20x cheaper than hashing them). Kept per first block, the
-    most recent prompt each, bounded in remembered tokens (prompts are kept whole, as tuples:
-    what a later prompt may share with them)."""
-
-    def __init__(self, max_tokens: int = 1 << 19) -> None:
-        self.max_tokens = max_tokens
-        self._chains: OrderedDict[tuple, tuple[Sequence[int], list[BlockHash]]] = OrderedDict()
-        self._tokens = 0
-
-    def block_hashes(self, tokens: Sequence[int], block_size: int, salt: str | None = None,
-                     **kw) -> list[BlockHash]:
-        """`block_hashes(tokens, block_size, salt, **kw)` from block 0 (`known` and
-        `check_every` as there), reusing what a remembered prompt's chain covers."""
-        if len(tokens) < block_size:
-            return block_hashes(tokens, block_size, salt, **kw)
-        key = (salt, block_size, tuple(tokens[:block_size]))
-        seen = self._chains.pop(key, None)
-        head: list[BlockHash] = []
-        if seen is not None:
-            self._tokens -= len(seen[0])
-            head = seen[1][: _common_prefix(tokens, seen[0]) // block_size]
-        out = head + block_hashes(tokens, block_size, salt, start=len(head), parent=head[-1] if head else None, **kw)
-        kept = tokens if isinstance(tokens, tuple) else tuple(tokens)  # remembered as it was
-        self._chains[key] = (kept, out)
-        self._tokens += len(kept)
-        while self._tokens > self.max_tokens and self._chains:
-            self._tokens -= len(self._chains.popitem(last=False)[1][0])
-        return out
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    fn = _native_common()
-    if fn is not None and isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return fn(a, b)
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-@functools.cache
-def _native_common():
-    from splitserve import native
-
-    lib = native.load(Path(__file__).parent / "csrc" / "chained_blake2b.c", python=True) if _native() else None
-    if lib is None:
-        return None
-    fn = lib.common_prefix
-    fn.argtypes = [ctypes.py_object, ctypes.py_object]
-    fn.restype = ctypes.c_ssize_t
-    return fn
-
-
 @functools.cache
 def _native():
     """The native chain, built on first use (None: no compiler or Python headers here)."""

@@ -148,31 +148,3 @@ done:
     Py_DECREF(seq);
     return out;
 }
-
-/* How many leading token ids two sequences of ints share (the chain cache in hashing.py
- * reuses a remembered prompt's digests that far); -1 with an exception set. The same object is
- * the same id; otherwise the values are compared as int64. */
-Py_ssize_t common_prefix(PyObject *a, PyObject *b) {
-    PyObject *sa = PySequence_Fast(a, "token ids must be a sequence of ints");
-    if (sa == NULL) return -1;
-    PyObject *sb = PySequence_Fast(b, "token ids must be a sequence of ints");
-    if (sb == NULL) {
-        Py_DECREF(sa);
-        return -1;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(sa), i = 0;
-    if (PySequence_Fast_GET_SIZE(sb) < n) n = PySequence_Fast_GET_SIZE(sb);
-    PyObject **x = PySequence_Fast_ITEMS(sa), **y = PySequence_Fast_ITEMS(sb);
-    for (; i < n; i++) {
-        if (x[i] == y[i]) continue;
-        long long u = PyLong_AsLongLong(x[i]), v = PyLong_AsLongLong(y[i]);
-        if ((u == -1 || v == -1) && PyErr_Occurred()) {
-            i = -1;
-            break;
-        }
-        if (u != v) break;
-    }
-    Py_DECREF(sa);
-    Py_DECREF(sb);
-    return i;
-}

@@ -26,7 +26,7 @@ from typing import Hashable, Iterable, Sequence
 
 from splitserve import native
 from splitserve.types import BlockRemoved, BlockStored, KVEvent, Tier
-from splitserve.hashing import BlockHash, ChainCache
+from splitserve.hashing import BlockHash, block_hashes
 
 
 class KVIndex:
@@ -39,7 +39,6 @@ class KVIndex:
         self._slot: dict[Hashable, int] = {}
         self._workers: list[Hashable | None] = []  # by slot; None: free
         self._free: list[int] = []
-        self._chains = ChainCache()  # recent prompts' chains: a shared system prompt is hashed once
         self._stored = 0  # hashes stored so far: the index's clock for touches
         self._touched: dict[BlockHash, int] = {}  # a matched run's last hash -> `_stored` when touched
         self._members: dict[int, tuple] = {}  # holder bits -> their workers (cleared when a slot changes hands)
@@ -54,11 +53,9 @@ class KVIndex:
                         check_every: int = 8) -> tuple[BlockHash, ...]:
         """The prompt's leading block hashes as far as some worker may hold them: the chain
         stops after the first `check_every`-th block nobody holds (a run ends at its first
-        missing block, so no worker's prefix goes on past it; hashes a recent prompt's chain
-        lends may go further). The engine hashes the rest, continuing the chain from the last
-        one given (Request.prompt_hashes)."""
-        known = (self._holders, self._host)
-        return tuple(self._chains.block_hashes(tokens, block_size, salt, known=known, check_every=check_every))
+        missing block, so no worker's prefix goes on past it). The engine hashes the rest,
+        continuing the chain from the last one given (Request.prompt_hashes)."""
+        return tuple(block_hashes(tokens, block_size, salt, known=(self._holders, self._host), check_every=check_every))
 
     def apply(self, worker_id: Hashable, events: Iterable[KVEvent]) -> None:
         bit = 1 << self._slot_of(worker_id)
