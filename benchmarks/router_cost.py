@@ -88,7 +88,7 @@ def main() -> None:
                 start = rng.randrange(len(pool) - n)
                 # the system prompt's ids made anew, as each request's tokenization gives them
                 # (equal ids that are one object would compare for free)
-                head = list(map(int, map(str, system[: min(n, len(system))])))
+                head = list(map((0).__add__, system[: min(n, len(system))]))
                 prompt = tuple(head + pool[start : start + max(0, n - len(system))])
                 t0 = time.perf_counter()
                 hashes = router.index.routable_hashes(prompt, BLOCK)

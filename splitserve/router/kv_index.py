@@ -124,6 +124,8 @@ class KVIndex:
         """Record in `out` how many leading `hashes` `holders` has for each worker whose bit is
         in `alive` (nothing for a worker with none); `touch`: mark the matched hashes recent.
         A chain's holders change at a few blocks only: Python works there, not per block."""
+        if not alive:
+            return
         depth = 0
         for end, bits in _prefix_runs(holders, hashes):
             still = alive & bits

@@ -9,7 +9,7 @@ is shorter than `disagg_min_tokens` to the decode worker alone (aggregated path)
 
 A worker's score is a request-independent part (its load: `Router.load_score`, computed when its
 view changes and kept ranked in a `Pool`) plus a request's bonus, which only a few workers get
-(the holders of its prefix: `Router.bonus`). So a decision compares those few with the best of
+(the holders of its prefix: `Router.bonus`), summed in that order. So a decision compares those few with the best of
 the rest, and its cost grows with the prefix's holders, not with the pool.
 """
 
@@ -176,10 +176,11 @@ class Pool:
 
     def _put(self, v: WorkerView) -> None:
         wid = v.worker_id
+        key = (-self._load_score(v), _order(wid), wid) if v.up else None  # may raise: before any change
         self._drop(wid)
         self._all[wid] = v
-        if v.up:
-            key = self._keys[wid] = (-self._load_score(v), _order(wid), wid)
+        if key is not None:
+            self._keys[wid] = key
             bisect.insort(self._ranked, key)
             bisect.insort(self._hosts.setdefault(v.host, []), key)
             bisect.insort(self._free, v.free_blocks)

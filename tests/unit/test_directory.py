@@ -287,10 +287,22 @@ def test_views_are_the_same_objects_until_a_workers_facts_change():
         after = check()
         assert after[other] is before[other] and after[placed] is not before[placed]
         assert after[placed].num_waiting == 1
+        route.close()  # the request ended: its count goes, in a new view
+        closed = check()
+        assert closed[placed] is not after[placed] and closed[placed].num_waiting == 0
+        assert closed[other] is before[other]
+        route = d.place(req(1))
+        placed = route.decode.id
         now[0] += d.pending.ttl_s + 0.1  # never confirmed: the count lapses, and the view shows it
         lapsed = check()
         assert lapsed[placed].num_waiting == 0
-        route.close()
+        other = ({a, b} - {placed}).pop()
+        src.workers[other].load = stats(running=3)  # its own report: a new view of it alone
+        answer = asyncio.get_running_loop().create_future()
+        answer.set_result(await src.workers[other].snapshot.remote(None, d.router_id))
+        d._apply_snapshot(other, answer, now[0])
+        reported = check()
+        assert reported[other].num_running == 3 and reported[placed] is lapsed[placed]
         d.mark_failed(other)
         failed = check()
         assert not failed[other].healthy and failed[placed] is lapsed[placed]

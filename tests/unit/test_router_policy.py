@@ -69,21 +69,22 @@ def test_native_prefix_runs_equal_python():
     """csrc/prefix_runs.c groups a chain's leading run into runs of equal holders exactly as the
     Python fallback does: holders changing, repeating, equal ints that are distinct objects,
     a missing hash early, late or never."""
+    import os
     import random
     import shutil
     from collections import OrderedDict
 
     from splitserve.router import kv_index
 
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler: the Python runs are the only path")
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")) or os.environ.get("SPLITSERVE_NO_NATIVE"):
+        pytest.skip("no C compiler (or native code turned off): the Python runs are the only path")
     assert kv_index._native_runs() is not None, "a C compiler is here: the native runs must build"
     rng = random.Random(3)
     chain = block_hashes(list(range(60 * BS)), BS)
     for trial in range(200):
         holders = OrderedDict()
         for h in chain[: rng.randrange(len(chain) + 1)]:
-            holders[h] = int(str(rng.choice([1, 3, 2**70 + 5])))  # equal values, new objects
+            holders[h] = int(str(rng.choice([1000, 3000, 2**70 + 5])))  # equal values, new objects
         if holders and rng.random() < 0.3:
             del holders[rng.choice(list(holders))]
         want = kv_index._python_runs(holders, chain)
@@ -296,3 +297,18 @@ def test_a_bounded_index_keeps_the_prefix_decisions_keep_matching():
         idx.apply("b", [BlockStored(tuple(block_hashes(list(range(i * 320, (i + 1) * 320)), BS)))])
         assert idx.overlap(hot) == {"a": 20}, i
     assert len(idx) == 400 and idx.overlap(cold) == {}
+
+
+def test_a_scorer_that_raises_keeps_raising():
+    """A view whose load cannot be scored is refused on every decision, not dropped silently
+    after the first (the pool changes only once the score is known)."""
+    class Flaky:
+        def score(self, worker):
+            return 2.0 if worker.num_waiting else 0.5
+
+    router = make_router("least_loaded", disagg_min_tokens=0)
+    router.picker = WeightedPicker(load=[(Flaky(), 1.0)])
+    bad = (WorkerView("d0", "decode", "h", num_waiting=1),)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="outside"):
+            router.place(req(list(range(40))), (), bad)

@@ -28,7 +28,7 @@ PyObject *prefix_runs(PyObject *holders, PyObject *hashes) {
     PyObject *out = PyList_New(0);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = 0;
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *last = NULL; /* borrowed: the dict keeps it alive, and nothing here changes the dict */
+    PyObject *last = NULL; /* owned: building the answer may run a collection that changes the dict */
     for (; out != NULL && i < n; i++) {
         PyObject *bits = PyDict_GetItemWithError(holders, items[i]);
         if (bits == NULL) {
@@ -40,9 +40,11 @@ PyObject *prefix_runs(PyObject *holders, PyObject *hashes) {
             if (same < 0 || (!same && append_run(out, i, last) < 0)) Py_CLEAR(out);
             if (same) continue;
         }
-        last = bits;
+        Py_INCREF(bits);
+        Py_XSETREF(last, bits);
     }
     if (out != NULL && last != NULL && append_run(out, i, last) < 0) Py_CLEAR(out);
+    Py_XDECREF(last);
     Py_DECREF(seq);
     return out;
 }
