@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_vs_vllm import servers, stop, wait_ready  # noqa: E402  (same folder)
+from serve_vs_vllm import labelled_bars, serving  # noqa: E402  (same folder)
 
 
 def bench_cmd(a, out: Path, *load: str) -> list[str]:
@@ -55,18 +54,9 @@ def measure(a, out_dir: Path, mode: str, loaded: bool) -> dict:
 
 
 def run_mode(a, mode: str, out_dir: Path) -> dict:
-    cmd, ready, env = servers(a, a.model)[mode]
-    log = open(out_dir / f"{mode}.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        wait_ready(ready, proc, a.start_timeout_s)
+    with serving(a, a.model, mode, out_dir) as cmd:
         measure(a, out_dir, mode, loaded=False)  # warm-up: first steps, first shapes
         return {"command": cmd, "quiet": measure(a, out_dir, mode, False), "loaded": measure(a, out_dir, mode, True)}
-    finally:
-        stop(proc)
-        if mode == "pd":
-            subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
 
 
 def plot(res: dict, path: Path) -> None:
@@ -82,10 +72,7 @@ def plot(res: dict, path: Path) -> None:
             for phase in ("quiet", "loaded"):
                 labels.append(f"{mode}\n{phase}")
                 vals.append(r[phase]["itl_ms"][q])
-        ax.bar(labels, vals, color=["#9ecae1", "#3182bd", "#a1d99b", "#31a354"][: len(vals)])
-        ax.set_title(f"decode ITL {q} (ms)")
-        for i, v in enumerate(vals):
-            ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
+        labelled_bars(ax, labels, vals, ["#9ecae1", "#3182bd", "#a1d99b", "#31a354"], f"decode ITL {q} (ms)")
     fig.suptitle("decode streams alone vs with a concurrent prefill load")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

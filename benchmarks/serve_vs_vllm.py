@@ -21,6 +21,7 @@ console script is broken in 0.32: its `bench serve` entry point is called direct
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -92,18 +93,33 @@ def bench(a, model: str, out_dir: Path, name: str) -> dict:
     return json.loads((out_dir / fname).read_text())
 
 
-def run_one(a, model: str, name: str, out_dir: Path) -> dict:
+@contextlib.contextmanager
+def serving(a, model: str, name: str, out_dir: Path):
+    """Server `name` started fresh and ready (yields its command); stopped afterwards, with the
+    Ray cluster it started (its log: out_dir/NAME.log)."""
     cmd, ready, env = servers(a, model)[name]
     log = open(out_dir / f"{name}.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         wait_ready(ready, proc, a.start_timeout_s)
-        result = bench(a, model, out_dir, name)
+        yield cmd
     finally:
         stop(proc)
         if name == "pd":  # the Ray cluster `serve` started stays up: take it down before the next server
             subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
+
+
+def labelled_bars(ax, labels: list[str], vals: list[float], colors: list[str], title: str) -> None:
+    ax.bar(labels, vals, color=colors[: len(vals)])
+    ax.set_title(title)
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
+
+
+def run_one(a, model: str, name: str, out_dir: Path) -> dict:
+    with serving(a, model, name, out_dir) as cmd:
+        result = bench(a, model, out_dir, name)
     keep = ("completed", "duration", "output_throughput", "request_throughput", "total_token_throughput")
     summary = {k: result.get(k) for k in keep}
     summary.update({k: v for k, v in result.items() if k.split("_")[0] in ("mean", "median", "p50", "p90", "p99")})
@@ -131,11 +147,8 @@ def plot(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     panels = [("output_throughput", "output tok/s"), ("mean_ttft_ms", "mean TTFT (ms)"), ("p99_itl_ms", "p99 ITL (ms)")]
     for ax, (key, label) in zip(axes, panels):
-        vals = [res[n]["summary"].get(key) or 0 for n in names]
-        ax.bar(names, vals, color=["#1f77b4", "#2ca02c", "#d62728"][: len(names)])
-        ax.set_title(label)
-        for i, v in enumerate(vals):
-            ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
+        labelled_bars(ax, names, [res[n]["summary"].get(key) or 0 for n in names], ["#1f77b4", "#2ca02c", "#d62728"],
+                      label)
     fig.suptitle("vllm bench serve: random 256 in / 64 out, 32 prompts at 4 req/s (same client, same machine)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
