@@ -95,11 +95,6 @@ def _native():
     """The native chain, built on first use (None: no compiler or Python headers here)."""
     from splitserve import native
 
-    lib = native.load(Path(__file__).parent / "csrc" / "chained_blake2b.c", python=True)
-    if lib is None:
-        return None
-    fn = lib.chained_blake2b_128
-    fn.argtypes = [ctypes.py_object, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_char_p,
-                   ctypes.py_object, ctypes.c_ssize_t]
-    fn.restype = ctypes.py_object
-    return fn
+    return native.python_function(Path(__file__).parent / "csrc" / "chained_blake2b.c", "chained_blake2b_128",
+                                  [ctypes.py_object, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_ssize_t,
+                                   ctypes.c_char_p, ctypes.py_object, ctypes.c_ssize_t])

@@ -48,6 +48,17 @@ def load(src: Path, python: bool = False) -> ctypes.CDLL | None:
         return _loaded[str(src)]
 
 
+def python_function(src: Path, name: str, argtypes: list, restype=ctypes.py_object):
+    """Function `name` of the C file `src` built against Python.h (`load(src, python=True)`),
+    typed; None when it cannot be built here."""
+    lib = load(src, python=True)
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 def _build_and_load(src: Path, python: bool) -> ctypes.CDLL | None:
     if os.environ.get("SPLITSERVE_NO_NATIVE"):
         return None

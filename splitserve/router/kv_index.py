@@ -203,10 +203,5 @@ def _python_runs(holders: dict, hashes: Sequence[BlockHash]) -> list[tuple[int, 
 
 @functools.cache
 def _native_runs():
-    lib = native.load(Path(__file__).parent / "csrc" / "prefix_runs.c", python=True)
-    if lib is None:
-        return None
-    fn = lib.prefix_runs
-    fn.argtypes = [ctypes.py_object, ctypes.py_object]
-    fn.restype = ctypes.py_object
-    return fn
+    return native.python_function(Path(__file__).parent / "csrc" / "prefix_runs.c", "prefix_runs",
+                                  [ctypes.py_object, ctypes.py_object])
