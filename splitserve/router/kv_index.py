@@ -10,8 +10,9 @@ leading run of matches is exactly a cached prefix. Blocks in a worker's host-mem
 goes on there past its device run (as the engine promotes them: engine/kv_cache/host_tier.py).
 
 Each hash maps to one int, a bit per worker (workers get small slot numbers, reused after they
-leave): walking a prompt's chain is one dict lookup and one AND per block, with no per-worker
-work except where a worker's run ends — a routing decision walks it once for every worker.
+leave): walking a prompt's chain is one dict lookup per block (in C) and one AND where its
+holders change, with no per-worker work except where a worker's run ends — a routing decision
+walks it once for every worker.
 """
 
 from __future__ import annotations
@@ -45,9 +46,6 @@ class KVIndex:
 
     def __len__(self) -> int:
         return len(self._holders) + len(self._host)
-
-    def __contains__(self, h: BlockHash) -> bool:
-        return h in self._holders or h in self._host
 
     def routable_hashes(self, tokens: Sequence[int], block_size: int, salt: str | None = None,
                         check_every: int = 8) -> tuple[BlockHash, ...]:

@@ -206,17 +206,8 @@ class Pool:
         score; ties to the lowest `_order`. Second, the same among the workers on `host` (None
         when none is, or no host is given). The pool must not be empty."""
         room = self._room(need)
-        best = near = None  # (score, key, view)
-        for key in self._ranked:  # the best by load; bonuses (>= 0) can only add
-            v = self._all[key[2]]
-            if not room or v.free_blocks >= need:
-                best = (-key[0], key, v)
-                break
-        for key in self._hosts.get(host, ()) if host is not None else ():
-            v = self._all[key[2]]
-            if not room or v.free_blocks >= need:
-                near = (-key[0], key, v)
-                break
+        best = self._top(self._ranked, room, need)  # the best by load; bonuses (>= 0) can only add
+        near = self._top(self._hosts.get(host, ()), room, need) if host is not None else None
         for wid, b in bonus.items():
             key = self._keys.get(wid)
             if key is None:  # not in this pool, or not up
@@ -224,12 +215,20 @@ class Pool:
             v = self._all[wid]
             if room and v.free_blocks < need:
                 continue
-            s = b - key[0]
-            if s > best[0] or (s == best[0] and key[1:] < best[1][1:]):
-                best = (s, key, v)
-            if v.host == host and (near is None or s > near[0] or (s == near[0] and key[1:] < near[1][1:])):
-                near = (s, key, v)
-        return (best[0], best[2]), None if near is None else (near[0], near[2])
+            rank = (key[0] - b, key[1], wid)  # as the keys: smaller is better
+            if rank < best[0]:
+                best = (rank, v)
+            if v.host == host and (near is None or rank < near[0]):
+                near = (rank, v)
+        return (-best[0][0], best[1]), None if near is None else (-near[0][0], near[1])
+
+    def _top(self, keys: Sequence[tuple], room: bool, need: int) -> tuple[tuple, WorkerView] | None:
+        """The first of `keys` (ranked) whose worker is eligible, with its view."""
+        for key in keys:
+            v = self._all[key[2]]
+            if not room or v.free_blocks >= need:
+                return key, v
+        return None
 
     def _room(self, need: int) -> bool:
         return bool(self._free) and self._free[-1] >= need
