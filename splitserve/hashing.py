@@ -9,8 +9,8 @@ salt parameter and the block's tokens (little-endian int64) its message, so a 16
 one 128-byte compression.
 
 A whole prompt is hashed in one native call (csrc/chained_blake2b.c, the same digests: the
-tests check it against hashlib) that reads the list of ids itself — ~80 µs for an 8K-token
-prompt, where hashlib block by block costs ~1 ms on the router's hot path. Where no compiler (or
+tests check it against hashlib) that reads the list of ids itself, small ids straight from the
+int objects: ~0.25 µs a 16-token block here, where hashlib block by block costs ~2 µs. Where no compiler (or
 no Python headers) works, hashlib block by block.
 """
 

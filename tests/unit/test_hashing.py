@@ -51,7 +51,7 @@ def test_the_definition_is_salted_blake2b_of_int64_ids():
 def test_the_native_chain_equals_hashlib_block_by_block():
     """One native call per prompt (csrc/chained_blake2b.c, reading the list itself) gives
     hashlib's digests exactly: block sizes from 1 to 2048, salts, incremental starts, token ids
-    over the whole int64 range, messages of one and of many BLAKE2b blocks (8·bs bytes); ids
+    over the whole int64 range and small ones, messages of one and of many BLAKE2b blocks (8·bs bytes); ids
     that are not int64s are refused as hashlib's path refuses them."""
     import random
     import shutil
@@ -63,7 +63,10 @@ def test_the_native_chain_equals_hashlib_block_by_block():
     assert hashing._native() is not None, "a C compiler is here: the native chain must build"
     r = random.Random(0)
     for bs in (1, 2, 14, 16, 17, 32, 256, 1024, 2048):
-        tokens = [r.randrange(-2**63, 2**63) for _ in range(bs * 9 + 3)]
+        # ids over the whole int64 range, and the small ones a tokenizer gives (read from the
+        # object's one digit: 0, the largest one-digit int, and negatives take the other path)
+        tokens = [r.choice((r.randrange(-2**63, 2**63), r.randrange(2**30), 0, 2**30 - 1, 2**30, -1, True))
+                  for _ in range(bs * 9 + 3)]
         for salt in (None, "tenant-a"):
             fast = hashing.block_hashes(tokens, bs, salt)
             slow = hashing._python_chain(hashing.root_hash(salt), tokens, bs, 0, len(tokens) // bs)
