@@ -20,7 +20,6 @@ import ctypes
 import functools
 import hashlib
 import struct
-from collections import OrderedDict
 from pathlib import Path
 from typing import Container, Sequence
 
@@ -59,7 +58,7 @@ def block_hashes(
 
     `known`: stop early. Every `check_every`-th block's hash (and the last one's) is looked up
     in these containers, and the chain ends after the first one that none of them holds (for a
-    caller that wants only hashes something may know; the native chain needs dicts).
+    caller that wants only hashes something may know).
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
@@ -72,7 +71,7 @@ def block_hashes(
     if n <= 0:
         return []
     fn = _native()
-    if fn is None or (known is not None and not all(type(k) in (dict, OrderedDict) for k in known)):
+    if fn is None:
         return _python_chain(prev, tokens, block_size, start, n, known, check_every)
     return fn(tokens if isinstance(tokens, (list, tuple)) else list(tokens), start, n, block_size, prev,
               None if known is None else tuple(known), check_every)

@@ -107,10 +107,10 @@ static inline int as_word(PyObject *o, uint64_t *w) {
     return 0;
 }
 
-/* Is `digest` a key of one of the dicts in the tuple `known`? -1: an error is set. */
+/* Is `digest` in one of the containers in the tuple `known`? -1: an error is set. */
 static int known_anywhere(PyObject *known, PyObject *digest) {
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(known); k++) {
-        int found = PyDict_Contains(PyTuple_GET_ITEM(known, k), digest);
+        int found = PySequence_Contains(PyTuple_GET_ITEM(known, k), digest);
         if (found) return found;
     }
     return 0;
@@ -118,8 +118,8 @@ static int known_anywhere(PyObject *known, PyObject *digest) {
 
 /* The digests of blocks [start, start + n_blocks) of `tokens` (a list or tuple of ints), the
  * chain starting at `parent`; a new list of bytes, or NULL with an exception set. `known`: None,
- * or a tuple of dicts keyed by digests: every `check_every`-th block (and the last) is looked up
- * there, and the chain stops after the first looked-up digest none of them holds (the caller
+ * or a tuple of containers of digests (dicts, the router's KV tables): every `check_every`-th
+ * block (and the last) is looked up there, and the chain stops after the first looked-up digest none of them holds (the caller
  * wants only what might be known; the rest costs hashing for nothing). */
 PyObject *chained_blake2b_128(PyObject *tokens, Py_ssize_t start, Py_ssize_t n_blocks, Py_ssize_t block_size,
                               const uint8_t *parent, PyObject *known, Py_ssize_t check_every) {

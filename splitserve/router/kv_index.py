@@ -10,24 +10,18 @@ leading run of matches is exactly a cached prefix. Blocks in a worker's host-mem
 goes on there past its device run (as the engine promotes them: engine/kv_cache/host_tier.py).
 
 Each hash maps to one int, a bit per worker (workers get small slot numbers, reused after they
-leave): walking a prompt's chain is one dict lookup per block (in C) and one AND where its
-holders change, with no per-worker work except where a worker's run ends — a routing decision
-walks it once for every worker.
+leave), in a native table (router/kv_table.py): walking a prompt's chain is one prefetched
+lookup per block and one AND where its holders change, with no per-worker work except where a
+worker's run ends — a routing decision walks it once for every worker.
 """
 
 from __future__ import annotations
 
-import collections
-import ctypes
-import functools
-import itertools
-from collections import OrderedDict
-from pathlib import Path
 from typing import Hashable, Iterable, Sequence
 
-from splitserve import native
-from splitserve.types import BlockRemoved, BlockStored, KVEvent, Tier
 from splitserve.hashing import BlockHash, block_hashes
+from splitserve.router.kv_table import KVTable, make_table
+from splitserve.types import BlockRemoved, BlockStored, KVEvent, Tier
 
 
 class KVIndex:
@@ -35,8 +29,8 @@ class KVIndex:
         if max_hashes <= 0:
             raise ValueError(f"max_hashes must be positive, got {max_hashes}")
         self.max_hashes = max_hashes
-        self._holders: OrderedDict[BlockHash, int] = OrderedDict()  # bit s set: slot s's worker holds it
-        self._host: OrderedDict[BlockHash, int] = OrderedDict()  # the same, for host-tier blocks
+        self._holders = make_table()  # bit s set: slot s's worker holds it
+        self._host = make_table()  # the same, for host-tier blocks
         self._slot: dict[Hashable, int] = {}
         self._workers: list[Hashable | None] = []  # by slot; None: free
         self._free: list[int] = []
@@ -61,24 +55,22 @@ class KVIndex:
             holders = self._host if ev.tier is Tier.HOST else self._holders
             if isinstance(ev, BlockStored):
                 self._stored += len(ev.block_hashes)
-                for h in ev.block_hashes:
-                    holders[h] = holders.get(h, 0) | bit
-                    holders.move_to_end(h)
+                holders.store(ev.block_hashes, bit)
             elif isinstance(ev, BlockRemoved):
-                for h in ev.block_hashes:
-                    self._discard(holders, h, bit)
-        while len(self._holders) + len(self._host) > self.max_hashes:
-            (self._host if self._host else self._holders).popitem(last=False)  # host hits are worth less
+                holders.discard(ev.block_hashes, bit)
+        over = len(self._holders) + len(self._host) - self.max_hashes
+        if over > 0:
+            from_host = min(over, len(self._host))  # host hits are worth less: they go first
+            self._host.evict(from_host)
+            self._holders.evict(over - from_host)
 
     def remove_worker(self, worker_id: Hashable) -> None:
         """A worker left (or restarted with an empty cache): forget everything it held."""
         slot = self._slot.pop(worker_id, None)
         if slot is None:
             return
-        bit = 1 << slot
         for holders in (self._holders, self._host):
-            for h in [h for h, held in holders.items() if held & bit]:
-                self._discard(holders, h, bit)
+            holders.drop_bit(1 << slot)
         self._workers[slot] = None
         self._free.append(slot)
         self._members.clear()
@@ -92,15 +84,6 @@ class KVIndex:
             self._workers[slot] = worker_id
             self._slot[worker_id] = slot
         return slot
-
-    @staticmethod
-    def _discard(holders: OrderedDict, h: BlockHash, bit: int) -> None:
-        held = holders.get(h)
-        if held is not None:
-            if held & ~bit:
-                holders[h] = held & ~bit
-            else:
-                del holders[h]
 
     def overlap(self, hashes: Sequence[BlockHash], workers: Iterable[Hashable] | None = None) -> dict:
         """Leading blocks of `hashes` each worker holds (workers holding none are omitted, unless
@@ -118,14 +101,14 @@ class KVIndex:
         self._walk(self._holders, hashes, alive, out, touch=True)
         return out
 
-    def _walk(self, holders: OrderedDict, hashes: Sequence[BlockHash], alive: int, out: dict, touch: bool) -> None:
+    def _walk(self, holders: KVTable, hashes: Sequence[BlockHash], alive: int, out: dict, touch: bool) -> None:
         """Record in `out` how many leading `hashes` `holders` has for each worker whose bit is
         in `alive` (nothing for a worker with none); `touch`: mark the matched hashes recent.
         A chain's holders change at a few blocks only: Python works there, not per block."""
         if not alive:
             return
         depth = 0
-        for end, bits in _prefix_runs(holders, hashes):
+        for end, bits in holders.runs(hashes):
             still = alive & bits
             if still != alive:
                 if depth:  # some runs end here
@@ -140,7 +123,7 @@ class KVIndex:
         if touch and depth:
             self._touch(holders, hashes[:depth])
 
-    def _touch(self, holders: OrderedDict, run: Sequence[BlockHash]) -> None:
+    def _touch(self, holders: KVTable, run: Sequence[BlockHash]) -> None:
         """Mark a matched run recent — at most once per quarter of the index's capacity in new
         hashes: it then sits within the newest half of the index, which eviction never reaches,
         so a prefix matched that often stays, and the hot path skips 100+ touches per decision."""
@@ -150,7 +133,7 @@ class KVIndex:
         if len(self._touched) >= 1 << 16:
             self._touched.clear()
         self._touched[run[-1]] = self._stored
-        collections.deque(map(holders.move_to_end, run), 0)
+        holders.touch(run)
 
     def _record(self, out: dict, bits: int, depth: int) -> None:
         members = self._members.get(bits)
@@ -180,26 +163,3 @@ class KVIndex:
             self._walk(self._host, hashes[start:], alive, out, touch=False)
         return out
 
-
-def _prefix_runs(holders: dict, hashes: Sequence[BlockHash]) -> list[tuple[int, int]]:
-    """How far `hashes` go in `holders`, in runs of equal holders: [(end, bits), ...], each run
-    hashes[previous end:end] (csrc/prefix_runs.c; the same in Python where it cannot build)."""
-    fn = _native_runs()
-    return _python_runs(holders, hashes) if fn is None else fn(holders, hashes)
-
-
-def _python_runs(holders: dict, hashes: Sequence[BlockHash]) -> list[tuple[int, int]]:
-    held = list(map(holders.get, hashes))
-    if None in held:
-        del held[held.index(None):]
-    runs, end = [], 0
-    for bits, run in itertools.groupby(held):
-        end += len(list(run))
-        runs.append((end, bits))
-    return runs
-
-
-@functools.cache
-def _native_runs():
-    return native.python_function(Path(__file__).parent / "csrc" / "prefix_runs.c", "prefix_runs",
-                                  [ctypes.py_object, ctypes.py_object])

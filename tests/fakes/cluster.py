@@ -15,6 +15,11 @@ def stats(waiting=0, running=0):
     return WorkerStats(waiting, running, 0, 64, 64, 0, 0, 0, 0)
 
 
+def digest(h: int | bytes) -> bytes:
+    """A test's short name for a block (1, b"x") as the 16-byte digest the KV index keys on."""
+    return h.to_bytes(16, "little") if isinstance(h, int) else h.ljust(16, b"\0")
+
+
 class Call:
     def __init__(self, fn):
         self.fn = fn
@@ -31,11 +36,13 @@ class FakeWorker:
         self.snapshot = Call(self._snapshot)
         self.calls = 0
 
-    def store(self, *hs):
+    def store(self, *names):
+        hs = tuple(map(digest, names))
         self.cached |= set(hs)
         self.new.append(BlockStored(hs))
 
-    def drop(self, *hs):
+    def drop(self, *names):
+        hs = tuple(map(digest, names))
         self.cached -= set(hs)
         self.new.append(BlockRemoved(hs))
 

@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.router.policy import POLICIES
 from splitserve.types import ConfigError, Request, Role, SamplingParams, WorkerState as S
-from tests.fakes.cluster import Call, FakeSource, directory, stats
+from tests.fakes.cluster import Call, FakeSource, digest, directory, stats
 
 
 def req(i, n=40):
@@ -32,7 +32,7 @@ def test_the_index_follows_the_cache_through_lost_replies_failures_and_slow_work
         await d.start()
 
         def held():
-            return {h for h in range(10) if d.policy.index.overlap([h]).get(wid)}
+            return {h for h in range(10) if d.policy.index.overlap([digest(h)]).get(wid)}
 
         w.store(1, 2)
         await settle()
@@ -66,7 +66,7 @@ def test_workers_that_leave_the_registry_leave_placement_and_the_index():
         d = directory(src)
         await d.start()
         await settle()
-        assert d.policy.index.overlap([b"x"]) == {a: 1}
+        assert d.policy.index.overlap([digest(b"x")]) == {a: 1}
         src.registry.move(a, S.DRAINING)
         await settle()
         assert {v.worker_id: v.draining for v in d.views()} == {a: True, b: False}
@@ -79,7 +79,7 @@ def test_workers_that_leave_the_registry_leave_placement_and_the_index():
         assert d.view(d.records[b]).healthy
         src.registry.move(a, S.DEAD, reason="gone")
         await settle()
-        assert set(d.records) == {b} and d.policy.index.overlap([b"x"]) == {}
+        assert set(d.records) == {b} and d.policy.index.overlap([digest(b"x")]) == {}
         d.stop()
 
     asyncio.run(go())

@@ -70,7 +70,7 @@ def test_a_full_host_tier_evicts_its_oldest_and_stays_consistent(path):
     listing = KVIndex()
     listing.apply("w", llm.engine.kv_listing())
     assert index._holders.keys() == listing._holders.keys() and index._host.keys() == listing._host.keys()
-    assert set(index._host) == set(host.held_hashes()) and not set(index._host) & set(index._holders)
+    assert set(index._host.keys()) == set(host.held_hashes()) and not set(index._host.keys()) & set(index._holders.keys())
 
 
 def test_config_checks():

@@ -65,34 +65,55 @@ def test_index_overlap_equals_a_naive_walk_per_worker():
         assert idx.overlap(chain, some) == {name: naive.get(name, 0) for name in some}
 
 
-def test_native_prefix_runs_equal_python():
-    """csrc/prefix_runs.c groups a chain's leading run into runs of equal holders exactly as the
-    Python fallback does: holders changing, repeating, equal ints that are distinct objects,
-    a missing hash early, late or never."""
+def test_native_kv_table_equals_the_python_one():
+    """csrc/kv_table.c answers exactly as the OrderedDict table does under random stores,
+    removals, workers leaving, evictions and touches: the same runs (holders changing,
+    repeating, equal ints that are distinct objects, a missing hash early, late or never), the
+    same holders, the same order of eviction; and both refuse what is not a digest or a bit."""
     import os
     import random
     import shutil
-    from collections import OrderedDict
 
-    from splitserve.router import kv_index
+    from splitserve.router import kv_table
 
     if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")) or os.environ.get("SPLITSERVE_NO_NATIVE"):
-        pytest.skip("no C compiler (or native code turned off): the Python runs are the only path")
-    assert kv_index._native_runs() is not None, "a C compiler is here: the native runs must build"
+        pytest.skip("no C compiler (or native code turned off): the Python table is the only path")
+    assert kv_table._native_type() is not None, "a C compiler is here: the native table must build"
     rng = random.Random(3)
-    chain = block_hashes(list(range(60 * BS)), BS)
-    for trial in range(200):
-        holders = OrderedDict()
-        for h in chain[: rng.randrange(len(chain) + 1)]:
-            holders[h] = int(str(rng.choice([1000, 3000, 2**70 + 5])))  # equal values, new objects
-        if holders and rng.random() < 0.3:
-            del holders[rng.choice(list(holders))]
-        want = kv_index._python_runs(holders, chain)
-        assert kv_index._native_runs()(holders, chain) == want == kv_index._python_runs(holders, tuple(chain))
-        assert kv_index._native_runs()(holders, tuple(chain)) == want
-    assert kv_index._native_runs()({}, []) == []
-    with pytest.raises(TypeError):
-        kv_index._native_runs()([], chain)
+    chain = block_hashes(list(range(300 * BS)), BS)  # 300 hashes: the native index grows past 64 slots
+    fast, slow = kv_table.make_table(), kv_table.PythonKVTable()
+    assert not isinstance(fast, kv_table.PythonKVTable)
+    bits = [1, 2, 4, 1 << 40, 1 << 70]
+    for step in range(3000):
+        op, bit, n = rng.random(), rng.choice(bits), rng.randrange(40)
+        hs = tuple(chain[rng.randrange(300):][: rng.randrange(1, 80)])
+        gone = rng.sample(hs, min(3, len(hs)))
+        for t in (fast, slow):
+            b = int(str(bit))  # equal values, new objects
+            if op < 0.4:
+                t.store(hs, b)
+            elif op < 0.7:
+                t.discard(gone, b)
+            elif op < 0.75:
+                t.drop_bit(b)
+            elif op < 0.8:
+                t.evict(n)
+            else:
+                t.touch(hs)
+        assert fast.runs(chain) == slow.runs(chain) and fast.runs(tuple(chain[5:])) == slow.runs(chain[5:]), step
+        assert len(fast) == len(slow) and fast.keys() == slow.keys(), step
+        assert [fast.get(h) for h in chain[:50]] == [slow.get(h) for h in chain[:50]], step
+    assert fast.runs([]) == [] and (chain[0] in fast) == (chain[0] in slow)
+    for t in (fast, slow):
+        for bad in (b"short", "x" * 16, 7):
+            with pytest.raises(TypeError):
+                t.store([bad], 1)
+            with pytest.raises(TypeError):
+                t.runs([bad])
+        with pytest.raises(TypeError):
+            t.store(chain[:1], 0)
+        with pytest.raises(TypeError):
+            t.discard(chain[:1], "1")
 
 
 def test_routable_hashes_stop_after_the_first_checked_block_nobody_holds():
