@@ -6,7 +6,7 @@ cache hit).
 The router asks one question of it: for a request's chain of block hashes, how many leading
 blocks does each worker already hold? Hashes chain the whole prefix (splitserve.hashing), so a
 leading run of matches is exactly a cached prefix. Blocks in a worker's host-memory tier
-(events with `tier=Tier.HOST`) are kept apart: `host_overlap` is how far each worker's prefix
+(events with `tier=Tier.HOST`) are kept apart: `host_holders` is how far each worker's prefix
 goes on there past its device run (as the engine promotes them: engine/kv_cache/host_tier.py).
 
 Each hash maps to one int, a bit per worker (workers get small slot numbers, reused after they
@@ -17,11 +17,20 @@ worker's run ends — a routing decision walks it once for every worker.
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, NamedTuple, Sequence
 
 from splitserve.hashing import BlockHash, block_hashes
 from splitserve.router.kv_table import KVTable, make_table
 from splitserve.types import BlockRemoved, BlockStored, KVEvent, Tier
+
+
+class Group(NamedTuple):
+    """Workers sharing one value: the blocks of a prefix they hold, or the bonus a scorer gives
+    them. The index finds holders a group at a time and policies score them so: a decision's
+    cost grows with the distinct values, not with the holders."""
+
+    value: float
+    members: tuple[Hashable, ...]
 
 
 class KVIndex:
@@ -85,26 +94,32 @@ class KVIndex:
             self._slot[worker_id] = slot
         return slot
 
-    def overlap(self, hashes: Sequence[BlockHash], workers: Iterable[Hashable] | None = None) -> dict:
-        """Leading blocks of `hashes` each worker holds (workers holding none are omitted, unless
-        listed in `workers`, which also restricts the answer)."""
-        if workers is None:
-            out: dict = {}
-            alive = (1 << len(self._workers)) - 1
-        else:
-            out = dict.fromkeys(workers, 0)
-            alive = 0
-            for w in out:
-                slot = self._slot.get(w)
-                if slot is not None:
-                    alive |= 1 << slot
-        self._walk(self._holders, hashes, alive, out, touch=True)
-        return out
+    def holders(self, hashes: Sequence[BlockHash], workers: Iterable[Hashable] | None = None
+                ) -> tuple[Group, ...]:
+        """The workers holding a leading run of `hashes`, grouped by its length in blocks (the
+        holders of a hot prefix mostly end together: a few groups however many holders);
+        workers holding none are absent. `workers`: only these."""
+        out: list[Group] = []
+        self._walk(self._holders, hashes, self._bits_of(workers), out, touch=True)
+        return tuple(out)
 
-    def _walk(self, holders: KVTable, hashes: Sequence[BlockHash], alive: int, out: dict, touch: bool) -> None:
-        """Record in `out` how many leading `hashes` `holders` has for each worker whose bit is
-        in `alive` (nothing for a worker with none); `touch`: mark the matched hashes recent.
-        A chain's holders change at a few blocks only: Python works there, not per block."""
+    def overlap(self, hashes: Sequence[BlockHash], workers: Iterable[Hashable] | None = None) -> dict:
+        """`holders`, per worker (workers holding none are omitted, unless listed in `workers`)."""
+        listed = None if workers is None else list(workers)
+        groups = self.holders(hashes, listed)
+        return dict.fromkeys(listed or (), 0) | {w: depth for depth, members in groups for w in members}
+
+    def _bits_of(self, workers: Iterable[Hashable] | None) -> int:
+        if workers is None:
+            return (1 << len(self._workers)) - 1  # free slots hold nothing: no need to leave them out
+        slots = map(self._slot.get, workers)
+        return sum({1 << s for s in slots if s is not None})
+
+    def _walk(self, holders: KVTable, hashes: Sequence[BlockHash], alive: int, out: list, touch: bool) -> None:
+        """Append to `out` how many leading `hashes` `holders` has, a group per length, for the
+        workers whose bits are in `alive` (none for workers with none); `touch`: mark the matched
+        hashes recent. A chain's holders change at a few blocks only: Python works there, not
+        per block."""
         if not alive:
             return
         depth = 0
@@ -112,14 +127,14 @@ class KVIndex:
             still = alive & bits
             if still != alive:
                 if depth:  # some runs end here
-                    self._record(out, alive ^ still, depth)
+                    out.append(Group(depth, self._members_of(alive ^ still)))
                 if not still:
                     break
                 alive = still
             depth = end
         else:
             if depth:
-                self._record(out, alive, depth)
+                out.append(Group(depth, self._members_of(alive)))
         if touch and depth:
             self._touch(holders, hashes[:depth])
 
@@ -135,13 +150,13 @@ class KVIndex:
         self._touched[run[-1]] = self._stored
         holders.touch(run)
 
-    def _record(self, out: dict, bits: int, depth: int) -> None:
+    def _members_of(self, bits: int) -> tuple[Hashable, ...]:
         members = self._members.get(bits)
         if members is None:  # the same few holder sets recur (who holds a hot prefix): decoded once
             if len(self._members) >= 4096:
                 self._members.clear()
             members = self._members[bits] = tuple(self._decode(bits))
-        out.update(dict.fromkeys(members, depth))
+        return members
 
     def _decode(self, bits: int):
         while bits:
@@ -149,17 +164,21 @@ class KVIndex:
             yield self._workers[low.bit_length() - 1]
             bits ^= low
 
-    def host_overlap(self, hashes: Sequence[BlockHash], device: dict) -> dict:
-        """For each worker, how many blocks past its device run (`device`, as `overlap` gave it;
-        workers absent from it ran 0) its host tier holds in a row. Workers with none omitted."""
-        out: dict = {}
+    def host_holders(self, hashes: Sequence[BlockHash], device: Sequence[Group]) -> tuple[Group, ...]:
+        """For the workers whose host tier holds blocks right past their device run (`device`,
+        as `holders` gave it; workers absent from it ran 0), how many in a row, grouped."""
         if not self._host:
-            return out
+            return ()
         starts: dict[int, int] = {}  # device run length -> the workers' bits
-        for w, slot in self._slot.items():
-            d = device.get(w, 0)
-            starts[d] = starts.get(d, 0) | 1 << slot
+        covered = 0
+        for depth, members in device:
+            bits = self._bits_of(members)
+            starts[depth] = starts.get(depth, 0) | bits
+            covered |= bits
+        rest = self._bits_of(None) & ~covered
+        if rest:
+            starts[0] = starts.get(0, 0) | rest
+        out: list[Group] = []
         for start, alive in starts.items():
             self._walk(self._host, hashes[start:], alive, out, touch=False)
-        return out
-
+        return tuple(out)

@@ -9,8 +9,11 @@ is shorter than `disagg_min_tokens` to the decode worker alone (aggregated path)
 
 A worker's score is a request-independent part (its load: `Router.load_score`, computed when its
 view changes and kept ranked in a `Pool`) plus a request's bonus, which only a few workers get
-(the holders of its prefix: `Router.bonus`), summed in that order. So a decision compares those few with the best of
-the rest, and its cost grows with the prefix's holders, not with the pool.
+(the holders of its prefix: `Router.bonus`), summed in that order. Bonuses come in groups of
+workers sharing one value (kv_index.Group: the holders whose prefix ends at the same block), and
+a pool finds a group's best-ranked member at C speed; so a decision compares a few groups' best
+with the best of the rest, and its cost grows with the distinct prefix lengths held, not with
+the pool or the holders.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import math
 import random
 import zlib
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Callable, Hashable, Mapping, Protocol, Sequence
 
 from splitserve.hashing import BlockHash
-from splitserve.router.kv_index import KVIndex
+from splitserve.router.kv_index import Group, KVIndex
 from splitserve.types import Role, WorkerId
 
 
@@ -74,16 +79,17 @@ class LoadScorer(Protocol):
 
 
 class RequestScorer(Protocol):
-    def score(self, req: RouteRequest, hits: Mapping) -> Mapping[Hashable, float]:
-        """Scores in [0, 1] of the workers this request singles out; every other worker scores 0.
-        `hits`: the leading blocks of the request each worker holds (KVIndex.overlap)."""
+    def score(self, req: RouteRequest, hits: Sequence[Group]) -> Sequence[Group]:
+        """Scores in [0, 1] of the workers this request singles out, in groups sharing a score
+        (each worker in one group at most); every other worker scores 0. `hits`: the leading
+        blocks of the request the workers hold (KVIndex.holders), grouped by that count."""
         ...
 
 
 class PrefixScorer:
-    def score(self, req: RouteRequest, hits: Mapping) -> Mapping[Hashable, float]:
+    def score(self, req: RouteRequest, hits: Sequence[Group]) -> Sequence[Group]:
         n = max(1, req.num_tokens // req.block_size)  # of the prompt's full blocks (its hashes may stop short)
-        return {w: h / n for w, h in hits.items()}
+        return tuple(Group(h / n, members) for h, members in hits)
 
 
 class QueueScorer:
@@ -119,19 +125,34 @@ class WeightedPicker:
             total += weight * _checked(scorer, scorer.score(worker))
         return total
 
-    def bonus(self, req: RouteRequest, hits: Mapping) -> Mapping[Hashable, float]:
-        out: dict = {}
+    def bonus(self, req: RouteRequest, hits: Sequence[Group]) -> Sequence[Group]:
+        scored = []
         for scorer, weight in self.request:
-            scores = scorer.score(req, hits)
-            if scores:
-                _checked(scorer, min(scores.values()))
-                _checked(scorer, max(scores.values()))
-            if not out and weight == 1.0:
-                out = dict(scores)
-            else:
-                for w, s in scores.items():
-                    out[w] = out.get(w, 0.0) + weight * s
-        return out
+            groups = tuple(scorer.score(req, hits))
+            for g in groups:
+                _checked(scorer, g.value)
+            scored.append((groups, weight))
+        if len(scored) == 1:  # the usual case: the groups as they come
+            groups, weight = scored[0]
+            return groups if weight == 1.0 else tuple(Group(weight * v, ms) for v, ms in groups)
+        total: dict = {}
+        for groups, weight in scored:
+            for v, members in groups:
+                for w in members:
+                    total[w] = total.get(w, 0.0) + weight * v
+        return regroup(total)
+
+
+def regroup(values: Mapping[Hashable, float]) -> tuple[Group, ...]:
+    """Per-worker values as groups of the workers sharing one."""
+    by: dict[float, list] = {}
+    for w, v in values.items():
+        by.setdefault(v, []).append(w)
+    return tuple(Group(v, tuple(ws)) for v, ws in by.items())
+
+
+def value_of(groups: Sequence[Group], worker: Hashable, default: float = 0) -> float:
+    return next((v for v, members in groups if worker in members), default)
 
 
 def _checked(scorer, s: float) -> float:
@@ -152,6 +173,7 @@ class Pool:
         self._keys: dict[Hashable, tuple] = {}  # up workers' sort keys: (-load score, _order, id)
         self._ranked: list[tuple] = []  # the keys, best first
         self._hosts: dict[str, list[tuple]] = {}  # the same, per host
+        self._host_keys: dict[str, dict[Hashable, tuple]] = {}  # `_keys`, per host
         self._free: list[int] = []  # up workers' free blocks, ascending
 
     def __len__(self) -> int:
@@ -183,6 +205,7 @@ class Pool:
             self._keys[wid] = key
             bisect.insort(self._ranked, key)
             bisect.insort(self._hosts.setdefault(v.host, []), key)
+            self._host_keys.setdefault(v.host, {})[wid] = key
             bisect.insort(self._free, v.free_blocks)
 
     def _drop(self, wid: Hashable) -> None:
@@ -192,6 +215,7 @@ class Pool:
         v = self._all[wid]
         for ranked in (self._ranked, self._hosts[v.host]):
             del ranked[bisect.bisect_left(ranked, key)]
+        del self._host_keys[v.host][wid]
         del self._free[bisect.bisect_left(self._free, v.free_blocks)]
 
     def eligible(self, need: int) -> list[WorkerView]:
@@ -200,7 +224,7 @@ class Pool:
         ups = [v for v in self._given if v.up]
         return [v for v in ups if v.free_blocks >= need] if self._room(need) else ups
 
-    def best(self, bonus: Mapping[Hashable, float], need: int, host: str | None = None
+    def best(self, bonus: Sequence[Group], need: int, host: str | None = None
              ) -> tuple[tuple[float, WorkerView], tuple[float, WorkerView] | None]:
         """The eligible worker (see `eligible`) with the highest load score + bonus, and that
         score; ties to the lowest `_order`. Second, the same among the workers on `host` (None
@@ -208,19 +232,31 @@ class Pool:
         room = self._room(need)
         best = self._top(self._ranked, room, need)  # the best by load; bonuses (>= 0) can only add
         near = self._top(self._hosts.get(host, ()), room, need) if host is not None else None
-        for wid, b in bonus.items():
-            key = self._keys.get(wid)
-            if key is None:  # not in this pool, or not up
-                continue
-            v = self._all[wid]
-            if room and v.free_blocks < need:
-                continue
-            rank = (key[0] - b, key[1], wid)  # as the keys: smaller is better
-            if rank < best[0]:
-                best = (rank, v)
-            if v.host == host and (near is None or rank < near[0]):
-                near = (rank, v)
+        on_host = self._host_keys.get(host, {})
+        for b, members in bonus:  # members share the bonus: a group's best-ranked eligible one is its best
+            best = self._better(best, self._first(members, self._keys, room, need), b)
+            if host is not None:
+                near = self._better(near, self._first(members, on_host, room, need), b)
         return (-best[0][0], best[1]), None if near is None else (-near[0][0], near[1])
+
+    def _better(self, current: tuple | None, key: tuple | None, b: float) -> tuple | None:
+        """`current` ((rank, view) or None), or the worker of `key` with bonus `b` if it ranks above."""
+        if key is None:
+            return current
+        rank = (key[0] - b, key[1], key[2])  # as the keys: smaller is better
+        return (rank, self._all[key[2]]) if current is None or rank < current[0] else current
+
+    def _first(self, members: Sequence[Hashable], keys: Mapping[Hashable, tuple], room: bool, need: int
+               ) -> tuple | None:
+        """The smallest key of `members` found in `keys` whose worker is eligible, or None."""
+        key = min(map(keys.get, members, repeat(_ABSENT)), default=_ABSENT)
+        if key is _ABSENT:
+            return None
+        if room and self._all[key[2]].free_blocks < need:  # rare: look at each member
+            fits = [k for k in map(keys.get, members, repeat(_ABSENT))
+                    if k is not _ABSENT and self._all[k[2]].free_blocks >= need]
+            return min(fits, default=None)
+        return key
 
     def _top(self, keys: Sequence[tuple], room: bool, need: int) -> tuple[tuple, WorkerView] | None:
         """The first of `keys` (ranked) whose worker is eligible, with its view."""
@@ -232,6 +268,9 @@ class Pool:
 
     def _room(self, need: int) -> bool:
         return bool(self._free) and self._free[-1] >= need
+
+
+_ABSENT = (math.inf,)  # sorts after every key: (-load score, _order, id)
 
 
 class Router:
@@ -254,8 +293,8 @@ class Router:
     def load_score(self, worker: WorkerView) -> float:
         return 0.0
 
-    def bonus(self, req: RouteRequest, pool: Pool, hits: Mapping) -> Mapping[Hashable, float]:
-        return {}
+    def bonus(self, req: RouteRequest, pool: Pool, hits: Sequence[Group]) -> Sequence[Group]:
+        return ()
 
     def place(self, req: RouteRequest, prefills: Sequence[WorkerView], decodes: Sequence[WorkerView]) -> Placement:
         dpool, ppool = self._pools["decode"].sync(decodes), self._pools["prefill"].sync(prefills)
@@ -264,21 +303,26 @@ class Router:
         blocks, hits = self._hits(req)
         need = req.blocks_needed
         (_, d), _ = dpool.best(self.bonus(req, dpool, hits), need)
-        d_cached = self._cached_tokens(req, blocks.get(d.worker_id, 0))
+        d_cached = self._cached_tokens(req, value_of(blocks, d.worker_id))
         if not ppool or req.num_tokens - d_cached < self.disagg_min_tokens:
             return Placement(None, d.worker_id, d_cached)
         p = self._pick_prefill(ppool, self.bonus(req, ppool, hits), need, d)
-        return Placement(p.worker_id, d.worker_id, self._cached_tokens(req, blocks.get(p.worker_id, 0)))
+        return Placement(p.worker_id, d.worker_id, self._cached_tokens(req, value_of(blocks, p.worker_id)))
 
-    def _hits(self, req: RouteRequest) -> tuple[Mapping, Mapping]:
-        """Blocks each worker would reuse (device + host tier), and what the prefix scorer
-        weighs (host blocks at `host_hit_weight`); workers with none are absent."""
-        device = self.index.overlap(req.block_hashes)
-        host = self.index.host_overlap(req.block_hashes, device)
+    def _hits(self, req: RouteRequest) -> tuple[Sequence[Group], Sequence[Group]]:
+        """Blocks the workers would reuse (device + host tier), and what the prefix scorer
+        weighs (host blocks at `host_hit_weight`), grouped; workers with none are absent."""
+        device = self.index.holders(req.block_hashes)
+        host = self.index.host_holders(req.block_hashes, device)
         if not host:
             return device, device
-        blocks = {w: device.get(w, 0) + host.get(w, 0) for w in device.keys() | host.keys()}
-        return blocks, {w: device.get(w, 0) + self.host_hit_weight * host.get(w, 0) for w in blocks}
+        blocks = {w: v for v, members in device for w in members}
+        weighed = dict(blocks)
+        for v, members in host:
+            for w in members:
+                blocks[w] = blocks.get(w, 0) + v
+                weighed[w] = weighed.get(w, 0) + self.host_hit_weight * v
+        return regroup(blocks), regroup(weighed)
 
     @staticmethod
     def _cached_tokens(req: RouteRequest, blocks: int) -> int:
@@ -286,7 +330,7 @@ class Router:
         # (its logits must be computed).
         return min(blocks, (req.num_tokens - 1) // req.block_size) * req.block_size
 
-    def _pick_prefill(self, pool: Pool, bonus: Mapping, need: int, decode: WorkerView) -> WorkerView:
+    def _pick_prefill(self, pool: Pool, bonus: Sequence[Group], need: int, decode: WorkerView) -> WorkerView:
         """The best prefill worker, or the best one on the decode worker's host if its score is
         within the margin (KV over shared memory beats KV over the network)."""
         (score, best), near = pool.best(bonus, need, decode.host)
@@ -313,7 +357,7 @@ class RoundRobin(Router):
 
     def bonus(self, req, pool, hits):
         eligible = pool.eligible(req.blocks_needed)
-        return {eligible[next(self._turns[id(pool)]) % len(eligible)].worker_id: 1.0}
+        return (Group(1.0, (eligible[next(self._turns[id(pool)]) % len(eligible)].worker_id,)),)
 
 
 class LeastLoaded(Router):
@@ -339,7 +383,7 @@ class PowerOfTwo(Router):
     def bonus(self, req, pool, hits):
         eligible = pool.eligible(req.blocks_needed)
         two = self._rng.sample(eligible, min(2, len(eligible)))
-        return {min(two, key=lambda w: w.num_waiting + w.num_running + w.kv_usage).worker_id: 1.0}
+        return (Group(1.0, (min(two, key=lambda w: w.num_waiting + w.num_running + w.kv_usage).worker_id,)),)
 
 
 class CacheAware(Router):
@@ -349,7 +393,7 @@ class CacheAware(Router):
                  **kw) -> None:
         self.picker = WeightedPicker(load=[(QueueScorer(), queue_weight), (KVUsageScorer(), kv_weight)],
                                      request=[(PrefixScorer(), prefix_weight)])
-        self._last_bonus: tuple = (None, {})
+        self._last_bonus: tuple = (None, ())
         super().__init__(*a, **kw)
 
     def load_score(self, worker):

@@ -10,6 +10,7 @@ import torch
 from splitserve import LLM, SamplingParams
 from splitserve.config import EngineConfig
 from splitserve.router import KVIndex, RouteRequest, WorkerView, make_router
+from splitserve.router.kv_index import Group
 from splitserve.router.policy import PrefixScorer
 from splitserve.hashing import block_hashes
 from splitserve.types import BlockStored, ConfigError, Request, Tier
@@ -86,14 +87,15 @@ def test_router_counts_host_blocks_as_cached_but_weighs_them_lower():
     router = make_router("cache_aware", disagg_min_tokens=0)
     router.index.apply("dev", [BlockStored(hashes[:6])])
     router.index.apply("host", [BlockStored(hashes[:2]), BlockStored(hashes[2:6], Tier.HOST)])
-    device = router.index.overlap(hashes)
-    assert device == {"dev": 6, "host": 2} and router.index.host_overlap(hashes, device) == {"host": 4}
+    device = router.index.holders(hashes)
+    assert router.index.overlap(hashes) == {"dev": 6, "host": 2}
+    assert router.index.host_holders(hashes, device) == (Group(4, ("host",)),)
     ws = [WorkerView("dev", "prefill", "h"), WorkerView("host", "prefill", "h")]
     req = RouteRequest("r", len(toks), hashes)
     pl = router.place(req, ws, [WorkerView("d0", "decode", "h")])
     assert pl.prefill == "dev" and pl.cached_tokens == 96
-    hits = {"dev": 6, "host": 2 + router.host_hit_weight * 4}
-    scores = PrefixScorer().score(req, hits)
+    hits = [Group(6, ("dev",)), Group(2 + router.host_hit_weight * 4, ("host",))]
+    scores = {w: v for v, members in PrefixScorer().score(req, hits) for w in members}
     assert 0 < scores["host"] < scores["dev"]
     only_host = [ws[1], WorkerView("cold", "prefill", "h")]
     pl = router.place(req, only_host, [WorkerView("d0", "decode", "h")])

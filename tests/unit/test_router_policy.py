@@ -7,6 +7,7 @@ import pytest
 from splitserve.types import BlockRemoved, BlockStored
 from splitserve.hashing import block_hashes
 from splitserve.router import KVIndex, NoCapacity, RouteRequest, WorkerView, make_router
+from splitserve.router.kv_index import Group
 from splitserve.router.policy import WeightedPicker
 
 BS = 16
@@ -205,12 +206,12 @@ def test_scores_outside_unit_interval_are_refused():
 
     class BadBonus:
         def score(self, req, hits):
-            return {w: -0.5 for w in hits}
+            return [Group(-0.5, members) for _, members in hits]
 
     with pytest.raises(ValueError, match="outside"):
         WeightedPicker(load=[(BadLoad(), 1.0)]).load_score(workers("p", 1)[0])
     with pytest.raises(ValueError, match="outside"):
-        WeightedPicker(request=[(BadBonus(), 1.0)]).bonus(req([1] * 20), {"p0": 1})
+        WeightedPicker(request=[(BadBonus(), 1.0)]).bonus(req([1] * 20), [Group(1, ("p0",))])
 
 
 def test_unknown_policy_lists_known():
@@ -250,7 +251,8 @@ def naive_place(router, r, prefills, decodes):
         return [w for w in up if w.free_blocks >= r.blocks_needed] or up
 
     blocks, hits = router._hits(r)
-    bonus = router.picker.bonus(r, hits)
+    blocks = {w: v for v, members in blocks for w in members}
+    bonus = {w: v for v, members in router.picker.bonus(r, hits) for w in members}
 
     def best(ws):
         total = {w.worker_id: router.load_score(w) + bonus.get(w.worker_id, 0.0) for w in ws}
