@@ -2,10 +2,16 @@
 ingress does (KVIndex.routable_hashes: the native chain, as far as some worker may hold the
 prefix; the engine continues the chain) and place it with the `cache_aware` policy over W
 prefill + W decode workers, against a KV index populated with `--index-hashes` hashes (a quarter
-of the workers hold a shared system prefix, so the prefix scorer has matches to walk). Reports
-p50 / p99 of the hashing, the placement and both together for each workers × prompt length.
+of the workers hold a shared 2K-token system prompt, so the prefix scorer has matches to walk).
+Reports p50 / p99 of the hashing, the placement and both together for each workers × prompt
+length.
 
-    python benchmarks/router_cost.py [--workers 8 64 512] [--prompt-tokens 1024 8192 32768]
+The native hash remembers its last 8 chains (hashing.py), so prompts behind one system prompt
+hash their shared blocks by comparison. `--system-prompts 16` rotates more of them than it
+remembers: every decision then hashes its prompt in full, the cost of a prefix the ingress has
+not seen lately.
+
+    python benchmarks/router_cost.py [--workers 8 64 512] [--prompt-tokens 1024 8192 32768] [--system-prompts 1]
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from splitserve.types import BlockStored, Role, WorkerId
 BLOCK = 16
 
 
-def populated(workers: int, index_hashes: int, shared: tuple[bytes, ...], seed: int):
+def populated(workers: int, index_hashes: int, shared: list[tuple[bytes, ...]], seed: int):
     router = make_router("cache_aware", disagg_min_tokens=32)
     rng = random.Random(seed)
     views = []
@@ -37,7 +43,7 @@ def populated(workers: int, index_hashes: int, shared: tuple[bytes, ...], seed: 
     per_worker = max(1, index_hashes // len(views))
     for k, v in enumerate(views):
         own = tuple(rng.randbytes(16) for _ in range(per_worker))
-        router.index.apply(v.worker_id, [BlockStored(own + (shared if k % 4 == 0 else ()))])
+        router.index.apply(v.worker_id, [BlockStored(own + (shared[k // 4 % len(shared)] if k % 4 == 0 else ()))])
     # tuples, as the Directory hands them: the same object until a worker's facts change
     return (router, tuple(v for v in views if v.role is Role.PREFILL), tuple(v for v in views if v.role is Role.DECODE))
 
@@ -69,17 +75,18 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024, 8192, 32768])
     ap.add_argument("--index-hashes", type=int, default=1_000_000)
     ap.add_argument("--decisions", type=int, default=1000)
+    ap.add_argument("--system-prompts", type=int, default=1)
     ap.add_argument("--out", default="results/router_cost.json")
     a = ap.parse_args()
     rng = random.Random(0)
-    system = [rng.randrange(32000) for _ in range(2048)]  # a shared 2K-token system prompt
+    systems = [[rng.randrange(32000) for _ in range(2048)] for _ in range(a.system_prompts)]  # shared 2K-token prefixes
     # distinct tails, each copied out of a random stretch just before its decision (as a tokenizer
     # would have just produced it): generating ids one by one here would cost ~100x a decision
     # and leave the caches far colder than an ingress's own work between decisions does
     pool = [rng.randrange(32000) for _ in range(1 << 20)]
     rows = []
     for w in a.workers:
-        shared = tuple(block_hashes(system, BLOCK))
+        shared = [tuple(block_hashes(system, BLOCK)) for system in systems]
         router, prefills, decodes = populated(w, a.index_hashes, shared, seed=w)
         gc.freeze()  # as the ingress does once started (cluster/backend.py)
         for n in a.prompt_tokens:
@@ -88,6 +95,7 @@ def main() -> None:
                 start = rng.randrange(len(pool) - n)
                 # the system prompt's ids made anew, as each request's tokenization gives them
                 # (equal ids that are one object would compare for free)
+                system = systems[d % len(systems)]
                 head = list(map((0).__add__, system[: min(n, len(system))]))
                 prompt = tuple(head + pool[start : start + max(0, n - len(system))])
                 t0 = time.perf_counter()

@@ -10,7 +10,10 @@ one 128-byte compression.
 
 A whole prompt is hashed in one native call (csrc/chained_blake2b.c, the same digests: the
 tests check it against hashlib) that reads the list of ids itself, small ids straight from the
-int objects: ~0.25 µs a 16-token block here, where hashlib block by block costs ~2 µs. Where no compiler (or
+int objects: ~0.25 µs a 16-token block here, where hashlib block by block costs ~2 µs. It
+remembers the last few chains it hashed (a system prompt, a conversation's earlier turns), and a
+block whose ids and parent equal a remembered one's takes its digest: a comparison, not a
+compression. Where no compiler (or
 no Python headers) works, hashlib block by block.
 """
 

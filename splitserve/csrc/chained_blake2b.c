@@ -116,17 +116,85 @@ static int known_anywhere(PyObject *known, PyObject *digest) {
     return 0;
 }
 
+/* Recently hashed chains. The ingress hashes every prompt, and prompts that matter to routing
+ * share prefixes (a system prompt, a conversation's earlier turns): a block whose token ids and
+ * parent equal a remembered chain's takes the remembered digest, a comparison instead of a
+ * compression. The digests are the same either way (the ids are compared word for word). One
+ * way per chain family (its parent and first block), least recently used replaced. */
+#define MEMO_WAYS 8
+#define MEMO_MAX_WORDS (1 << 16) /* token ids remembered per chain at most */
+
+typedef struct {
+    uint8_t parent[16];
+    Py_ssize_t block_size, n, cap; /* blocks remembered, blocks there is room for */
+    uint64_t *words;               /* n * block_size token ids */
+    uint8_t *digests;              /* n * 16 */
+    uint64_t used;
+} Chain;
+
+static Chain memo[MEMO_WAYS];
+static uint64_t memo_clock;
+static int memo_busy; /* a call is using the memo (a `known` container's Python code let another thread in) */
+
+/* The remembered chain from `parent` whose first block is `first`, or else a way made free for it. */
+static Chain *memo_chain(const uint8_t *parent, Py_ssize_t bs, const uint64_t *first) {
+    Chain *c = &memo[0];
+    for (int i = 0; i < MEMO_WAYS; i++) {
+        Chain *m = &memo[i];
+        if (m->n && m->block_size == bs && memcmp(m->parent, parent, 16) == 0 &&
+            memcmp(m->words, first, sizeof(uint64_t) * (size_t)bs) == 0) {
+            c = m;
+            goto found;
+        }
+        if (m->used < c->used) c = m;
+    }
+    memcpy(c->parent, parent, 16);
+    if (c->block_size != bs) {
+        PyMem_RawFree(c->words);
+        PyMem_RawFree(c->digests);
+        c->words = NULL, c->digests = NULL, c->cap = 0, c->block_size = bs;
+    }
+    c->n = 0;
+found:
+    c->used = ++memo_clock;
+    return c;
+}
+
+/* Remember block b of chain c (b <= c->n: what followed it is dropped). -1: no room (the
+ * chain is remembered as far as it went; nothing is raised). */
+static int memo_put(Chain *c, Py_ssize_t b, const uint64_t *words, const uint8_t *digest) {
+    Py_ssize_t bs = c->block_size;
+    if (b >= c->cap) {
+        Py_ssize_t cap = c->cap ? c->cap * 2 : 64;
+        if (cap * bs > MEMO_MAX_WORDS) return -1;
+        uint64_t *w = PyMem_RawRealloc(c->words, sizeof(uint64_t) * (size_t)(cap * bs));
+        if (w == NULL) return -1;
+        c->words = w;
+        uint8_t *d = PyMem_RawRealloc(c->digests, 16 * (size_t)cap);
+        if (d == NULL) return -1;
+        c->digests = d;
+        c->cap = cap;
+    }
+    memcpy(c->words + b * bs, words, sizeof(uint64_t) * (size_t)bs);
+    memcpy(c->digests + 16 * b, digest, 16);
+    c->n = b + 1;
+    return 0;
+}
+
 /* The digests of blocks [start, start + n_blocks) of `tokens` (a list or tuple of ints), the
  * chain starting at `parent`; a new list of bytes, or NULL with an exception set. `known`: None,
  * or a tuple of containers of digests (dicts, the router's KV tables): every `check_every`-th
- * block (and the last) is looked up there, and the chain stops after the first looked-up digest none of them holds (the caller
- * wants only what might be known; the rest costs hashing for nothing). */
+ * block (and the last) is looked up there, and the chain stops after the first looked-up digest
+ * none of them holds (the caller wants only what might be known; the rest costs hashing for
+ * nothing). */
 PyObject *chained_blake2b_128(PyObject *tokens, Py_ssize_t start, Py_ssize_t n_blocks, Py_ssize_t block_size,
                               const uint8_t *parent, PyObject *known, Py_ssize_t check_every) {
     PyObject *seq = PySequence_Fast(tokens, "token ids must be a sequence of ints");
     if (seq == NULL) return NULL;
     PyObject *out = NULL;
     uint64_t *words = NULL;
+    int using_memo = !memo_busy;
+    memo_busy = 1;
     if ((start + n_blocks) * block_size > PySequence_Fast_GET_SIZE(seq) || block_size <= 0 || n_blocks < 0 ||
         check_every <= 0 || (known != Py_None && !PyTuple_Check(known))) {
         PyErr_SetString(PyExc_ValueError, "blocks beyond the end of the token ids, or bad arguments");
@@ -141,11 +209,18 @@ PyObject *chained_blake2b_128(PyObject *tokens, Py_ssize_t start, Py_ssize_t n_b
     }
     uint8_t digest[16];
     const uint8_t *prev = parent;
+    Chain *c = NULL; /* the remembered chain this one follows, NULL once it cannot be remembered */
     for (Py_ssize_t b = 0; b < n_blocks; b++) {
         for (Py_ssize_t i = 0; i < block_size; i++) {
             if (as_word(items[b * block_size + i], &words[i]) < 0) goto fail;
         }
-        blake2b_128_salted(words, block_size, prev, digest);
+        if (b == 0 && using_memo) c = memo_chain(parent, block_size, words);
+        if (c != NULL && b < c->n && memcmp(c->words + b * block_size, words, sizeof(uint64_t) * (size_t)block_size) == 0) {
+            memcpy(digest, c->digests + 16 * b, 16);
+        } else {
+            blake2b_128_salted(words, block_size, prev, digest);
+            if (c != NULL && memo_put(c, b, words, digest) < 0) c = NULL;
+        }
         PyObject *d = PyBytes_FromStringAndSize((const char *)digest, 16);
         if (d == NULL || PyList_Append(out, d) < 0) {
             Py_XDECREF(d);
@@ -163,6 +238,7 @@ PyObject *chained_blake2b_128(PyObject *tokens, Py_ssize_t start, Py_ssize_t n_b
 fail:
     Py_CLEAR(out);
 done:
+    if (using_memo) memo_busy = 0;
     PyMem_Free(words);
     Py_DECREF(seq);
     return out;

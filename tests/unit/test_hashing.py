@@ -100,3 +100,36 @@ def test_the_chain_stops_after_the_first_checked_block_nothing_knows():
         assert got == slow == full[start : last + 1], (held, every, start)
     with pytest.raises(ValueError):
         hashing.block_hashes(tokens, 16, known=({},), check_every=0)
+
+
+def test_remembered_chains_give_the_digests_hashlib_gives():
+    """The native chain remembers recent chains and reuses a block's digest when its ids and
+    parent equal a remembered one's: prompts sharing prefixes of every length, diverging inside
+    a block, under other salts, block sizes and starts, more families than it remembers, and
+    chains longer than it keeps, all still equal hashlib block by block."""
+    import os
+    import random
+    import shutil
+
+    from splitserve import hashing
+
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")) or os.environ.get("SPLITSERVE_NO_NATIVE"):
+        pytest.skip("no C compiler (or native code turned off): hashlib block by block is the only path")
+    r = random.Random(7)
+    systems = [[r.randrange(32000) for _ in range(16 * r.randrange(1, 40))] for _ in range(12)]  # > the 8 ways
+    long = [r.randrange(32000) for _ in range(70_000)]  # past what one remembered chain keeps
+    for trial in range(300):
+        bs, salt = r.choice((16, 16, 16, 4, 32)), r.choice((None, None, "a", "b"))
+        if trial % 50 == 0:
+            tokens = long[: r.randrange(60_000, 70_000)]
+        else:
+            head = r.choice(systems)
+            tokens = head[: r.randrange(len(head) + 1)] + [r.randrange(32000) for _ in range(r.randrange(0, 80))]
+            if tokens and r.random() < 0.3:
+                tokens[r.randrange(len(tokens))] += 1  # one id changed anywhere
+        n = len(tokens) // bs
+        want = hashing._python_chain(hashing.root_hash(salt), tokens, bs, 0, n)
+        assert hashing.block_hashes(list(map((0).__add__, tokens)), bs, salt) == want, trial
+        if n > 2:
+            s = r.randrange(1, n)
+            assert hashing.block_hashes(tokens, bs, salt, start=s, parent=want[s - 1]) == want[s:], trial
