@@ -17,7 +17,7 @@ worker's run ends — a routing decision walks it once for every worker.
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable, NamedTuple, Sequence
+from typing import Collection, Hashable, Iterable, NamedTuple, Sequence
 
 from splitserve.hashing import BlockHash, block_hashes
 from splitserve.router.kv_table import KVTable, make_table
@@ -30,7 +30,7 @@ class Group(NamedTuple):
     cost grows with the distinct values, not with the holders."""
 
     value: float
-    members: tuple[Hashable, ...]
+    members: Collection[Hashable]  # the index gives frozensets: `in` at C speed
 
 
 class KVIndex:
@@ -150,12 +150,12 @@ class KVIndex:
         self._touched[run[-1]] = self._stored
         holders.touch(run)
 
-    def _members_of(self, bits: int) -> tuple[Hashable, ...]:
+    def _members_of(self, bits: int) -> frozenset:
         members = self._members.get(bits)
         if members is None:  # the same few holder sets recur (who holds a hot prefix): decoded once
             if len(self._members) >= 4096:
                 self._members.clear()
-            members = self._members[bits] = tuple(self._decode(bits))
+            members = self._members[bits] = frozenset(self._decode(bits))
         return members
 
     def _decode(self, bits: int):

@@ -26,7 +26,7 @@ import random
 import zlib
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Callable, Hashable, Mapping, Protocol, Sequence
+from typing import Callable, Collection, Hashable, Mapping, Protocol, Sequence
 
 from splitserve.hashing import BlockHash
 from splitserve.router.kv_index import Group, KVIndex
@@ -148,7 +148,7 @@ def regroup(values: Mapping[Hashable, float]) -> tuple[Group, ...]:
     by: dict[float, list] = {}
     for w, v in values.items():
         by.setdefault(v, []).append(w)
-    return tuple(Group(v, tuple(ws)) for v, ws in by.items())
+    return tuple(Group(v, frozenset(ws)) for v, ws in by.items())
 
 
 def value_of(groups: Sequence[Group], worker: Hashable, default: float = 0) -> float:
@@ -232,11 +232,11 @@ class Pool:
         room = self._room(need)
         best = self._top(self._ranked, room, need)  # the best by load; bonuses (>= 0) can only add
         near = self._top(self._hosts.get(host, ()), room, need) if host is not None else None
-        on_host = self._host_keys.get(host, {})
+        on_host, host_ranked = self._host_keys.get(host, {}), self._hosts.get(host, ())
         for b, members in bonus:  # members share the bonus: a group's best-ranked eligible one is its best
-            best = self._better(best, self._first(members, self._keys, room, need), b)
+            best = self._better(best, self._first(members, self._ranked, self._keys, room, need), b)
             if host is not None:
-                near = self._better(near, self._first(members, on_host, room, need), b)
+                near = self._better(near, self._first(members, host_ranked, on_host, room, need), b)
         return (-best[0][0], best[1]), None if near is None else (-near[0][0], near[1])
 
     def _better(self, current: tuple | None, key: tuple | None, b: float) -> tuple | None:
@@ -246,9 +246,17 @@ class Pool:
         rank = (key[0] - b, key[1], key[2])  # as the keys: smaller is better
         return (rank, self._all[key[2]]) if current is None or rank < current[0] else current
 
-    def _first(self, members: Sequence[Hashable], keys: Mapping[Hashable, tuple], room: bool, need: int
-               ) -> tuple | None:
-        """The smallest key of `members` found in `keys` whose worker is eligible, or None."""
+    def _first(self, members: Collection[Hashable], ranked: Sequence[tuple], keys: Mapping[Hashable, tuple],
+               room: bool, need: int) -> tuple | None:
+        """The smallest key of `members` whose worker is eligible, or None. `ranked`: the keys
+        of the pool (or of one host in it), best first; `keys`: the same by worker."""
+        if len(members) >= 16 and isinstance(members, (set, frozenset)):
+            # a big group: the first members in rank order come soon (at most len(members) steps)
+            for key in itertools.islice(ranked, len(members)):
+                if key[2] in members and (not room or self._all[key[2]].free_blocks >= need):
+                    return key
+            if len(ranked) <= len(members):
+                return None  # walked them all
         key = min(map(keys.get, members, repeat(_ABSENT)), default=_ABSENT)
         if key is _ABSENT:
             return None

@@ -89,7 +89,7 @@ def test_router_counts_host_blocks_as_cached_but_weighs_them_lower():
     router.index.apply("host", [BlockStored(hashes[:2]), BlockStored(hashes[2:6], Tier.HOST)])
     device = router.index.holders(hashes)
     assert router.index.overlap(hashes) == {"dev": 6, "host": 2}
-    assert router.index.host_holders(hashes, device) == (Group(4, ("host",)),)
+    assert router.index.host_holders(hashes, device) == (Group(4, frozenset({"host"})),)
     ws = [WorkerView("dev", "prefill", "h"), WorkerView("host", "prefill", "h")]
     req = RouteRequest("r", len(toks), hashes)
     pl = router.place(req, ws, [WorkerView("d0", "decode", "h")])

@@ -272,13 +272,17 @@ def naive_place(router, r, prefills, decodes):
     return p.worker_id, d.worker_id
 
 
-def test_ranked_pools_place_as_scoring_every_worker_would():
+@pytest.mark.parametrize("size, spread", [(12, 1), (40, 4)])
+def test_ranked_pools_place_as_scoring_every_worker_would(size, spread):
     """A router keeps its pools ranked between decisions and scores only a request's prefix
-    holders in full; over random loads, hosts, room, health, pools that change one view at a
-    time or shrink, and shared prefixes, it places exactly as scoring every worker does."""
+    holders, a group at a time; over random loads, hosts, room, health, pools that change one
+    view at a time or shrink, and shared prefixes, it places exactly as scoring every worker
+    does — for small holder groups and for big ones (`spread` workers a step store the system
+    prompt: groups of 16+, which a pool walks in rank order)."""
     import random
 
     rng = random.Random(7)
+    biggest = 0
     router = make_router("cache_aware", disagg_min_tokens=40, same_host_margin=0.15)
     systems = [[rng.randrange(1000) for _ in range(64)] for _ in range(4)]
 
@@ -288,14 +292,14 @@ def test_ranked_pools_place_as_scoring_every_worker_would():
                           free_blocks=rng.choice([2, 8, 100]), healthy=rng.random() > 0.1,
                           draining=rng.random() < 0.1)
 
-    pools = {role: tuple(view(role, i) for i in range(12)) for role in ("prefill", "decode")}
+    pools = {role: tuple(view(role, i) for i in range(size)) for role in ("prefill", "decode")}
     for step in range(300):
         for role, ws in pools.items():  # one worker's facts change, or the pool shrinks or regrows
             ws = list(ws)
             if rng.random() < 0.1 and len(ws) > 3:
                 ws.pop(rng.randrange(len(ws)))
             else:
-                i = rng.randrange(12)
+                i = rng.randrange(size)
                 ws = [w for w in ws if w.worker_id != f"{role}{i}"] + [view(role, i)]
             pools[role] = tuple(ws)
         tokens = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randrange(0, 96))]
@@ -304,8 +308,13 @@ def test_ranked_pools_place_as_scoring_every_worker_would():
             continue
         pl = router.place(r, pools["prefill"], pools["decode"])
         assert (pl.prefill, pl.decode) == naive_place(router, r, pools["prefill"], pools["decode"]), step
+        biggest = max([biggest] + [len(g.members) for g in router._hits(r)[1]])
         holder = rng.choice(pools[rng.choice(("prefill", "decode"))]).worker_id
         router.index.apply(holder, [BlockStored(r.block_hashes[: rng.randrange(len(r.block_hashes) + 1)])])
+        for _ in range(spread - 1):
+            holder = rng.choice(pools[rng.choice(("prefill", "decode"))]).worker_id
+            router.index.apply(holder, [BlockStored(r.block_hashes[:4])])  # the system prompt's 4 blocks
+    assert biggest >= (16 if spread > 1 else 2)
 
 
 def test_a_bounded_index_keeps_the_prefix_decisions_keep_matching():
