@@ -32,6 +32,7 @@ DIGEST_SIZE = 16
 _ROOT = b"splitserve/v2"
 
 
+@functools.lru_cache(maxsize=4096)  # one per tenant salt; every prompt's chain starts here
 def root_hash(salt: str | None = None) -> BlockHash:
     data = _ROOT if salt is None else _ROOT + b"/salt/" + salt.encode()
     return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
