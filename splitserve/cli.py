@@ -119,6 +119,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-resources", type=_json_object, default={}, metavar="JSON",
                    help="extra Ray resources each decode worker asks for, e.g. '{\"decode_node\": 1}'")
     p.add_argument("--ingress-replicas", type=int, default=1, help="router replicas (default: %(default)s)")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="YAML file of API keys and their tenants (priority caps, rate limits); every route but "
+                        "/health and /ready then needs 'Authorization: Bearer KEY'. SPLITSERVE_API_KEY adds one "
+                        "key (tenant 'default'). Without either the server is open.")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N: where workers run (auto: a GPU "
                                                     "each when the cluster has GPUs)")

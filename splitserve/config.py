@@ -131,9 +131,15 @@ class DeployConfig:
     # The worker class of a pool, as "module:Class" (a PrefillWorker / DecodeWorker subclass):
     # what tests use to put fault-injecting fakes into real actors. Empty: the real ones.
     worker_classes: dict = dataclasses.field(default_factory=dict)
+    # API keys (tenancy.KeyRing: a key file's path, its content, or a KeyRing), plus
+    # SPLITSERVE_API_KEY where this config is made; none: the ingress is open.
+    api_keys: Any = None
 
     def __post_init__(self) -> None:
         from splitserve.router.policy import POLICIES
+        from splitserve.tenancy import KeyRing
+
+        object.__setattr__(self, "api_keys", KeyRing.from_options(self.api_keys).with_env())
 
         def integer(name: str, low: int) -> None:
             v = getattr(self, name)
@@ -192,6 +198,11 @@ class DeployConfig:
 
             opts["model"] = str(ensure_demo_model())
         return cls(**opts, engine=engine)
+
+    @property
+    def keys(self):
+        """The tenancy.KeyRing the ingress checks."""
+        return self.api_keys
 
     def _autoscale_config(self):
         from splitserve.autoscale import AutoscaleConfig

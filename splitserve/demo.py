@@ -56,6 +56,7 @@ def ensure_demo_model(out_dir: str | Path | None = None, progress: bool = True) 
     """The demo checkpoint directory, converting it first if it is not there yet."""
     out = Path(out_dir).expanduser() if out_dir is not None else default_demo_model_dir()
     if is_complete(out):
+        _recommend_sampling(out)  # a checkpoint converted before the defaults were written
         return out
     _check_writable_target(out)
     gguf_path = find_demo_gguf()
@@ -63,6 +64,7 @@ def ensure_demo_model(out_dir: str | Path | None = None, progress: bool = True) 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         convert_gguf(gguf_path, tmp, progress=progress)
+        _recommend_sampling(tmp)
         marker = {"model": DEMO_MODEL_NAME, "source": str(gguf_path)}
         (tmp / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
@@ -70,6 +72,23 @@ def ensure_demo_model(out_dir: str | Path | None = None, progress: bool = True) 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename succeeded
     return out
+
+
+# SmolLM2's model card recommends these; unset, temperature 1.0 makes a 135M model ramble
+RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+
+
+def _recommend_sampling(model_dir: Path) -> None:
+    """Write the model card's sampling defaults into generation_config.json (served as the
+    defaults of requests that omit them), once."""
+    path = model_dir / "generation_config.json"
+    gen = json.loads(path.read_text()) if path.is_file() else {}
+    if all(gen.get(k) == v for k, v in RECOMMENDED_SAMPLING.items()):
+        return
+    try:
+        path.write_text(json.dumps({**gen, **RECOMMENDED_SAMPLING}, indent=2) + "\n")
+    except OSError:  # a read-only checkpoint: served without them
+        pass
 
 
 def _check_writable_target(out: Path) -> None:

@@ -24,7 +24,8 @@ class Metrics:
                               buckets=_TOKEN, registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY,
                              registry=r)
-        self.requests = Counter(PREFIX + "requests", "Finished requests by status", ["status"], registry=r)
+        self.requests = Counter(PREFIX + "requests", "Finished requests by status and tenant", ["status", "tenant"],
+                                registry=r)
         self.rejections = Counter(PREFIX + "admission_rejections", "Requests rejected before any compute",
                                   ["reason"], registry=r)
         self.prefix_query = Counter(PREFIX + "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",

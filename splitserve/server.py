@@ -47,6 +47,14 @@ def _say(msg: str) -> None:
     print(f"splitserve: {msg}", flush=True)
 
 
+def _say_keys(keys) -> None:
+    if keys.open:
+        _say("no API keys configured (--api-keys, SPLITSERVE_API_KEY): the server is open to anyone who reaches it")
+    else:
+        tenants = sorted({k.tenant.name for k in keys.keys})
+        _say(f"API keys required: {len(keys.keys)} key(s), tenants {', '.join(tenants)}")
+
+
 def _listening(args: argparse.Namespace, name: str) -> None:
     _say(f"serving {name!r}: HTTP http://{args.host}:{args.port}/v1 · gRPC {args.host}:{args.grpc_port} "
          f"(splitserve.v1.Generation) · metrics http://{args.host}:{args.port}/metrics — Ctrl-C to stop")
@@ -57,7 +65,7 @@ def deploy_options(args: argparse.Namespace, model: str) -> dict:
     keys = ("prefill", "decode", "prefill_resources", "decode_resources", "transport", "policy",
             "disagg_min_tokens", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
             "ingress_replicas", "no_admission", "migration_limit", "decode_inactivity_timeout_s", "prefill_timeout_s",
-            "autoscale")
+            "autoscale", "api_keys")
     return {"model": model, "engine": _engine_options(args), **{k: getattr(args, k) for k in keys}}
 
 
@@ -73,6 +81,7 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
     from splitserve.deploy import bind_app
 
     cfg = DeployConfig.from_options(deploy_options(args, model))
+    _say_keys(cfg.keys)
     began = time.monotonic()
     a = cfg.autoscale
     started = connect_ray(args.address, a.prefill.max + a.decode.max if a else cfg.prefill + cfg.decode)
@@ -135,8 +144,12 @@ def _serve_in_process(args: argparse.Namespace, model: str, admission: Admission
     from splitserve.router.backend import LocalBackend
     from splitserve.router.http import OpenAIServer
 
+    from splitserve.tenancy import KeyRing
+
     ecfg = EngineConfig.from_dict({"model": model, **_engine_options(args)})
-    http = OpenAIServer(LocalBackend(ecfg, args.served_model_name), admission=Admission(admission))
+    keys = KeyRing.from_options(args.api_keys).with_env()
+    _say_keys(keys)
+    http = OpenAIServer(LocalBackend(ecfg, args.served_model_name), admission=Admission(admission), keys=keys)
     _listening(args, http.backend.model_name)
     asyncio.run(_run_both(http, args))
     return 0

@@ -46,6 +46,7 @@ class ClusterBackend:
         self.model_name = cfg.served_model_name or cfg.model.rstrip("/").rsplit("/", 1)[-1]
         self.max_model_len = cfg.engine.get("max_model_len") or mc.max_context
         self.vocab_size = mc.vocab_size
+        self.sampling_defaults = dict(mc.sampling_defaults)
         policy = make_router(cfg.policy, disagg_min_tokens=cfg.disagg_min_tokens)
         self.directory = Directory(source, policy, int(cfg.engine.get("block_size") or 16))
         self.source = source

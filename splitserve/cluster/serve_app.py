@@ -18,7 +18,7 @@ from splitserve.cluster import controller as controller_mod
 from splitserve.cluster.backend import ClusterBackend, ControllerSource
 from splitserve.config import DeployConfig
 from splitserve.router.admission import Admission, AdmissionConfig
-from splitserve.router.grpc_service import GenerationService, RpcFailure
+from splitserve.router.grpc_service import GenerationService, RpcFailure, authorization
 from splitserve.router.http import OpenAIServer
 
 GRPC_SERVICER = "splitserve.v1.generation_pb2_grpc.add_GenerationServicer_to_server"
@@ -39,7 +39,7 @@ class Ingress:
         await self.controller.start.remote()
         self.backend = ClusterBackend(cfg, ControllerSource(self.controller))
         await self.backend.start()
-        self.http = OpenAIServer(self.backend, admission=Admission(admission_config(cfg)))
+        self.http = OpenAIServer(self.backend, admission=Admission(admission_config(cfg)), keys=cfg.keys)
         self.grpc = GenerationService(self.http.front)
 
     def __serve_build_asgi_app__(self):
@@ -47,7 +47,7 @@ class Ingress:
 
     async def Generate(self, request, grpc_context):  # noqa: N802 (the gRPC method's name)
         try:
-            async for msg in self.grpc.generate(request):
+            async for msg in self.grpc.generate(request, authorization(grpc_context.invocation_metadata())):
                 yield msg
         except RpcFailure as f:  # Serve's proxy sends the code set here as the call's status
             grpc_context.set_code(f.code)

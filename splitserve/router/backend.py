@@ -21,6 +21,7 @@ class Backend(Protocol):
     tokenizer: Tokenizer
     max_model_len: int
     vocab_size: int
+    sampling_defaults: dict  # the model's recommended sampling parameters (generation_config.json)
 
     def ready(self) -> bool: ...
 
@@ -48,6 +49,7 @@ class LocalBackend:
         self.model_name = model_name or config.model.rstrip("/").rsplit("/", 1)[-1]
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.model_config.vocab_size
+        self.sampling_defaults = dict(self.engine.model_config.sampling_defaults)
 
     def ready(self) -> bool:
         return True

@@ -25,6 +25,7 @@ from splitserve.metrics import Metrics
 from splitserve.router.admission import Admission, Decision, Plan
 from splitserve.router.backend import Backend
 from splitserve.router.protocol import APIError, RequestOptions
+from splitserve.tenancy import KeyRing, RateLimiter, Tenant, Unauthenticated
 from splitserve.types import ConfigError, PhaseTimes, Request, ServiceUnavailable, as_token_ids
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class Choice:
     plan: Plan | None = None
     decision: Decision | None = None
     released: bool = False
+    tenant: str = "default"
+    request_id: str = ""  # the engine request's
 
     def take_text(self) -> str:
         """The text not streamed yet, holding back what a stop string might still claim until
@@ -96,10 +99,24 @@ def failure(e: Exception) -> APIError:
 
 
 class Frontend:
-    def __init__(self, backend: Backend, metrics: Metrics | None = None, admission: Admission | None = None) -> None:
+    def __init__(self, backend: Backend, metrics: Metrics | None = None, admission: Admission | None = None,
+                 keys: KeyRing | None = None, limiter: RateLimiter | None = None) -> None:
         self.backend = backend
         self.metrics = metrics or Metrics()
         self.admission = admission or Admission()
+        self.keys = keys or KeyRing()
+        self.limiter = limiter or RateLimiter()
+        # what a request omitting them gets: the model's recommended sampling (generation_config.json)
+        self.sampling_defaults = dict(getattr(backend, "sampling_defaults", ()))
+
+    # -- tenants --------------------------------------------------------------------------------
+    def tenant(self, authorization: str | None) -> Tenant:
+        """The tenant an `Authorization` value names; APIError 401 when keys are configured and
+        it names none."""
+        try:
+            return self.keys.tenant(authorization)
+        except Unauthenticated as e:
+            raise APIError(401, f"{e}", code="invalid_api_key") from None
 
     # -- prompts --------------------------------------------------------------------------------
     def encode(self, p: str | tuple[int, ...]) -> tuple[int, ...]:
@@ -119,20 +136,46 @@ class Frontend:
         return ids
 
     def requests(self, opts: RequestOptions, prompts: list[tuple[int, ...]]) -> tuple[str, list[Choice], list[Request]]:
+        """The engine requests of one API request, salted with its tenant's cache salt (so
+        tenants never share cached prompt blocks, nor learn whether another's are cached)."""
         rid = f"cmpl-{uuid.uuid4().hex}"  # always fresh: engine ids must never collide
         choices, reqs = [], []
         for i, ids in enumerate(prompts):
+            self._check_room(opts, ids)
             for j in range(opts.params.n):
                 k = i * opts.params.n + j
                 sp = opts.params.for_choice(j)
-                reqs.append(Request(f"{rid}-{k}", ids, sp, priority=opts.priority, arrival_time=time.time()))
-                choices.append(Choice(k, i, ids, RequestText(self.backend.tokenizer, sp, ids)))
+                reqs.append(Request(f"{rid}-{k}", ids, sp, priority=opts.priority, arrival_time=time.time(),
+                                    cache_salt=opts.tenant.cache_salt))
+                choices.append(Choice(k, i, ids, RequestText(self.backend.tokenizer, sp, ids), tenant=opts.tenant.name,
+                                      request_id=reqs[-1].request_id))
         return rid, choices, reqs
+
+    def _check_room(self, opts: RequestOptions, ids: tuple[int, ...]) -> None:
+        """A max_tokens the client set that the context cannot hold is refused, as vLLM does
+        (a default one is only what the context leaves)."""
+        limit, wanted = self.backend.max_model_len, opts.params.max_tokens
+        if opts.max_tokens_given and wanted is not None and len(ids) + wanted > limit:
+            raise APIError(400, f"this model's context length is {limit} tokens; the request asks for "
+                                f"{len(ids) + wanted} ({len(ids)} in the prompt, {wanted} to generate)",
+                           "max_tokens", code="context_length_exceeded")
+
+    def _tokens(self, reqs: list[Request]) -> int:
+        """What the rate limit charges: each request's prompt and the most it may generate."""
+        limit = self.backend.max_model_len
+        return sum(min(limit, len(r.prompt_token_ids) + (r.params.max_tokens or limit)) for r in reqs)
 
     # -- admission ------------------------------------------------------------------------------
     async def admit(self, opts: RequestOptions, reqs: list[Request], choices: list[Choice]) -> None:
         """Plan and admit every request of one API request, or none (APIError 429; a failed
-        plan releases what was admitted before it too)."""
+        plan releases what was admitted before it too). The tenant's rate limits come first:
+        a request over them is refused (429) before any planning, and a refused one is refunded."""
+        tenant, tokens = opts.tenant, self._tokens(reqs)
+        wait = self.limiter.charge(tenant, len(reqs), tokens)
+        if wait > 0:
+            self.metrics.rejections.labels(reason="rate_limit").inc()
+            raise APIError(429, f"rate limit of tenant {tenant.name!r} exceeded; retry in {max(1, round(wait))} s",
+                           code="rate_limit_exceeded", retry_after=wait)
         admitted: list[Choice] = []
         try:
             for req, c in zip(reqs, choices):
@@ -150,6 +193,7 @@ class Frontend:
         except BaseException:
             for done in admitted:  # all or nothing
                 self.release(done)
+            self.limiter.refund(tenant, len(reqs), tokens)
             raise
 
     def release(self, c: Choice) -> None:
@@ -191,7 +235,9 @@ class Frontend:
     def _record(self, c: Choice) -> None:
         m, t = self.metrics, c.text
         status = t.finish_reason.value if t.finish_reason else "abort"
-        m.requests.labels(status=status).inc()
+        m.requests.labels(status=status, tenant=c.tenant).inc()
+        log.info("request %s tenant=%s status=%s prompt=%d cached=%d completion=%d", c.request_id, c.tenant, status,
+                 len(c.prompt_ids), t.num_cached_tokens, len(t.token_ids))
         if c.first_at is not None:
             m.ttft.observe(c.first_at - c.arrived)
             m.e2e.observe(c.ended_at - c.arrived)

@@ -27,7 +27,7 @@ from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
+_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
            429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 _PRIORITY = {pb.PRIORITY_CRITICAL: "critical", pb.PRIORITY_STANDARD: "standard", pb.PRIORITY_SHEDDABLE: "sheddable"}
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -85,23 +85,28 @@ class GenerationService:
     def health(self) -> pb.HealthResponse:
         return pb.HealthResponse(ready=bool(self.front.backend.ready()), model=self.front.backend.model_name)
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, request: pb.GenerateRequest, authorization: str | None = None
+                       ) -> AsyncIterator[pb.GenerateResponse]:
         """The responses of one generation; raises RpcFailure before the first one if refused,
-        or after some if the generation failed."""
+        or after some if the generation failed. `authorization`: the call's `authorization`
+        metadata ("Bearer KEY"), required when the server has keys."""
         front = self.front
         try:
+            tenant = front.tenant(authorization)
             if not front.backend.ready():
                 raise APIError(503, "not ready: workers are still loading")
-            parsed = parse_completion(completion_body(request, front.backend.model_name), [front.backend.model_name])
+            parsed = parse_completion(completion_body(request, front.backend.model_name), [front.backend.model_name],
+                                      front.sampling_defaults)
             prompt = front.encode(parsed.prompts[0])
+            opts = parsed.options.for_tenant(tenant)
+            # Engine ids are always fresh (a client reusing its request_id while the first call
+            # runs must not collide with it on the workers); the client's id is only echoed.
+            rid, choices, reqs = front.requests(opts, [prompt])
         except APIError as e:
             raise RpcFailure.of(e) from None
-        # Engine ids are always fresh (a client reusing its request_id while the first call
-        # runs must not collide with it on the workers); the client's id is only echoed.
-        rid, choices, reqs = front.requests(parsed.options, [prompt])
         echo_id = request.request_id or rid
         try:
-            async with RequestLease(front, parsed.options, reqs, choices) as lease:
+            async with RequestLease(front, opts, reqs, choices) as lease:
                 async for _ in lease.streams[0]:
                     msg = _delta(choices[0], echo_id)
                     if msg is not None:
@@ -141,7 +146,7 @@ class _Servicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         try:
-            async for msg in self.service.generate(request):
+            async for msg in self.service.generate(request, authorization(context.invocation_metadata())):
                 yield msg
         except RpcFailure as f:
             context.set_trailing_metadata(f.trailing_metadata())
@@ -149,6 +154,11 @@ class _Servicer(pb_grpc.GenerationServicer):
 
     async def Health(self, request, context):  # noqa: N802
         return self.service.health()
+
+
+def authorization(metadata) -> str | None:
+    """The `authorization` value of a call's metadata (keys arrive lower-cased), or None."""
+    return next((v for k, v in metadata or () if k.lower() == "authorization"), None)
 
 
 async def serve(service: GenerationService, host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -35,14 +35,17 @@ from splitserve.router.backend import Backend
 from splitserve.router.frontend import Choice, Frontend, failure, worst_timings
 from splitserve.router.lease import RequestLease
 from splitserve.router.protocol import APIError, RequestOptions, parse_chat, parse_completion
+from splitserve.tenancy import KeyRing, RateLimiter, Tenant
 from splitserve.types import ConfigError
 
 MAX_BODY_BYTES = 8 << 20
 
 
 def error_response(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
-    return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
+    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else {}
+    if e.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(e.to_dict(), status_code=e.status, headers=headers or None)
 
 
 async def read_json(request: HTTPRequest) -> Any:
@@ -61,8 +64,12 @@ async def read_json(request: HTTPRequest) -> Any:
 
 
 class OpenAIServer:
-    def __init__(self, backend: Backend, metrics: Metrics | None = None, admission: Admission | None = None) -> None:
-        self.front = Frontend(backend, metrics, admission)
+    """`keys`: the API keys every route but /health and /ready requires (/metrics too, unless
+    the key file opens it); none: the server is open."""
+
+    def __init__(self, backend: Backend, metrics: Metrics | None = None, admission: Admission | None = None,
+                 keys: KeyRing | None = None, limiter: RateLimiter | None = None) -> None:
+        self.front = Frontend(backend, metrics, admission, keys, limiter)
         self.backend, self.metrics, self.admission = backend, self.front.metrics, self.front.admission
         self.app = Starlette(routes=[
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -73,13 +80,25 @@ class OpenAIServer:
             Route("/ready", self.ready, methods=["GET"]),
         ])
 
+    def _tenant(self, request: HTTPRequest) -> Tenant:
+        return self.front.tenant(request.headers.get("authorization"))
+
     # -- endpoints ------------------------------------------------------------------------------
-    async def models(self, _: HTTPRequest) -> JSONResponse:
+    async def models(self, request: HTTPRequest) -> JSONResponse:
+        try:
+            self._tenant(request)
+        except APIError as e:
+            return error_response(e)
         return JSONResponse({"object": "list", "data": [{"id": self.backend.model_name, "object": "model",
                                                           "owned_by": "splitserve",
                                                           "max_model_len": self.backend.max_model_len}]})
 
-    async def prometheus(self, _: HTTPRequest) -> Response:
+    async def prometheus(self, request: HTTPRequest) -> Response:
+        try:
+            if not self.front.keys.metrics_open:
+                self._tenant(request)
+        except APIError as e:
+            return error_response(e)
         self.front.export_worker_gauges()
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
@@ -93,15 +112,17 @@ class OpenAIServer:
 
     async def completions(self, request: HTTPRequest) -> Response:
         try:
-            req = parse_completion(await read_json(request), [self.backend.model_name])
+            tenant = self._tenant(request)
+            req = parse_completion(await read_json(request), [self.backend.model_name], self.front.sampling_defaults)
             prompts = [self.front.encode(p) for p in req.prompts]
         except APIError as e:
             return error_response(e)
-        return await self._serve(request, "text_completion", req.options, prompts, echo=req.echo)
+        return await self._serve(request, "text_completion", req.options.for_tenant(tenant), prompts, echo=req.echo)
 
     async def chat(self, request: HTTPRequest) -> Response:
         try:
-            req = parse_chat(await read_json(request), [self.backend.model_name])
+            tenant = self._tenant(request)
+            req = parse_chat(await read_json(request), [self.backend.model_name], self.front.sampling_defaults)
             try:
                 ids = self.backend.tokenizer.encode_chat(list(req.messages))
             except ConfigError as e:
@@ -109,11 +130,14 @@ class OpenAIServer:
             prompts = [self.front.check_ids(tuple(ids), "messages")]
         except APIError as e:
             return error_response(e)
-        return await self._serve(request, "chat.completion", req.options, prompts, echo=False)
+        return await self._serve(request, "chat.completion", req.options.for_tenant(tenant), prompts, echo=False)
 
     # -- shared ---------------------------------------------------------------------------------
     async def _serve(self, request: HTTPRequest, kind: str, opts: RequestOptions, prompts, echo: bool) -> Response:
-        rid, choices, reqs = self.front.requests(opts, prompts)
+        try:
+            rid, choices, reqs = self.front.requests(opts, prompts)
+        except APIError as e:
+            return error_response(e)
         try:
             async with RequestLease(self.front, opts, reqs, choices) as lease:
                 if opts.stream:

@@ -9,13 +9,21 @@ integer), NaN or out-of-range numbers, unknown models (404), unsupported paramet
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+from splitserve.tenancy.keys import OPEN, Tenant
 from splitserve.types import ConfigError, Priority, SamplingParams
 
 Prompt = str | tuple[int, ...]
+
+# One API request fans out into prompts × n engine requests before admission sees any of them:
+# bounded, so a body cannot turn into thousands of requests.
+MAX_N = 128
+MAX_PROMPTS = 256
+MAX_FANOUT = 256
 
 
 class APIError(Exception):
@@ -26,7 +34,8 @@ class APIError(Exception):
         self.retry_after = retry_after
         self.message = message
         self.param = param
-        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+        self.type = type_ or {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+                              413: "invalid_request_error",
                               429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
         self.code = code
 
@@ -51,6 +60,12 @@ class RequestOptions:
     priority: Priority
     ttft_slo_ms: float | None
     tpot_slo_ms: float | None
+    max_tokens_given: bool = False  # the client set max_tokens (a default fills what the context leaves)
+    tenant: Tenant = OPEN
+
+    def for_tenant(self, tenant: Tenant) -> "RequestOptions":
+        """These options as `tenant` may have them: its priority at most."""
+        return dataclasses.replace(self, tenant=tenant, priority=tenant.cap(self.priority))
 
 
 @dataclass(frozen=True)
@@ -105,7 +120,8 @@ _NUM = (int, float)
 _UNSUPPORTED = ("suffix", "logit_bias", "tools", "functions", "response_format")
 
 
-def _options(body: dict, served: Sequence[str], logprobs: int | None, max_tokens: int | None) -> RequestOptions:
+def _options(body: dict, served: Sequence[str], logprobs: int | None, max_tokens: int | None,
+             max_tokens_given: bool, defaults: Mapping[str, float]) -> RequestOptions:
     model = _get(body, "model", (str,))
     if model is None:
         raise _bad("model", "is required")
@@ -116,6 +132,8 @@ def _options(body: dict, served: Sequence[str], logprobs: int | None, max_tokens
         if body.get(name) not in (None, [], {}):
             raise _bad(name, "is not supported")
     n = _get(body, "n", (int,), 1)
+    if not 1 <= n <= MAX_N:
+        raise _bad("n", f"must be between 1 and {MAX_N}, got {n}")
     best_of = _get(body, "best_of", (int,), n)
     if best_of != n:
         raise _bad("best_of", "only best_of == n is supported")
@@ -125,11 +143,11 @@ def _options(body: dict, served: Sequence[str], logprobs: int | None, max_tokens
         raise _bad("stream_options", "is only allowed with stream: true")
     try:
         params = SamplingParams(
-            n=n, temperature=float(_get(body, "temperature", _NUM, 1.0)), top_p=float(_get(body, "top_p", _NUM, 1.0)),
-            top_k=_get(body, "top_k", (int,), 0), min_p=float(_get(body, "min_p", _NUM, 0.0)),
+            n=n, temperature=float(_get(body, "temperature", _NUM, defaults.get("temperature", 1.0))), top_p=float(_get(body, "top_p", _NUM, defaults.get("top_p", 1.0))),
+            top_k=int(_get(body, "top_k", (int,), defaults.get("top_k", 0))), min_p=float(_get(body, "min_p", _NUM, defaults.get("min_p", 0.0))),
             presence_penalty=float(_get(body, "presence_penalty", _NUM, 0.0)),
             frequency_penalty=float(_get(body, "frequency_penalty", _NUM, 0.0)),
-            repetition_penalty=float(_get(body, "repetition_penalty", _NUM, 1.0)),
+            repetition_penalty=float(_get(body, "repetition_penalty", _NUM, defaults.get("repetition_penalty", 1.0))),
             seed=_get(body, "seed", (int,)), max_tokens=max_tokens, min_tokens=_get(body, "min_tokens", (int,), 0),
             stop=_stop(body), stop_token_ids=_int_list(body.get("stop_token_ids") or [], "stop_token_ids"),
             ignore_eos=_get(body, "ignore_eos", (bool,), False),
@@ -139,7 +157,7 @@ def _options(body: dict, served: Sequence[str], logprobs: int | None, max_tokens
         raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
     return RequestOptions(model, params, stream, bool(_get(so, "include_usage", (bool,), False)),
                           _get(body, "user", (str,)), _priority(body), _slo(body, "ttft_slo_ms"),
-                          _slo(body, "tpot_slo_ms"))
+                          _slo(body, "tpot_slo_ms"), max_tokens_given)
 
 
 def _priority(body: dict) -> Priority:
@@ -181,18 +199,25 @@ def _prompts(body: dict) -> tuple[Prompt, ...]:
     raise _bad("prompt", "expected a non-empty string, list of strings, list of token ids or list of such lists")
 
 
-def parse_completion(body: Any, served: Sequence[str]) -> CompletionRequest:
+def parse_completion(body: Any, served: Sequence[str], defaults: Mapping[str, float] = {}) -> CompletionRequest:
+    """`defaults`: sampling parameters for those the body omits (the model's
+    generation_config.json: Backend.sampling_defaults)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     lp = _get(body, "logprobs", (int,))
     if lp is not None and not 0 <= lp <= 5:
         raise _bad("logprobs", "must be between 0 and 5")
     prompts = _prompts(body)
-    opts = _options(body, served, lp, _max_tokens(body, "max_tokens") or (None if "max_tokens" in body else 16))
+    if len(prompts) > MAX_PROMPTS:
+        raise _bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+    given = _max_tokens(body, "max_tokens")
+    opts = _options(body, served, lp, given or (None if "max_tokens" in body else 16), given is not None, defaults)
+    if len(prompts) * opts.params.n > MAX_FANOUT:
+        raise _bad("n", f"prompts × n is at most {MAX_FANOUT} per request, got {len(prompts) * opts.params.n}")
     return CompletionRequest(prompts, opts, bool(_get(body, "echo", (bool,), False)))
 
 
-def parse_chat(body: Any, served: Sequence[str]) -> ChatRequest:
+def parse_chat(body: Any, served: Sequence[str], defaults: Mapping[str, float] = {}) -> ChatRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     msgs = body.get("messages")
@@ -202,8 +227,8 @@ def parse_chat(body: Any, served: Sequence[str]) -> ChatRequest:
     top = _get(body, "top_logprobs", (int,))
     if top is not None and (not want or not 0 <= top <= 20):
         raise _bad("top_logprobs", "needs logprobs: true and must be between 0 and 20")
-    opts = _options(body, served, (top or 0) if want else None,
-                    _max_tokens(body, "max_completion_tokens", "max_tokens"))
+    given = _max_tokens(body, "max_completion_tokens", "max_tokens")
+    opts = _options(body, served, (top or 0) if want else None, given, given is not None, defaults)
     return ChatRequest(tuple(_message(m, i) for i, m in enumerate(msgs)), opts, want)
 
 

@@ -172,7 +172,7 @@ def test_200_streams_whose_clients_vanish_give_every_slot_back(tokenizer, vanish
         return b"".join(m.get("body", b"") for m in got).decode()
 
     metrics = asyncio.run(go())
-    line = [ln for ln in metrics.splitlines() if ln.startswith('splitserve_requests_total{status="abort"}')]
+    line = [ln for ln in metrics.splitlines() if ln.startswith('splitserve_requests_total{status="abort",tenant="default"}')]
     assert line and float(line[0].split()[-1]) == 200  # each recorded once
 
 

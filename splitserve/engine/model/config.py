@@ -55,6 +55,9 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    # sampling parameters generation_config.json recommends: what a request that omits them gets
+    # (as vLLM serves them); greedy checkpoints (do_sample: false) recommend none
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -112,6 +115,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            sampling_defaults=_sampling_defaults(gen or {}),
         )
 
 
@@ -124,6 +128,16 @@ def _architecture(cfg: dict[str, Any]) -> str:
         f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
+
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _sampling_defaults(gen: dict[str, Any]) -> tuple[tuple[str, float], ...]:
+    if gen.get("do_sample") is False:
+        return ()
+    return tuple((k, gen[k]) for k in SAMPLING_DEFAULT_KEYS
+                 if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool))
 
 
 def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:

@@ -1,0 +1,74 @@
+"""Per-tenant rate limits: a token bucket for requests per second and one for tokens per minute
+(a request is charged its prompt tokens plus the most it may generate, as OpenAI's limits
+count). A request either fits both buckets and is charged, or is refused with the time until it
+would fit (HTTP 429 + Retry-After). Local to one ingress replica."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from splitserve.tenancy.keys import Tenant
+
+
+class TokenBucket:
+    """`rate` units a second, holding at most `burst` (full at start)."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not rate > 0 or not burst > 0:
+            raise ValueError("a token bucket needs a positive rate and burst")
+        self.rate, self.burst, self._clock = rate, burst, clock
+        self._level, self._at = burst, clock()
+
+    def level(self) -> float:
+        now = self._clock()
+        self._level, self._at = min(self.burst, self._level + (now - self._at) * self.rate), now
+        return self._level
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until `amount` fits (0: now). More than the burst never fits: its wait is the
+        time to fill the whole bucket, after which it is admitted alone (`take` allows that)."""
+        return max(0.0, (min(amount, self.burst) - self.level()) / self.rate)
+
+    def take(self, amount: float) -> None:
+        self._level = self.level() - amount  # may go below 0 for an oversize request: it waits longer next
+
+    def give(self, amount: float) -> None:
+        self._level = min(self.burst, self.level() + amount)
+
+
+class RateLimiter:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets: dict[tuple[str, str], TokenBucket] = {}
+
+    def _bucket(self, tenant: Tenant, kind: str) -> TokenBucket | None:
+        rate = tenant.requests_per_s if kind == "requests" else tenant.tokens_per_min
+        if rate is None:
+            return None
+        b = self._buckets.get((tenant.name, kind))
+        if b is None:
+            # a second's requests (at least one) may come at once; a minute's tokens
+            b = TokenBucket(rate, max(1.0, rate), self._clock) if kind == "requests" else \
+                TokenBucket(rate / 60.0, rate, self._clock)
+            self._buckets[(tenant.name, kind)] = b
+        return b
+
+    def charge(self, tenant: Tenant, requests: int, tokens: int) -> float:
+        """Charge `tenant` for `requests` requests of `tokens` tokens in all; 0.0 if charged,
+        else the seconds until they would fit (nothing is charged then)."""
+        want = [(b, n) for b, n in ((self._bucket(tenant, "requests"), requests), (self._bucket(tenant, "tokens"), tokens))
+                if b is not None]
+        wait = max((b.wait_for(n) for b, n in want), default=0.0)
+        if wait > 0:
+            return wait
+        for b, n in want:
+            b.take(n)
+        return 0.0
+
+    def refund(self, tenant: Tenant, requests: int, tokens: int) -> None:
+        """Give back a charge whose requests never ran (admission refused them)."""
+        for kind, n in (("requests", requests), ("tokens", tokens)):
+            b = self._bucket(tenant, kind)
+            if b is not None:
+                b.give(n)
