@@ -238,3 +238,4 @@ def test_the_models_recommended_sampling_fills_what_a_request_omits(tmp_path):
     _recommend_sampling(tmp_path)
     written = json.loads((tmp_path / "generation_config.json").read_text())
     assert written == {"eos_token_id": 2, **RECOMMENDED_SAMPLING}
+
