@@ -32,6 +32,7 @@ from splitserve.types import ConfigError, FinishReason, Request, ServiceUnavaila
 
 log = logging.getLogger(__name__)
 PREFILL_ATTEMPTS = 3  # prefill workers one request may fail on before it gives up
+PLACE_WAIT_S = 5.0  # how long a request placed again waits for a worker to come back into placement
 LATE_RESULT_WAIT_S = 60.0  # how long an abandoned prefill's result is waited for, to release it
 ABORT_WAIT_S = 2.0  # how long an abort sent to a worker is waited for (a stalled one may never answer)
 
@@ -72,7 +73,7 @@ class RequestRun:
                         yield chunk
                 return
             except DecodeLost as lost:
-                self._migrate(lost.why)
+                await self._migrate(lost.why)
 
     # -- one attempt: (prefill →) decode on the current route -----------------------------------
     async def _attempt(self) -> AsyncIterator[TokenChunk]:
@@ -109,7 +110,7 @@ class RequestRun:
             self.failed.add(worker.id)
             if self._prefill_failures >= PREFILL_ATTEMPTS:
                 raise ServiceUnavailable(f"{self._prefill_failures} prefill workers failed this request")
-            self._replace(self._place("its prefill worker failed"))
+            self._replace(await self._place("its prefill worker failed"))
         return None
 
     async def _prefill(self, worker):
@@ -185,29 +186,35 @@ class RequestRun:
         self._last_at = now
         self.delivered.extend(chunk.token_ids)
 
-    def _migrate(self, why: str) -> None:
+    async def _migrate(self, why: str) -> None:
         what = f"the decode worker serving this request {why}"
         if self.trace.migrations >= self.o.migration_limit:
             raise ServiceUnavailable(f"{what}; it had moved {self.trace.migrations} times already, the limit")
         if self._lost_at is None:  # the gap the client sees: from the last token it got
             self._lost_at = self._last_at or time.monotonic()
-        self._replace(self._place(what))
+        self._replace(await self._place(what))
         self.trace.migrations += 1
         self.trace.migrated_after.append(len(self.delivered))
         self.o.migrations += 1
         log.info("request %s migrates to %s after %d tokens (%s)", self.req.request_id, self.route.decode.id,
                  len(self.delivered), why)
 
-    def _place(self, why: str) -> Route:
+    async def _place(self, why: str) -> Route:
         """Placed again by its whole context, as a new request of that length would be: through a
         prefill worker when the policy finds it worth it, else on a decode worker that computes
-        what its prefix cache lacks; never on a worker that failed it."""
+        what its prefix cache lacks; never on a worker that failed it. With no worker to take it
+        now, it waits up to PLACE_WAIT_S for one (a survivor whose probe went unanswered while it
+        took over the lost worker's streams is out of placement for a moment, not gone)."""
         context = dataclasses.replace(self.req, prompt_token_ids=self.req.prompt_token_ids + tuple(self.delivered),
                                       prompt_hashes=None)  # hashed whole by the placement
-        try:
-            return self.o.directory.place(context, exclude=frozenset(self.failed))
-        except NoCapacity:
-            raise ServiceUnavailable(f"{why}, and no other worker can take this request now") from None
+        deadline = time.monotonic() + PLACE_WAIT_S
+        while True:
+            try:
+                return self.o.directory.place(context, exclude=frozenset(self.failed))
+            except NoCapacity:
+                if time.monotonic() >= deadline:
+                    raise ServiceUnavailable(f"{why}, and no other worker can take this request now") from None
+            await asyncio.sleep(0.05)
 
     def _replace(self, route: Route) -> None:
         self.route.close()

@@ -108,11 +108,47 @@ def test_a_lost_decode_worker_migrates_the_stream_with_no_token_lost_or_repeated
     assert list(healthy.values()) == [False, True]  # the lost one left placement
 
 
-def test_with_no_decode_worker_left_the_stream_ends_with_our_error():
+def test_with_no_decode_worker_left_the_stream_ends_with_our_error(monkeypatch):
+    from splitserve.cluster import request_run
+
+    monkeypatch.setattr(request_run, "PLACE_WAIT_S", 0.2)  # it waits that long for one to come back
     got, error, trace, *_ = asyncio.run(run([FakeDecode("die", fail_after=5)]))
     assert got == reference()[:5]  # what was delivered stays delivered
     assert isinstance(error, ServiceUnavailable) and "no other worker" in str(error)
     no_internals(str(error))
+
+
+def test_a_survivor_out_of_placement_for_a_moment_still_takes_the_stream():
+    """The only other decode worker is out of placement (its probe went unanswered) when the
+    first dies, and back 0.3 s later: the stream waits for it and migrates, nothing lost."""
+    async def go():
+        src = FakeSource()
+        first, second = FakeDecode("die", fail_after=4), FakeDecode()
+        a, b = src.add(Role.DECODE, worker=first), src.add(Role.DECODE, worker=second)
+        d = directory(src, "round_robin", load_interval_s=60)
+        await d.start()
+        o = Orchestrator(d)
+        req = Request("m", PROMPT, SamplingParams(max_tokens=MAX_TOKENS))
+        got = []
+        stream = o.stream(req)
+        got += (await stream.__anext__()).token_ids  # placed on `a` (round robin's first)
+        src.registry.set_responsive(b, False)
+        while d.view(d.records[b]).healthy:  # until this router has seen it leave placement
+            await asyncio.sleep(0.01)
+
+        async def back():
+            await asyncio.sleep(0.3)
+            src.registry.set_responsive(b, True)
+
+        task = asyncio.create_task(back())
+        async for c in stream:
+            got += c.token_ids
+        await task
+        d.stop()
+        return got, o.traces[-1], first.given, second.given
+
+    got, trace, on_first, on_second = asyncio.run(go())
+    assert on_first and got == reference() and trace.migrations == 1 and on_second
 
 
 def test_past_the_migration_limit_the_stream_ends_with_our_error():
