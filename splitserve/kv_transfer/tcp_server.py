@@ -32,12 +32,18 @@ from splitserve.kv_transfer.tcp_wire import (
 )
 
 
+MAX_CONNECTIONS = 256  # readers pool a connection or two per peer: more is someone else's doing
+
+
 class KVServer:
-    """Serves byte ranges of one worker's KV storage; a thread per connection."""
+    """Serves byte ranges of one worker's KV storage; a thread per connection, at most
+    `max_connections` of them (one more is closed at once: a reader takes that as a failed
+    transfer, which the decode side recomputes)."""
 
     def __init__(self, source: HostBytes | StagedBytes, bind_host: str, port: int, io_timeout: float,
-                 idle_timeout: float) -> None:
+                 idle_timeout: float, max_connections: int = MAX_CONNECTIONS) -> None:
         self._src, self._io_timeout, self._idle_timeout = source, io_timeout, idle_timeout
+        self._max_connections = max_connections
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
@@ -61,9 +67,14 @@ class KVServer:
                 continue
             except OSError:
                 return  # listener closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
-                self._conns.add(conn)
+                full = len(self._conns) >= self._max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                conn.close()
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._spawn(self._serve, "kv-tcp-conn", conn)
 
     def _serve(self, conn: socket.socket) -> None:

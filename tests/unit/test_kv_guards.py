@@ -1,5 +1,5 @@
-"""The KV transfer fingerprint covers the weights' content: workers of two fine-tunes never
-exchange KV."""
+"""The KV data plane's guards: the transfer fingerprint covers the weights' content (workers of
+two fine-tunes never exchange KV), and the TCP KV server caps its connections."""
 
 
 def test_the_kv_fingerprint_tells_fine_tunes_apart(tmp_path, tiny_checkpoint):
@@ -32,3 +32,37 @@ def test_the_kv_fingerprint_tells_fine_tunes_apart(tmp_path, tiny_checkpoint):
     sampled = _content_digest(str(f), size, 0, SAMPLES * small, small)
     assert sampled == _content_digest(str(f), size, 1, SAMPLES * small, small) != _content_digest(str(f), size, 0)
     assert sampled != _content_digest(str(next(copy.glob("*.safetensors"))), size, 0, SAMPLES * small, small)
+
+
+def test_the_tcp_kv_server_caps_its_connections():
+    """Past `max_connections` a new connection is closed at once; one closing frees its place."""
+    import socket
+    import time
+
+    import torch
+
+    from splitserve.kv_transfer.regions import HostBytes
+    from splitserve.kv_transfer.tcp_server import KVServer
+
+    server = KVServer(HostBytes(torch.zeros(1024)), "127.0.0.1", 0, 5.0, 5.0, max_connections=2)
+
+    def closed_at_once(s: socket.socket) -> bool:
+        s.settimeout(1.0)
+        try:
+            return s.recv(1) == b""
+        except socket.timeout:
+            return False  # held open, waiting for a request
+
+    try:
+        held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
+        time.sleep(0.2)  # both accepted
+        extra = socket.create_connection(("127.0.0.1", server.port))
+        assert closed_at_once(extra) and not closed_at_once(held[0])
+        held.pop().close()
+        time.sleep(0.3)
+        again = socket.create_connection(("127.0.0.1", server.port))
+        assert not closed_at_once(again)
+        for s in held + [extra, again]:
+            s.close()
+    finally:
+        server.close()
