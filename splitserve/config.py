@@ -4,6 +4,7 @@ construction with a message naming the field, never later in the middle of a req
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,12 +135,20 @@ class DeployConfig:
     # API keys (tenancy.KeyRing: a key file's path, its content, or a KeyRing), plus
     # SPLITSERVE_API_KEY where this config is made; none: the ingress is open.
     api_keys: Any = None
+    # The secret every worker's TCP KV server challenges its readers for (hex; one per app,
+    # made here unless given); never printed.
+    kv_secret: str = dataclasses.field(default_factory=lambda: secrets.token_hex(32), repr=False)
 
     def __post_init__(self) -> None:
         from splitserve.router.policy import POLICIES
         from splitserve.tenancy import KeyRing
 
         object.__setattr__(self, "api_keys", KeyRing.from_options(self.api_keys).with_env())
+        try:
+            if len(bytes.fromhex(self.kv_secret)) < 16:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ConfigError("kv_secret must be at least 32 hex digits") from None
 
         def integer(name: str, low: int) -> None:
             v = getattr(self, name)

@@ -121,9 +121,10 @@ def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float)
     p = worker_placement(cfg, wid.role, transports, share)
     opts = {**p.resources, "max_restarts": 0}
     actor = actor_class(worker_class(cfg, wid.role)).options(**opts)
+    kv = {"transport_options": {"tcp": {"secret": cfg.kv_secret}}}  # the app's KV secret: readers prove it
     if wid.role is Role.PREFILL:
-        return actor.remote(p.engine, p.transports, lease_s=cfg.lease_s)
-    return actor.remote(p.engine, p.transports, on_transfer_failure=cfg.on_transfer_failure)
+        return actor.remote(p.engine, p.transports, lease_s=cfg.lease_s, **kv)
+    return actor.remote(p.engine, p.transports, on_transfer_failure=cfg.on_transfer_failure, **kv)
 
 
 __all__ = ["actor_class", "worker_class", "spawn", "worker_placement", "gpu_share", "resolve_transports"]

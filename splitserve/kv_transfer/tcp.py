@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import struct
 import threading
 from typing import Sequence
 
@@ -42,6 +43,7 @@ from splitserve.kv_transfer.tcp_wire import (
     OK,
     VERSION,
     Eof,
+    answer,
     peer,
     recv_exact,
     recv_scatter,
@@ -75,7 +77,8 @@ def _split_address(address: str) -> tuple[str, int]:
 class _ConnPool:
     """Idle connections per address, so back-to-back transfers skip the TCP handshake."""
 
-    def __init__(self, connect_timeout: float, io_timeout: float, max_idle: int = 4) -> None:
+    def __init__(self, connect_timeout: float, io_timeout: float, max_idle: int = 4, secret: bytes | None = None) -> None:
+        self._secret = secret
         self._idle: dict[str, list[socket.socket]] = {}
         self._lock = threading.Lock()
         self._connect_timeout, self._io_timeout, self._max_idle = connect_timeout, io_timeout, max_idle
@@ -91,6 +94,12 @@ class _ConnPool:
             raise TransferError("unreachable", f"cannot connect to {address}: {e}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(self._io_timeout)
+        if self._secret is not None:
+            try:
+                answer(sock, self._secret)
+            except (OSError, Eof, ValueError, struct.error) as e:
+                sock.close()
+                raise TransferError("unreachable", f"the KV server at {address} refused the handshake: {e}") from None
         return sock, False
 
     def give(self, address: str, sock: socket.socket) -> None:
@@ -119,18 +128,20 @@ class TcpTransport(PooledTransport):
     def __init__(self, bind_host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  connect_timeout: float = 2.0, io_timeout: float = 10.0, idle_timeout: float = 300.0,
                  max_workers: int = 4, split_bytes: int = _SPLIT_BYTES, streams: int = _STREAMS,
-                 staged: bool = False, server_cls: type[KVServer] = KVServer) -> None:
+                 staged: bool = False, server_cls: type[KVServer] = KVServer, secret: str | None = None) -> None:
         """`staged`: move bytes through host buffers even for a CPU storage (a device storage
         always is): the GPU path, testable on CPU. `server_cls`: what `register` starts to serve
         this worker's cache, called as server_cls(source, bind_host, port, io_timeout,
-        idle_timeout)."""
+        idle_timeout, secret=...). `secret`: the app's KV secret (hex): this worker's server
+        challenges every reader for it, and this worker answers other servers' challenges."""
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
         self._split_bytes, self._streams = split_bytes, streams
         self._bind_host, self._port, self._advertise_host = bind_host, port, advertise_host
         self._io_timeout, self._idle_timeout, self._server_cls = io_timeout, idle_timeout, server_cls
         self._pool = TransferPool(self.name, max_workers)
-        self._conns = _ConnPool(connect_timeout, io_timeout)
+        self._secret = None if secret is None else bytes.fromhex(secret)
+        self._conns = _ConnPool(connect_timeout, io_timeout, secret=self._secret)
         self._server: KVServer | None = None
         self._staged = staged
         self._dst: HostBytes | StagedBytes | None = None
@@ -149,7 +160,8 @@ class TcpTransport(PooledTransport):
         if len(mem) != layout.storage_bytes:
             raise ValueError(f"storage has {len(mem)} bytes, layout says {layout.storage_bytes}")
         self._dst, self._layout = mem, layout
-        self._server = self._server_cls(mem, self._bind_host, self._port, self._io_timeout, self._idle_timeout)
+        self._server = self._server_cls(mem, self._bind_host, self._port, self._io_timeout, self._idle_timeout,
+                                        secret=self._secret)
         address = f"{self._advertised_ip()}:{self._server.port}"
         return TransportEndpoint(transport=self.name, host=host, address=address, layout=layout)
 

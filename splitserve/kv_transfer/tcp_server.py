@@ -26,6 +26,7 @@ from splitserve.kv_transfer.tcp_wire import (
     SEG_SIZE,
     VERSION,
     Eof,
+    challenge,
     recv_exact,
     send_all,
     shutdown,
@@ -38,11 +39,13 @@ MAX_CONNECTIONS = 256  # readers pool a connection or two per peer: more is some
 class KVServer:
     """Serves byte ranges of one worker's KV storage; a thread per connection, at most
     `max_connections` of them (one more is closed at once: a reader takes that as a failed
-    transfer, which the decode side recomputes)."""
+    transfer, which the decode side recomputes). With a `secret`, a connection whose reader does
+    not answer its challenge (tcp_wire) is closed before any request is read."""
 
     def __init__(self, source: HostBytes | StagedBytes, bind_host: str, port: int, io_timeout: float,
-                 idle_timeout: float, max_connections: int = MAX_CONNECTIONS) -> None:
+                 idle_timeout: float, max_connections: int = MAX_CONNECTIONS, secret: bytes | None = None) -> None:
         self._src, self._io_timeout, self._idle_timeout = source, io_timeout, idle_timeout
+        self._secret = secret
         self._max_connections = max_connections
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -79,6 +82,9 @@ class KVServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            conn.settimeout(self._io_timeout)
+            if self._secret is not None and not challenge(conn, self._secret):
+                return  # a reader without the secret: no byte of KV
             while not self._stop.is_set() and self._serve_one(conn):
                 pass
         except (OSError, Eof, struct.error, UnicodeDecodeError):

@@ -5,12 +5,18 @@
   response  RESP magic "SKVD", version, status, xfer_id u64, total bytes u64, nseg u32
             then, when status is OK, the raw bytes of the segments in request order;
             otherwise `total` bytes of a utf-8 error message.
+With a secret (the app's, given to every worker), each connection starts with a challenge:
+  hello     HELLO magic "SKVH", version, a 16-byte random nonce (server → reader)
+  answer    HMAC-SHA256(secret, nonce), 32 bytes (reader → server)
+and a server that gets a wrong answer closes the connection before reading any request.
 Scatter/gather I/O (sendmsg / recvmsg_into over many memoryviews) keeps a fragmented block list
 to few syscalls and no staging copies.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import socket
 import struct
@@ -23,7 +29,9 @@ REQ = struct.Struct("<4sHHQHI")
 RESP = struct.Struct("<4sHHQQI")
 SEG = np.dtype("<u8")  # the segment table: nseg × (offset, length), as one little-endian array
 SEG_SIZE = 2 * SEG.itemsize
-REQ_MAGIC, RESP_MAGIC = b"SKVQ", b"SKVD"
+HELLO = struct.Struct("<4sH16s")
+AUTH_SIZE = 32
+REQ_MAGIC, RESP_MAGIC, HELLO_MAGIC = b"SKVQ", b"SKVD", b"SKVH"
 OK, BAD_REQUEST = 0, 1
 MAX_SEGMENTS = 1 << 22  # refuse absurd requests before allocating for them
 IOV_BATCH = min(512, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 512)
@@ -36,6 +44,28 @@ class Eof(Exception):
     def __init__(self, got: int) -> None:
         super().__init__(f"connection closed after {got} bytes")
         self.got = got
+
+
+# -- the challenge ------------------------------------------------------------------------------
+
+def _answer_to(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, HELLO_MAGIC + nonce, hashlib.sha256).digest()
+
+
+def challenge(sock: socket.socket, secret: bytes) -> bool:
+    """Server side: whether the reader knows the secret (it answered this connection's nonce)."""
+    nonce = os.urandom(16)
+    sock.sendall(HELLO.pack(HELLO_MAGIC, VERSION, nonce))
+    return hmac.compare_digest(bytes(recv_exact(sock, AUTH_SIZE)), _answer_to(secret, nonce))
+
+
+def answer(sock: socket.socket, secret: bytes) -> None:
+    """Reader side: prove the secret for this connection. Raises Eof / ValueError when the other
+    end is not a KV server asking for it."""
+    magic, version, nonce = HELLO.unpack(recv_exact(sock, HELLO.size))
+    if magic != HELLO_MAGIC or version != VERSION:
+        raise ValueError(f"not a KV server's challenge: magic {magic!r}, version {version}")
+    sock.sendall(_answer_to(secret, nonce))
 
 
 # -- socket helpers -----------------------------------------------------------------------------

@@ -66,3 +66,57 @@ def test_the_tcp_kv_server_caps_its_connections():
             s.close()
     finally:
         server.close()
+
+
+def test_a_tcp_reader_without_the_apps_secret_reads_no_kv_byte():
+    """A source with the app's secret: a reader with it pulls the blocks exactly; a reader with
+    another secret or none, and a raw client sending a well-formed request, get no KV byte."""
+    import socket
+    import uuid
+
+    import numpy as np
+    import torch
+
+    from splitserve.kv_transfer import TcpTransport, TransferState, kv_checksum, wait_transfer
+    from splitserve.kv_transfer.tcp_wire import REQ, REQ_MAGIC, VERSION, recv_exact
+    from tests.unit.test_kv_transfer import DST_BLOCKS, SRC_BLOCKS, allocate, fill, layout, make_handoff
+
+    secret, other = uuid.uuid4().hex * 2, uuid.uuid4().hex * 2
+    src_kv, src = allocate(SRC_BLOCKS, None), TcpTransport(secret=secret)
+    fill(src_kv.storage, 5)
+    ep = src.register(src_kv, layout(SRC_BLOCKS), "host-a")
+    blocks = (3, 9, 1)
+    handoff = make_handoff(ep, blocks, kv_checksum(src_kv.storage, layout(SRC_BLOCKS), blocks))
+    readers = {"same": TcpTransport(secret=secret, io_timeout=2.0), "other": TcpTransport(secret=other, io_timeout=2.0),
+               "none": TcpTransport(io_timeout=1.0)}
+    kvs = {}
+    try:
+        for name, t in readers.items():
+            kvs[name] = allocate(DST_BLOCKS, None)
+            kvs[name].storage.zero_()
+            t.register(kvs[name], layout(DST_BLOCKS), "host-b")
+            h = t.read(handoff, (0, 1, 2))
+            status = wait_transfer(t, h, timeout=10)
+            t.release(h)
+            got = kvs[name].storage[:, :, :3]
+            if name == "same":
+                assert status.state is TransferState.DONE and torch.equal(got, src_kv.storage[:, :, list(blocks)])
+            else:
+                assert status.state is TransferState.FAILED and not got.any(), (name, status)
+        host, port = ep.address.rsplit(":", 1)
+        raw = socket.create_connection((host, int(port)), timeout=2.0)
+        raw.sendall(REQ.pack(REQ_MAGIC, VERSION, 0, 1, 0, 1) + np.array([0, 4096], dtype="<u8").tobytes())
+        hello = recv_exact(raw, 22)  # the challenge it did not answer (its request was read as a wrong answer)
+        assert hello[:4] == b"SKVH"
+        raw.settimeout(2.0)
+        try:
+            rest = raw.recv(1 << 16)
+        except ConnectionResetError:  # closed with our request unread: a reset
+            rest = b""
+        assert rest == b""  # closed: no byte of KV
+        raw.close()
+    finally:
+        for t in (src, *readers.values()):
+            t.close()
+        for kv in (src_kv, *kvs.values()):
+            kv.close()
