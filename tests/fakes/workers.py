@@ -60,8 +60,10 @@ class PrefillKillingDecode(DecodeWorker):
 class TruncatingPrefill(PrefillWorker):
     """Its TCP KV server sends half of every payload ("truncated" on the reader's side)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, transport_options={"tcp": {"server_cls": TruncatingServer}}, **kwargs)
+    def __init__(self, *args, transport_options: dict | None = None, **kwargs) -> None:
+        opts = dict(transport_options or {})
+        opts["tcp"] = {**opts.get("tcp", {}), "server_cls": TruncatingServer}  # the app's secret kept
+        super().__init__(*args, transport_options=opts, **kwargs)
 
 
 class BreakableDecode(DecodeWorker):
