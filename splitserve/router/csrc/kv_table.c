@@ -220,9 +220,20 @@ static int table_contains(PyObject *self, PyObject *h) {
 /* The hashes argument as a fast sequence (a new reference), or NULL. */
 static PyObject *hash_seq(PyObject *hashes) { return PySequence_Fast(hashes, "hashes must be a sequence"); }
 
+/* 0 if `bit` is a positive int (a holder slot's bit), else -1 with TypeError set. */
+static int check_bit(PyObject *bit) {
+    static PyObject *zero = NULL;
+    if (zero == NULL && (zero = PyLong_FromLong(0)) == NULL) return -1;
+    int positive = PyLong_Check(bit) ? PyObject_RichCompareBool(bit, zero, Py_GT) : 0;
+    if (positive > 0) return 0;
+    if (positive == 0) PyErr_SetString(PyExc_TypeError, "a holder bit is a positive int");
+    return -1;
+}
+
 /* store(hashes, bit): each hash's holders gain `bit` (an int); each becomes the newest. */
 static PyObject *table_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) return PyErr_Format(PyExc_TypeError, "store(hashes, bit)");
+    if (check_bit(args[1]) < 0) return NULL;
     Table *t = (Table *)self;
     PyObject *seq = hash_seq(args[0]), *bit = args[1];
     if (seq == NULL) return NULL;
@@ -279,6 +290,7 @@ static int drop_at(Table *t, uint64_t slot, PyObject *clear) {
 /* discard(hashes, bit): each hash's holders lose `bit`; a hash nobody holds is forgotten. */
 static PyObject *table_discard(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) return PyErr_Format(PyExc_TypeError, "discard(hashes, bit)");
+    if (check_bit(args[1]) < 0) return NULL;
     Table *t = (Table *)self;
     PyObject *seq = hash_seq(args[0]);
     if (seq == NULL) return NULL;
@@ -300,6 +312,7 @@ done:
 
 /* drop_bit(bit): every hash's holders lose `bit` (a worker left). */
 static PyObject *table_drop_bit(PyObject *self, PyObject *bit) {
+    if (check_bit(bit) < 0) return NULL;
     Table *t = (Table *)self;
     PyObject *clear = PyNumber_Invert(bit);
     if (clear == NULL) return NULL;
@@ -441,29 +454,10 @@ static PyObject *table_keys(PyObject *self, PyObject *unused) {
     return out;
 }
 
-static int check_bit(PyObject *bit) {
-    static PyObject *zero = NULL;
-    if (zero == NULL && (zero = PyLong_FromLong(0)) == NULL) return -1;
-    int positive = PyLong_Check(bit) ? PyObject_RichCompareBool(bit, zero, Py_GT) : 0;
-    if (positive > 0) return 0;
-    if (positive == 0) PyErr_SetString(PyExc_TypeError, "a holder bit is a positive int");
-    return -1;
-}
-
-static PyObject *checked_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    return nargs == 2 && check_bit(args[1]) < 0 ? NULL : table_store(self, args, nargs);
-}
-static PyObject *checked_discard(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    return nargs == 2 && check_bit(args[1]) < 0 ? NULL : table_discard(self, args, nargs);
-}
-static PyObject *checked_drop_bit(PyObject *self, PyObject *bit) {
-    return check_bit(bit) < 0 ? NULL : table_drop_bit(self, bit);
-}
-
 static PyMethodDef methods[] = {
-    {"store", (PyCFunction)(void (*)(void))checked_store, METH_FASTCALL, "store(hashes, bit)"},
-    {"discard", (PyCFunction)(void (*)(void))checked_discard, METH_FASTCALL, "discard(hashes, bit)"},
-    {"drop_bit", checked_drop_bit, METH_O, "drop_bit(bit)"},
+    {"store", (PyCFunction)(void (*)(void))table_store, METH_FASTCALL, "store(hashes, bit)"},
+    {"discard", (PyCFunction)(void (*)(void))table_discard, METH_FASTCALL, "discard(hashes, bit)"},
+    {"drop_bit", table_drop_bit, METH_O, "drop_bit(bit)"},
     {"evict", table_evict, METH_O, "evict(n)"},
     {"runs", table_runs, METH_O, "runs(hashes) -> [(end, bits), ...]"},
     {"touch", table_touch, METH_O, "touch(hashes)"},
