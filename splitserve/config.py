@@ -132,8 +132,8 @@ class DeployConfig:
     # The worker class of a pool, as "module:Class" (a PrefillWorker / DecodeWorker subclass):
     # what tests use to put fault-injecting fakes into real actors. Empty: the real ones.
     worker_classes: dict = dataclasses.field(default_factory=dict)
-    # API keys (tenancy.KeyRing: a key file's path, its content, or a KeyRing), plus
-    # SPLITSERVE_API_KEY where this config is made; none: the ingress is open.
+    # API keys: a key file's path, its content, or a KeyRing; read into the tenancy.KeyRing the
+    # ingress checks (plus SPLITSERVE_API_KEY where this config is made); none: the ingress is open.
     api_keys: Any = None
     # The secret every worker's TCP KV server challenges its readers for (hex; one per app,
     # made here unless given); never printed.
@@ -207,11 +207,6 @@ class DeployConfig:
 
             opts["model"] = str(ensure_demo_model())
         return cls(**opts, engine=engine)
-
-    @property
-    def keys(self):
-        """The tenancy.KeyRing the ingress checks."""
-        return self.api_keys
 
     def _autoscale_config(self):
         from splitserve.autoscale import AutoscaleConfig

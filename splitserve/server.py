@@ -81,7 +81,7 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
     from splitserve.deploy import bind_app
 
     cfg = DeployConfig.from_options(deploy_options(args, model))
-    _say_keys(cfg.keys)
+    _say_keys(cfg.api_keys)
     began = time.monotonic()
     a = cfg.autoscale
     started = connect_ray(args.address, a.prefill.max + a.decode.max if a else cfg.prefill + cfg.decode)

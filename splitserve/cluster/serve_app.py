@@ -39,7 +39,7 @@ class Ingress:
         await self.controller.start.remote()
         self.backend = ClusterBackend(cfg, ControllerSource(self.controller))
         await self.backend.start()
-        self.http = OpenAIServer(self.backend, admission=Admission(admission_config(cfg)), keys=cfg.keys)
+        self.http = OpenAIServer(self.backend, admission=Admission(admission_config(cfg)), keys=cfg.api_keys)
         self.grpc = GenerationService(self.http.front)
 
     def __serve_build_asgi_app__(self):

@@ -141,13 +141,16 @@ def _options(body: dict, served: Sequence[str], logprobs: int | None, max_tokens
     so = _get(body, "stream_options", (dict,), {})
     if so and not stream:
         raise _bad("stream_options", "is only allowed with stream: true")
+    def sampled(name: str, fallback: float) -> float:  # the body's, else the model's recommendation
+        return float(_get(body, name, _NUM, defaults.get(name, fallback)))
+
     try:
         params = SamplingParams(
-            n=n, temperature=float(_get(body, "temperature", _NUM, defaults.get("temperature", 1.0))), top_p=float(_get(body, "top_p", _NUM, defaults.get("top_p", 1.0))),
-            top_k=int(_get(body, "top_k", (int,), defaults.get("top_k", 0))), min_p=float(_get(body, "min_p", _NUM, defaults.get("min_p", 0.0))),
+            n=n, temperature=sampled("temperature", 1.0), top_p=sampled("top_p", 1.0),
+            top_k=int(_get(body, "top_k", (int,), defaults.get("top_k", 0))), min_p=sampled("min_p", 0.0),
             presence_penalty=float(_get(body, "presence_penalty", _NUM, 0.0)),
             frequency_penalty=float(_get(body, "frequency_penalty", _NUM, 0.0)),
-            repetition_penalty=float(_get(body, "repetition_penalty", _NUM, defaults.get("repetition_penalty", 1.0))),
+            repetition_penalty=sampled("repetition_penalty", 1.0),
             seed=_get(body, "seed", (int,)), max_tokens=max_tokens, min_tokens=_get(body, "min_tokens", (int,), 0),
             stop=_stop(body), stop_token_ids=_int_list(body.get("stop_token_ids") or [], "stop_token_ids"),
             ignore_eos=_get(body, "ignore_eos", (bool,), False),

@@ -202,7 +202,7 @@ def test_key_files_and_the_environment_key(tmp_path, tiny_checkpoint):
     assert KeyRing.from_options(env.to_options()).keys == env.keys  # digests only, as the app config carries them
     assert ALPHA not in str(env.to_options())
     cfg = DeployConfig.from_options({"model": str(tiny_checkpoint("llama")), "api_keys": str(f)})  # serve --config
-    assert cfg.keys.tenant(f"Bearer {ALPHA}") == t and not DeployConfig(model=cfg.model).keys.keys
+    assert cfg.api_keys.tenant(f"Bearer {ALPHA}") == t and not DeployConfig(model=cfg.model).api_keys.keys
     bad = [{"tenant": "x"}, {"key": "short", "tenant": "x"}, {"key": ALPHA}, {"key": ALPHA, "tenant": "x", "priority": "top"},
            {"key": ALPHA, "tenant": "x", "requests_per_s": 0}, {"key": ALPHA, "key_sha256": "0" * 64, "tenant": "x"},
            {"key_sha256": "xyz", "tenant": "x"}, {"key": ALPHA, "tenant": "x", "colour": "red"}]
