@@ -16,7 +16,6 @@ equal holders ([(end, bits), ...], each run hashes[previous end:end]), plus `get
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 from collections import OrderedDict
