@@ -6,11 +6,13 @@ so far and the workers that failed this request, and replaces the route when a w
     excluded and the request placed again (at most `PREFILL_ATTEMPTS` times); a request the
     engine refuses (ConfigError) fails at once, as every worker would refuse it.
   * Decode: a decode worker that dies, fails, sends nothing for `inactivity_timeout_s`, or
-    ends the stream unasked, is excluded and the request migrates: placed again by its whole
+    ends the stream unasked, is excluded (one that only went silent is taken again when no
+    other can, its silent attempt aborted) and the request migrates: placed again by its whole
     context (prompt + delivered tokens; through a prefill worker when the policy finds it worth
     it) with the delivered tokens as `outputs`, so the new worker continues right after them
     (seeded sampling too: the engine fast-forwards the request's generator). Up to
-    `migration_limit` moves; past it, or with no worker left, `ServiceUnavailable`.
+    `migration_limit` moves, each under its own engine id (`<id>~<move>`); past the limit, or
+    with no worker left, `ServiceUnavailable`.
   * However the caller leaves, closing the stream (each level closed by `aclosing`, at once)
     aborts the request where it still runs; the decode worker settles the lease.
 """
@@ -58,6 +60,7 @@ class RequestRun:
         self.o, self.req, self.route, self.trace = o, req, route, trace
         self.delivered: list[int] = []
         self.failed: set[WorkerId] = set()  # workers this request must not be placed on again
+        self.stalled: set[WorkerId] = set()  # went silent on it: taken again only when no other can
         self._prefill_failures = 0
         self._last_at: float | None = None  # when the last token was delivered
         self._lost_at: float | None = None  # the last delivery before a migration
@@ -166,7 +169,7 @@ class RequestRun:
             lost = _classify(e)
             stop_worker = stalled = lost.worker_may_run
             log.warning("decode worker %s lost %s (%s)", decode.id, self.req.request_id, lost.why)
-            self.failed.add(decode.id)
+            (self.stalled if lost.worker_may_run else self.failed).add(decode.id)
             self.o.directory.mark_failed(decode.id)
             raise lost from None
         finally:
@@ -194,6 +197,9 @@ class RequestRun:
             self._lost_at = self._last_at or time.monotonic()
         self._replace(await self._place(what))
         self.trace.migrations += 1
+        # Each move runs under its own engine id: an abort sent to a worker that went silent on
+        # this request can never meet the attempt that replaced it, on that worker or another.
+        self.req = dataclasses.replace(self.req, request_id=f"{self.trace.request_id}~{self.trace.migrations}")
         self.trace.migrated_after.append(len(self.delivered))
         self.o.migrations += 1
         log.info("request %s migrates to %s after %d tokens (%s)", self.req.request_id, self.route.decode.id,
@@ -202,18 +208,21 @@ class RequestRun:
     async def _place(self, why: str) -> Route:
         """Placed again by its whole context, as a new request of that length would be: through a
         prefill worker when the policy finds it worth it, else on a decode worker that computes
-        what its prefix cache lacks; never on a worker that failed it. With no worker to take it
-        now, it waits up to PLACE_WAIT_S for one (a survivor whose probe went unanswered while it
-        took over the lost worker's streams is out of placement for a moment, not gone)."""
+        what its prefix cache lacks; never on a worker that failed it, and on one that only went
+        silent on it (slow, not broken: a survivor busy with a lost worker's streams) only when
+        no other can take it. With none to take it now, it waits up to PLACE_WAIT_S for one (a
+        survivor whose probe went unanswered is out of placement for a moment, not gone)."""
         context = dataclasses.replace(self.req, prompt_token_ids=self.req.prompt_token_ids + tuple(self.delivered),
                                       prompt_hashes=None)  # hashed whole by the placement
         deadline = time.monotonic() + PLACE_WAIT_S
         while True:
-            try:
-                return self.o.directory.place(context, exclude=frozenset(self.failed))
-            except NoCapacity:
-                if time.monotonic() >= deadline:
-                    raise ServiceUnavailable(f"{why}, and no other worker can take this request now") from None
+            for exclude in (self.failed | self.stalled, self.failed):
+                try:
+                    return self.o.directory.place(context, exclude=frozenset(exclude))
+                except NoCapacity:
+                    pass
+            if time.monotonic() >= deadline:
+                raise ServiceUnavailable(f"{why}, and no other worker can take this request now") from None
             await asyncio.sleep(0.05)
 
     def _replace(self, route: Route) -> None:

@@ -33,12 +33,12 @@ def reference() -> list[int]:
 class FakeDecode(FakeWorker):
     """`generate` streams the fake model's tokens after the prompt and `outputs`; after
     `fail_after` tokens it dies ("die", with Ray-like internals in the message) or goes silent
-    ("stall")."""
+    ("stall"), on its first `faulty` streams (all of them when None)."""
 
-    def __init__(self, fault=None, fail_after=3):
+    def __init__(self, fault=None, fail_after=3, faulty=None):
         super().__init__()
-        self.fault, self.fail_after = fault, fail_after
-        self.given, self.aborted = [], []
+        self.fault, self.fail_after, self.faulty = fault, fail_after, faulty
+        self.given, self.ids, self.aborted = [], [], []
         self.generate = type("G", (), {"options": lambda _self, **kw: Call(self._stream)})()
         self.abort = Call(self._abort)
 
@@ -47,12 +47,14 @@ class FakeDecode(FakeWorker):
 
     def _stream(self, req, handoff, prefill, outputs=()):
         self.given.append(tuple(outputs))
-        return self._chunks(req, tuple(outputs))
+        self.ids.append(req.request_id)
+        faulty = self.fault is not None and (self.faulty is None or len(self.given) <= self.faulty)
+        return self._chunks(req, tuple(outputs), faulty)
 
-    async def _chunks(self, req, outputs):
+    async def _chunks(self, req, outputs, faulty):
         ctx, n = req.prompt_token_ids + outputs, len(outputs)
         for i in range(MAX_TOKENS - n):
-            if self.fault and i == self.fail_after:
+            if faulty and i == self.fail_after:
                 if self.fault == "die":
                     raise RuntimeError("The actor 7f3a9c died: pid=4242, ip=10.1.2.3")
                 if self.fault == "abort":  # ends the stream as if someone had aborted it
@@ -167,6 +169,18 @@ def test_a_worker_that_failed_a_request_never_gets_it_back(fault):
     got, error, trace, *_ = asyncio.run(run([first, second], load_interval_s=0.005))
     assert error is None and got == reference()
     assert len(first.given) == 1 and second.given == [tuple(reference()[:2])]
+
+
+def test_a_worker_that_only_went_silent_takes_the_request_again_when_no_other_can():
+    """Both decode workers go silent on the request once (a survivor slowed by the streams it took
+    over): with no worker it has not stalled on, it goes back to one that answers again, under a
+    fresh engine id, so the abort that worker was sent for the silent attempt cannot end the new one."""
+    first, second = FakeDecode("stall", fail_after=2, faulty=1), FakeDecode("stall", fail_after=2, faulty=1)
+    got, error, trace, counts, _ = asyncio.run(run([first, second], load_interval_s=0.005, inactivity_timeout_s=0.2))
+    assert error is None and got == reference() and trace.migrations == 2
+    assert first.ids == ["m", "m~2"] and second.ids == ["m~1"]
+    assert first.aborted == ["m"] and second.aborted == ["m~1"]  # each silent attempt, never the live one
+    assert set(counts.values()) == {0}
 
 
 def test_a_caller_that_leaves_after_the_first_token_stops_the_worker_at_once():
