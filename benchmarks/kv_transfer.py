@@ -87,8 +87,12 @@ def serve(conn, args, num_blocks: int, names: list[str]) -> None:
     try:
         while True:
             cmd, *rest = conn.recv()
-            if cmd == "checksum":
-                conn.send(kv_checksum(kv.storage, lay, rest[0]))
+            if cmd == "checksum":  # and a lease on those blocks, as a prefill worker grants
+                token = os.urandom(16)
+                for t in transports.values():
+                    if t is not None:
+                        t.allow(token, rest[0])
+                conn.send((kv_checksum(kv.storage, lay, rest[0]), token))
             else:
                 break
     finally:
@@ -127,8 +131,9 @@ def block_lists(pattern: str, n: int, num_blocks: int, rng: random.Random) -> tu
 def handoff(conn, endpoint, src: list[int], lay: KVLayout) -> KVHandoff:
     conn.send(("checksum", tuple(src)))
     header = TransferHeader("bench", lay.model_fingerprint, lay.dtype, lay.block_size, lay.num_layers, len(src), 1)
+    checksum, token = conn.recv()
     return KVHandoff("bench", 0, None, len(src) * lay.block_size, 0, tuple(src), endpoint, "lease",
-                     time.time() + 30, header, conn.recv())
+                     time.time() + 30, header, checksum, token)
 
 
 def time_case(transport, ho: KVHandoff, dst: list[int], reps: int, poll_s: float, warmup: int = 2) -> list[float]:

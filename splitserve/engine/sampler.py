@@ -39,6 +39,7 @@ _BUCKET_SPAN = 32.0
 _CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
 _TOP_P_BLOCK_TOKENS = 1 << 22  # top-p works on blocks of rows: its bucket index is int64 per token
 _NEG_INF = float("-inf")
+_MAX_LOGIT = 1e30  # a penalty's +inf, kept finite through any temperature (>= 1e-5: at most 1e35)
 
 
 @dataclass
@@ -194,8 +195,10 @@ def _penalize(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
         seen = torch.unique(torch.cat([prompt_flat, out_flat]))
         rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[seen // vocab]
         vals = flat[seen]
-        # HF / vLLM: shrink a seen token's logit toward zero whatever its sign.
-        flat[seen] = torch.where(vals > 0, vals / rep, vals * rep)
+        # HF / vLLM: shrink a seen token's logit toward zero whatever its sign. A penalty near
+        # zero (5e-324 is in range) divides by what float32 holds as 0: +inf becomes a huge
+        # finite logit, 0 / 0 no logit at all, so the draw never sees a NaN.
+        flat[seen] = torch.where(vals > 0, vals / rep, vals * rep).nan_to_num_(nan=_NEG_INF, posinf=_MAX_LOGIT)
     if out_flat.numel() and any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
         tokens, counts = torch.unique(out_flat, return_counts=True)
         row = tokens // vocab
@@ -321,11 +324,11 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     blocks = torch.nn.functional.pad(probs, (0, pad)).view(rows, -1, _CDF_BLOCK)
     block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
     target = u.unsqueeze(1) * block_cdf[:, -1:]
-    b = _first_above(block_cdf, target)  # [rows, 1]
+    b = _first_above(block_cdf, target).clamp_(max=block_cdf.shape[1] - 1)  # [rows, 1]
     ahead = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp_min(0)), 0.0)
     within = blocks[torch.arange(rows, device=probs.device), b.squeeze(1)]
     t = _first_above(ahead + within.cumsum(dim=-1, dtype=torch.float64), target)
-    return (b * _CDF_BLOCK + t).squeeze(1)
+    return (b * _CDF_BLOCK + t).squeeze(1).clamp_(max=vocab - 1)  # (a pad token is never drawn)
 
 
 def _first_above(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -4,14 +4,15 @@ worker that computed them (DESIGN.md §1 steps 5–6).
 Life of a handoff:
   1. Each worker registers its paged KV memory with its transport once (`register`) and
      publishes the returned `TransportEndpoint` (address + metadata + the `KVLayout`).
-  2. The prefill worker finishes a prompt, pins its blocks under a lease, and returns a
-     `KVHandoff`: first token, source block ids, endpoint, lease, a `TransferHeader` and the
-     checksum of the source blocks.
+  2. The prefill worker finishes a prompt, pins its blocks under a lease (whose token its
+     transports `allow` to read those blocks), and returns a `KVHandoff`: first token, source
+     block ids, endpoint, lease and its token, a `TransferHeader` and the checksum of the
+     source blocks.
   3. The decode worker allocates local blocks and calls `read(handoff, dst_blocks)`; it polls the
      handle without blocking until DONE or FAILED (FAILED carries the reason).
   4. It verifies (`verify.check_handoff` + checksum of what landed) before using anything, then
-     acknowledges the lease; the prefill side frees its blocks. Any mismatch is a TransferError
-     and the data is never used.
+     acknowledges the lease; the prefill side revokes its token and frees its blocks. Any
+     mismatch is a TransferError and the data is never used.
 
 Transports are data movers only: which transport a pair uses, leases and verification are
 decided elsewhere. Byte offsets are relative to the start of the KV storage tensor
@@ -101,6 +102,7 @@ class KVHandoff:
     lease_expires_at: float  # time.time() seconds
     header: TransferHeader
     checksum: int  # kv_checksum over block_ids, all layers
+    lease_token: bytes = b""  # what lets its reader read these blocks (and no others) where the transport checks
 
 
 class TransferState(enum.Enum):
@@ -129,8 +131,21 @@ class TransferHandle:
 class KVTransport(Protocol):
     name: str
 
-    def register(self, storage, layout: KVLayout, host: str) -> TransportEndpoint:
-        """Make this worker's KV storage (a torch tensor) readable by peers; once per worker."""
+    def register(self, storage, layout: KVLayout, host: str, serve: bool = True) -> TransportEndpoint:
+        """This worker's KV storage (a torch tensor), once per worker: readable by peers when
+        `serve` (a prefill worker), else only a destination to read into (a decode worker)."""
+
+    def allow(self, token: bytes, blocks: Sequence[int]) -> None:
+        """Let the holder of `token` (a lease's) read `blocks` from this worker until `revoke`.
+        A transport whose reads are not gated per lease accepts and ignores it (shm: a file
+        only this host's processes of the same user open; nixl: memory readable by the agents
+        given this worker's metadata)."""
+
+    def revoke(self, token: bytes) -> None:
+        """The lease ended: its token reads nothing more."""
+
+    def granted(self) -> int:
+        """Tokens allowed and not yet revoked (0 where reads are not gated): a check's count."""
 
     def read(self, src: KVHandoff, dst_blocks: Sequence[int], layers: range | None = None) -> TransferHandle:
         """Start pulling src.block_ids (layers `layers`, default all) into local dst_blocks."""

@@ -139,9 +139,10 @@ class NixlTransport:
 
     # -- registration ----------------------------------------------------------------------
 
-    def register(self, storage, layout: KVLayout, host: str) -> TransportEndpoint:
+    def register(self, storage, layout: KVLayout, host: str, serve: bool = True) -> TransportEndpoint:
         """Register the whole KV storage (a KVCacheTensors or its tensor) once; peers address it
-        by byte offset from its start."""
+        by byte offset from its start. A reader's memory is registered too (it is the target
+        of its reads), so `serve` changes nothing here."""
         if self._reg is not None:
             raise RuntimeError("NixlTransport.register called twice; one storage per transport (close() first)")
         tensor = storage_tensor(storage)
@@ -161,6 +162,16 @@ class NixlTransport:
             metadata=header + self._agent.get_agent_metadata(),
         )
         return self.endpoint
+
+    def allow(self, token: bytes, blocks: Sequence[int]) -> None:
+        """Reads are not gated per lease here: NIXL reads whatever registered memory the agent's
+        metadata names."""
+
+    def revoke(self, token: bytes) -> None:
+        pass
+
+    def granted(self) -> int:
+        return 0
 
     @staticmethod
     def _check_storage(tensor, layout: KVLayout) -> None:

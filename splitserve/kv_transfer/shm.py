@@ -110,8 +110,9 @@ class ShmTransport(PooledTransport):
 
     # -- registration -------------------------------------------------------------------------
 
-    def register(self, storage, layout: KVLayout, host: str) -> TransportEndpoint:
-        """`storage`: a KVCacheTensors or its storage tensor, allocated with `shm_path`."""
+    def register(self, storage, layout: KVLayout, host: str, serve: bool = True) -> TransportEndpoint:
+        """`storage`: a KVCacheTensors or its storage tensor, allocated with `shm_path`. `serve`
+        changes nothing here: the file is this host's, opened by the same user's processes."""
         tensor, path = _resolve_shm(storage)
         if tensor.numel() * tensor.element_size() != layout.storage_bytes:
             raise ValueError(f"storage has {tensor.numel() * tensor.element_size()} bytes, "
@@ -121,6 +122,15 @@ class ShmTransport(PooledTransport):
         self._dst = tensor.view(torch.uint8).reshape(-1)
         self._layout = layout
         return TransportEndpoint(transport=self.name, host=host, address=path, layout=layout)
+
+    def allow(self, token: bytes, blocks: Sequence[int]) -> None:
+        """Reads are not gated per lease here (see `register`)."""
+
+    def revoke(self, token: bytes) -> None:
+        pass
+
+    def granted(self) -> int:
+        return 0
 
     # -- transfers ----------------------------------------------------------------------------
 

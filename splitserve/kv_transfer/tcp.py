@@ -1,10 +1,13 @@
 """KV transfer over TCP: works between any two machines that can open a socket (DESIGN.md §4).
 
-Where it sits in a request's life (§1 steps 5–6): every worker `register`s its KV cache, which
-starts a small server thread that serves byte ranges of that cache; the endpoint address is
-"ip:port". A decode worker pulling a handoff computes the source segments itself (block ids +
-the layout published in the endpoint), sends them in one small request over a pooled
-connection, and receives the bytes straight into its own cache at the destination offsets.
+Where it sits in a request's life (§1 steps 5–6): a prefill worker `register`s its KV cache
+to serve it, which starts a small server thread that serves byte ranges of that cache (the
+endpoint address is "ip:port"), each lease's blocks to the holder of that lease's token
+(`allow` / `revoke`, checked by `grants.py`); a decode worker registers its cache only to
+receive into it (`serve=False`: no server). A decode worker pulling a handoff computes the
+source segments itself (block ids + the layout published in the endpoint), sends them with the
+handoff's lease token in one small request over a pooled connection, and receives the bytes
+straight into its own cache at the destination offsets.
 
 Wire format and socket helpers: `tcp_wire`; the serving side: `tcp_server`. For a CPU cache the
 server sends from memoryviews of its storage (`sendmsg` over slices, no staging copy) and the
@@ -15,7 +18,8 @@ connections (one loopback stream stops well short of what two cores can copy).
 
 Failures never hang (socket timeouts) and surface through `poll`: nothing listening or dropped
 before a response → FAILED("unreachable"); cut short mid-payload → FAILED("truncated"); a
-request the server rejects (out-of-range segments, version skew) → FAILED("header").
+request the server rejects (segments outside the lease, a token of no live lease, version
+skew) → FAILED("header").
 `server_cls` chooses the serving side's class (a KVServer subclass): tests install sources that
 misbehave (tests/fakes/tcp_faults.py).
 """
@@ -31,6 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransferHandle, TransportEndpoint
+from splitserve.kv_transfer.grants import TOKEN_SIZE, Grants
 from splitserve.kv_transfer.jobs import AsyncHandle, PooledTransport, TransferPool, start_read
 from splitserve.kv_transfer.regions import HostBytes, Segment, StagedBytes, plan_transfer, storage_bytes, storage_tensor
 from splitserve.kv_transfer.tcp_server import KVServer
@@ -143,6 +148,7 @@ class TcpTransport(PooledTransport):
         self._secret = None if secret is None else bytes.fromhex(secret)
         self._conns = _ConnPool(connect_timeout, io_timeout, secret=self._secret)
         self._server: KVServer | None = None
+        self._grants: Grants | None = None
         self._staged = staged
         self._dst: HostBytes | StagedBytes | None = None
         self._layout: KVLayout | None = None
@@ -152,18 +158,35 @@ class TcpTransport(PooledTransport):
         self._active: dict[AsyncHandle, set[socket.socket]] = {}
         self._active_lock = threading.Lock()
 
-    def register(self, storage, layout: KVLayout, host: str) -> TransportEndpoint:
-        """`storage`: a KVCacheTensors or its storage tensor (contiguous; CPU or GPU)."""
-        if self._server is not None:
+    def register(self, storage, layout: KVLayout, host: str, serve: bool = True) -> TransportEndpoint:
+        """`storage`: a KVCacheTensors or its storage tensor (contiguous; CPU or GPU). `serve`:
+        start the server peers read this cache from (a decode worker only receives: no server,
+        and an endpoint with no address)."""
+        if self._dst is not None:
             raise RuntimeError("TcpTransport.register called twice; one KV cache per transport")
         mem = storage_bytes(storage_tensor(storage), self._staged, unit=layout.block_bytes)
         if len(mem) != layout.storage_bytes:
             raise ValueError(f"storage has {len(mem)} bytes, layout says {layout.storage_bytes}")
         self._dst, self._layout = mem, layout
+        if not serve:
+            return TransportEndpoint(transport=self.name, host=host, address="", layout=layout)
+        self._grants = Grants(layout)
         self._server = self._server_cls(mem, self._bind_host, self._port, self._io_timeout, self._idle_timeout,
-                                        secret=self._secret)
+                                        grants=self._grants, secret=self._secret)
         address = f"{self._advertised_ip()}:{self._server.port}"
         return TransportEndpoint(transport=self.name, host=host, address=address, layout=layout)
+
+    def allow(self, token: bytes, blocks: Sequence[int]) -> None:
+        if self._grants is None:
+            raise RuntimeError("this TcpTransport serves no KV cache (registered with serve=False)")
+        self._grants.allow(token, blocks)
+
+    def revoke(self, token: bytes) -> None:
+        if self._grants is not None:
+            self._grants.revoke(token)
+
+    def granted(self) -> int:
+        return len(self._grants) if self._grants is not None else 0
 
     def _advertised_ip(self) -> str:
         if self._advertise_host:
@@ -238,7 +261,8 @@ class TcpTransport(PooledTransport):
     def _exchange(self, sock: socket.socket, handle: AsyncHandle, xfer_id: int, segments: list[Segment],
                   pooled: bool) -> None:
         rid = handle.request_id.encode()[:65535]
-        request = REQ.pack(REQ_MAGIC, VERSION, 0, xfer_id, len(rid), len(segments)) + rid
+        token = handle.src.lease_token.ljust(TOKEN_SIZE, b"\0")[:TOKEN_SIZE]
+        request = REQ.pack(REQ_MAGIC, VERSION, 0, xfer_id, token, len(rid), len(segments)) + rid
         request += np.array([(s.src_offset, s.nbytes) for s in segments], dtype=SEG).tobytes()
         try:
             sock.sendall(request)

@@ -1,6 +1,7 @@
 """The serving side of the TCP transport: a listener thread plus a thread per connection, each
 answering requests for byte ranges of this worker's KV storage (straight from its memory on
-CPU, through one host copy on a GPU: `regions.storage_bytes`).
+CPU, through one host copy on a GPU: `regions.storage_bytes`) — only ranges inside the blocks
+of the lease whose token the request carries (`grants.py`).
 A subclass may override `send_data`, the one step where a response's bytes go out (the faulty
 sources of tests/fakes/tcp_faults.py do); `TcpTransport(server_cls=...)` installs it.
 """
@@ -13,10 +14,10 @@ import threading
 
 import numpy as np
 
+from splitserve.kv_transfer.grants import Grants
 from splitserve.kv_transfer.regions import HostBytes, StagedBytes
 from splitserve.kv_transfer.tcp_wire import (
     BAD_REQUEST,
-    MAX_SEGMENTS,
     OK,
     REQ,
     REQ_MAGIC,
@@ -40,12 +41,16 @@ class KVServer:
     """Serves byte ranges of one worker's KV storage; a thread per connection, at most
     `max_connections` of them (one more is closed at once: a reader takes that as a failed
     transfer, which the decode side recomputes). With a `secret`, a connection whose reader does
-    not answer its challenge (tcp_wire) is closed before any request is read."""
+    not answer its challenge (tcp_wire) is closed before any request is read. `grants`: what
+    each lease token may read; a request under no live lease is refused."""
 
     def __init__(self, source: HostBytes | StagedBytes, bind_host: str, port: int, io_timeout: float,
-                 idle_timeout: float, max_connections: int = MAX_CONNECTIONS, secret: bytes | None = None) -> None:
+                 idle_timeout: float, *, grants: Grants, max_connections: int = MAX_CONNECTIONS,
+                 secret: bytes | None = None) -> None:
+        if len(source) != grants.layout.storage_bytes:
+            raise ValueError(f"source has {len(source)} bytes, the grants' layout {grants.layout.storage_bytes}")
         self._src, self._io_timeout, self._idle_timeout = source, io_timeout, idle_timeout
-        self._secret = secret
+        self._grants, self._secret = grants, secret
         self._max_connections = max_connections
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -104,21 +109,20 @@ class KVServer:
                 return False  # clean close between requests
             raise
         conn.settimeout(self._io_timeout)
-        magic, version, _flags, xfer_id, rid_len, nseg = REQ.unpack(head)
-        if magic != REQ_MAGIC or version != VERSION or nseg > MAX_SEGMENTS:
-            self._reply_error(conn, xfer_id, f"bad request: magic {magic!r}, version {version}, {nseg} segments")
+        magic, version, _flags, xfer_id, token, rid_len, nseg = REQ.unpack(head)
+        if magic != REQ_MAGIC or version != VERSION:
+            self._reply_error(conn, xfer_id, f"bad request: magic {magic!r}, version {version}")
+            return False
+        grant = self._grants.get(token)
+        if grant is None or nseg > grant.max_segments:  # refused before its table is read
+            why = "no live lease has this token" if grant is None else f"{nseg} segments for a lease of {grant.max_segments}"
+            self._reply_error(conn, xfer_id, why)
             return False
         recv_exact(conn, rid_len)  # request id: for logs only, the xfer id is what matches
         table = np.frombuffer(recv_exact(conn, nseg * SEG_SIZE), dtype=SEG).reshape(nseg, 2)
-        offsets, lengths = table[:, 0], table[:, 1]
-        size = len(self._src)
-        bad = np.flatnonzero((offsets > size) | (lengths > size - np.minimum(offsets, size)))
-        if bad.size:
-            seg = table[bad[0]].tolist()
-            self._reply_error(conn, xfer_id, f"segment {seg} outside the {size}-byte storage")
-            return True
-        if int(lengths.sum()) > size:  # a valid plan moves each byte at most once; staging would pin the excess
-            self._reply_error(conn, xfer_id, f"{int(lengths.sum())} bytes asked of a {size}-byte storage")
+        refusal = self._grants.refusal(grant, table[:, 0], table[:, 1])
+        if refusal is not None:
+            self._reply_error(conn, xfer_id, refusal)
             return True
         return self._reply_data(conn, xfer_id, table.tolist())
 

@@ -1,7 +1,8 @@
 """The TCP transport's wire format and socket helpers, shared by its server and its reader.
 
-  request   REQ  magic "SKVQ", version, flags, xfer_id u64, len(request_id) u16, nseg u32
-            then request_id (utf-8), then nseg × (offset u64, length u64)
+  request   REQ  magic "SKVQ", version, flags, xfer_id u64, lease token (16 bytes),
+            len(request_id) u16, nseg u32, then request_id (utf-8), then nseg × (offset u64,
+            length u64); the token names the blocks the reader may read (grants.py)
   response  RESP magic "SKVD", version, status, xfer_id u64, total bytes u64, nseg u32
             then, when status is OK, the raw bytes of the segments in request order;
             otherwise `total` bytes of a utf-8 error message.
@@ -24,8 +25,8 @@ from typing import Callable
 
 import numpy as np
 
-VERSION = 1
-REQ = struct.Struct("<4sHHQHI")
+VERSION = 2
+REQ = struct.Struct("<4sHHQ16sHI")
 RESP = struct.Struct("<4sHHQQI")
 SEG = np.dtype("<u8")  # the segment table: nseg × (offset, length), as one little-endian array
 SEG_SIZE = 2 * SEG.itemsize
@@ -33,7 +34,6 @@ HELLO = struct.Struct("<4sH16s")
 AUTH_SIZE = 32
 REQ_MAGIC, RESP_MAGIC, HELLO_MAGIC = b"SKVQ", b"SKVD", b"SKVH"
 OK, BAD_REQUEST = 0, 1
-MAX_SEGMENTS = 1 << 22  # refuse absurd requests before allocating for them
 IOV_BATCH = min(512, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 512)
 BATCH_BYTES = 1 << 20
 

@@ -7,6 +7,7 @@ Mechanism only: who frees what is the worker's business; this table just keeps t
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ class Lease:
     request_id: str
     epoch: int
     expires_at: float
+    token: bytes  # what its reader shows the KV server: these blocks, no others (kv_transfer/grants.py)
 
 
 class LeaseTable:
@@ -34,7 +36,7 @@ class LeaseTable:
         return len(self._leases)
 
     def grant(self, request_id: str) -> Lease:
-        lease = Lease(uuid.uuid4().hex, request_id, next(self._epochs), self._clock() + self.ttl_s)
+        lease = Lease(uuid.uuid4().hex, request_id, next(self._epochs), self._clock() + self.ttl_s, os.urandom(16))
         self._leases[lease.lease_id] = lease
         return lease
 

@@ -31,6 +31,8 @@ class PrefillResult:
 
 
 class PrefillWorker(KVWorker):
+    serves_kv = True
+
     def __init__(self, config: EngineConfig, transports: Sequence[str], lease_s: float = 30.0,
                  host: str | None = None, transport_options: dict | None = None, node_id: str = "") -> None:
         # Every transport this worker offers; the router picks one per handoff (by locality).
@@ -88,11 +90,13 @@ class PrefillWorker(KVWorker):
         # Off the engine thread (prefills keep running): detached blocks are written by no one.
         checksum = await asyncio.to_thread(kv_checksum, self.engine.kv.storage, self.layout, blocks)
         lease = self.leases.grant(req.request_id)
+        for t in self.transports.values():  # its reader may read these blocks, and only while leased
+            t.allow(lease.token, blocks)
         header = TransferHeader(req.request_id, self.layout.model_fingerprint, self.layout.dtype,
                                 self.layout.block_size, self.layout.num_layers, len(blocks), lease.epoch)
         return KVHandoff(req.request_id, chunk.token_ids[0], chunk.logprobs[0] if chunk.logprobs else None,
                          chunk.num_prompt_tokens, chunk.num_cached_tokens, tuple(blocks), endpoint,
-                         lease.lease_id, lease.expires_at, header, checksum)
+                         lease.lease_id, lease.expires_at, header, checksum, lease.token)
 
     async def ack(self, lease_id: str) -> bool:
         """The reader is done. True if the lease was live (its copy is good); the blocks are freed
@@ -101,7 +105,7 @@ class PrefillWorker(KVWorker):
         if lease is None:
             await self._reap()
             return False
-        await self.loop.call(self.engine.release_detached, lease.request_id)
+        await self._end(lease)
         return True
 
     async def renew(self, lease_id: str) -> bool:
@@ -118,15 +122,25 @@ class PrefillWorker(KVWorker):
 
     async def _reap(self) -> None:
         for lease in self.leases.expire():
-            await self.loop.call(self.engine.release_detached, lease.request_id)
+            await self._end(lease)
+
+    async def _end(self, lease) -> None:
+        """A lease is over: its token reads nothing more, then its blocks are free."""
+        for t in self.transports.values():
+            t.revoke(lease.token)
+        await self.loop.call(self.engine.release_detached, lease.request_id)
 
     async def check_invariants(self) -> dict:
         """Raises if the block invariant is broken (also: blocks detached for a handoff that no
-        lease covers, which nothing would ever free); returns the counts for the caller's checks."""
+        lease covers, which nothing would ever free; a transport letting more tokens read than
+        there are leases); returns the counts for the caller's checks."""
         def check() -> dict:
             unleased = set(self.engine.detached_requests()) - self.leases.request_ids() - self._prefilling
             if unleased:
                 raise AssertionError(f"blocks detached with no lease for requests {sorted(unleased)}")
             return self.engine.block_counts()
 
-        return {**await self.loop.call(check), "leases": len(self.leases)}
+        grants = max((t.granted() for t in self.transports.values()), default=0)
+        if grants > len(self.leases):
+            raise AssertionError(f"{grants} lease tokens can read KV, {len(self.leases)} leases are live")
+        return {**await self.loop.call(check), "leases": len(self.leases), "grants": grants}

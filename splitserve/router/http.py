@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP ingress (DESIGN.md §1 step 1): /v1/completions and
-/v1/chat/completions (JSON or SSE streaming), /v1/models, /health, /ready.
+/v1/chat/completions (JSON or SSE streaming), /v1/models, /metrics, /health, /ready, and the
+OpenAPI document of them all at /openapi.json (`openapi.py`).
 
 Per request: parse and validate (`protocol`), tokenize once, then the shared `Frontend` fans
 prompts × n out into engine requests; a `RequestLease` admits and owns them, and this module
@@ -34,6 +35,7 @@ from splitserve.router.admission import Admission
 from splitserve.router.backend import Backend
 from splitserve.router.frontend import Choice, Frontend, failure, worst_timings
 from splitserve.router.lease import RequestLease
+from splitserve.router.openapi import document
 from splitserve.router.protocol import APIError, RequestOptions, parse_chat, parse_completion
 from splitserve.tenancy import KeyRing, RateLimiter, Tenant
 from splitserve.types import ConfigError
@@ -78,7 +80,9 @@ class OpenAIServer:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
         ])
+        self._document = document(backend.model_name)
 
     def _tenant(self, request: HTTPRequest) -> Tenant:
         return self.front.tenant(request.headers.get("authorization"))
@@ -101,6 +105,13 @@ class OpenAIServer:
             return error_response(e)
         self.front.export_worker_gauges()
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    async def openapi(self, request: HTTPRequest) -> JSONResponse:
+        try:
+            self._tenant(request)
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse(self._document)
 
     async def health(self, _: HTTPRequest) -> JSONResponse:
         return JSONResponse({"status": "ok"})

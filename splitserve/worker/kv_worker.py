@@ -24,6 +24,8 @@ from splitserve.worker.kv_events import RouterOutboxes, Snapshot
 
 
 class KVWorker:
+    serves_kv = False  # a prefill worker's peers read its cache; a decode worker only receives
+
     def __init__(self, config: EngineConfig, transports: Sequence[str], transport_options: dict | None = None,
                  host: str | None = None, node_id: str = "") -> None:
         self.loop = EngineLoop.start(config)
@@ -36,7 +38,8 @@ class KVWorker:
             options["tcp"] = {"bind_host": host, **options.get("tcp", {})}
         self.transports = {t: make_transport(t, **options.get(t, {})) for t in transports}
         self.endpoints: dict[str, TransportEndpoint] = {
-            t: tr.register(self.engine.kv.storage, self.layout, self.host) for t, tr in self.transports.items()}
+            t: tr.register(self.engine.kv.storage, self.layout, self.host, serve=self.serves_kv)
+            for t, tr in self.transports.items()}
         self.outboxes = RouterOutboxes()  # touched on the engine thread only
 
     def describe(self) -> WorkerInfo:

@@ -167,7 +167,7 @@ def assert_nothing_held(c, load: Load, timeout: float = 10.0) -> None:
     deadline = time.time() + timeout
     while True:
         counts = c.check_invariants()
-        held = [s for s in counts if s["in_use"] or s.get("leases", 0) or s.get("handoffs", 0)]
+        held = [s for s in counts if s["in_use"] or s.get("leases", 0) or s.get("grants", 0) or s.get("handoffs", 0)]
         if not held and load.front.admission.inflight == 0:
             break
         assert time.time() < deadline, (held, load.front.admission.inflight)

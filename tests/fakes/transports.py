@@ -17,8 +17,17 @@ class Wrapped:
     def __init__(self, inner, worker=None) -> None:
         self.inner, self.worker, self.name = inner, worker, inner.name
 
-    def register(self, storage, layout, host):
-        return self.inner.register(storage, layout, host)
+    def register(self, storage, layout, host, serve=True):
+        return self.inner.register(storage, layout, host, serve)
+
+    def allow(self, token, blocks) -> None:
+        self.inner.allow(token, blocks)
+
+    def revoke(self, token) -> None:
+        self.inner.revoke(token)
+
+    def granted(self) -> int:
+        return self.inner.granted()
 
     def read(self, src, dst_blocks, layers=None):
         return self.inner.read(src, dst_blocks, layers)

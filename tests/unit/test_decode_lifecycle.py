@@ -70,7 +70,7 @@ def reference(tiny_checkpoint):
 async def no_leaks(pre, dec) -> None:
     await asyncio.sleep(0.05)  # fire-and-forget acks and renewals settle
     p, d = await pre.check_invariants(), await dec.check_invariants()
-    assert (p["in_use"], p["leases"], pre.engine.detached_requests()) == (0, 0, []), p
+    assert (p["in_use"], p["leases"], p["grants"], pre.engine.detached_requests()) == (0, 0, 0, []), p
     assert (d["in_use"], d["handoffs"], dec.loop.num_active) == (0, 0, 0), d
 
 

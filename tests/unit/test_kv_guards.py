@@ -1,5 +1,8 @@
 """The KV data plane's guards: the transfer fingerprint covers the weights' content (workers of
-two fine-tunes never exchange KV), and the TCP KV server caps its connections."""
+two fine-tunes never exchange KV), the TCP KV server caps its connections, challenges for the
+app's secret and serves a lease's token only that lease's blocks."""
+
+import os
 
 
 def test_the_kv_fingerprint_tells_fine_tunes_apart(tmp_path, tiny_checkpoint):
@@ -41,10 +44,14 @@ def test_the_tcp_kv_server_caps_its_connections():
 
     import torch
 
+    from splitserve.kv_transfer.grants import Grants
     from splitserve.kv_transfer.regions import HostBytes
     from splitserve.kv_transfer.tcp_server import KVServer
+    from tests.unit.test_kv_transfer import layout
 
-    server = KVServer(HostBytes(torch.zeros(1024)), "127.0.0.1", 0, 5.0, 5.0, max_connections=2)
+    lay = layout(8)
+    storage = torch.zeros(lay.storage_bytes // 4)
+    server = KVServer(HostBytes(storage), "127.0.0.1", 0, 5.0, 5.0, grants=Grants(lay), max_connections=2)
 
     def closed_at_once(s: socket.socket) -> bool:
         s.settimeout(1.0)
@@ -85,8 +92,9 @@ def test_a_tcp_reader_without_the_apps_secret_reads_no_kv_byte():
     src_kv, src = allocate(SRC_BLOCKS, None), TcpTransport(secret=secret)
     fill(src_kv.storage, 5)
     ep = src.register(src_kv, layout(SRC_BLOCKS), "host-a")
-    blocks = (3, 9, 1)
-    handoff = make_handoff(ep, blocks, kv_checksum(src_kv.storage, layout(SRC_BLOCKS), blocks))
+    blocks, token = (3, 9, 1), os.urandom(16)
+    src.allow(token, blocks)
+    handoff = make_handoff(ep, blocks, kv_checksum(src_kv.storage, layout(SRC_BLOCKS), blocks), token=token)
     readers = {"same": TcpTransport(secret=secret, io_timeout=2.0), "other": TcpTransport(secret=other, io_timeout=2.0),
                "none": TcpTransport(io_timeout=1.0)}
     kvs = {}
@@ -105,7 +113,7 @@ def test_a_tcp_reader_without_the_apps_secret_reads_no_kv_byte():
                 assert status.state is TransferState.FAILED and not got.any(), (name, status)
         host, port = ep.address.rsplit(":", 1)
         raw = socket.create_connection((host, int(port)), timeout=2.0)
-        raw.sendall(REQ.pack(REQ_MAGIC, VERSION, 0, 1, 0, 1) + np.array([0, 4096], dtype="<u8").tobytes())
+        raw.sendall(REQ.pack(REQ_MAGIC, VERSION, 0, 1, token, 0, 1) + np.array([0, 4096], dtype="<u8").tobytes())
         hello = recv_exact(raw, 22)  # the challenge it did not answer (its request was read as a wrong answer)
         assert hello[:4] == b"SKVH"
         raw.settimeout(2.0)
@@ -119,4 +127,53 @@ def test_a_tcp_reader_without_the_apps_secret_reads_no_kv_byte():
         for t in (src, *readers.values()):
             t.close()
         for kv in (src_kv, *kvs.values()):
+            kv.close()
+
+
+def test_a_reader_with_another_leases_token_reads_no_kv_byte():
+    """Two live leases on one source (with the app's secret): a reader that knows the secret but
+    shows lease A's token for lease B's blocks, or asks B's blocks plus one more, gets FAILED
+    and nothing lands; B's own token reads B's blocks exactly until B is revoked. A decode
+    worker's transport (serve=False) runs no server at all."""
+    import uuid
+
+    import torch
+
+    from splitserve.kv_transfer import TcpTransport, TransferState, kv_checksum, wait_transfer
+    from tests.unit.test_kv_transfer import DST_BLOCKS, SRC_BLOCKS, allocate, fill, layout, make_handoff
+
+    secret = uuid.uuid4().hex * 2
+    src_kv, src = allocate(SRC_BLOCKS, None), TcpTransport(secret=secret)
+    dst_kv, dst = allocate(DST_BLOCKS, None), TcpTransport(secret=secret, io_timeout=2.0)
+    fill(src_kv.storage, 7)
+    lay = layout(SRC_BLOCKS)
+    ep = src.register(src_kv, lay, "host-a")
+    receiver = dst.register(dst_kv, layout(DST_BLOCKS), "host-b", serve=False)
+    a, b = os.urandom(16), os.urandom(16)
+    src.allow(a, (3, 9))
+    src.allow(b, (1, 4))
+
+    def pull(blocks, token):
+        dst_kv.storage.zero_()
+        handoff = make_handoff(ep, blocks, kv_checksum(src_kv.storage, lay, blocks), token=token)
+        h = dst.read(handoff, tuple(range(len(blocks))))
+        status = wait_transfer(dst, h, timeout=10)
+        dst.release(h)
+        return status, dst_kv.storage[:, :, :len(blocks)]
+
+    try:
+        assert receiver.address == "" and dst.granted() == 0
+        for blocks, token in [((1, 4), a), ((1, 4, 3), b)]:
+            status, got = pull(blocks, token)
+            assert status.state is TransferState.FAILED and not got.any(), (blocks, status)
+        status, got = pull((1, 4), b)
+        assert status.state is TransferState.DONE and torch.equal(got, src_kv.storage[:, :, [1, 4]])
+        src.revoke(b)
+        assert src.granted() == 1
+        status, got = pull((1, 4), b)
+        assert status.state is TransferState.FAILED and not got.any()
+    finally:
+        for t in (src, dst):
+            t.close()
+        for kv in (src_kv, dst_kv):
             kv.close()

@@ -82,6 +82,10 @@ def serve_source(conn, shm_path: str) -> None:
             cmd, *args = conn.recv()
             if cmd == "checksum":
                 conn.send(kv_checksum(kv.storage, lay, args[0]))
+            elif cmd == "allow":  # a lease on these blocks, as the prefill worker grants one
+                for t in transports.values():
+                    t.allow(*args)
+                conn.send(True)
             elif cmd == "flip":  # xor one bit of the source (xor again to restore)
                 raw[args[0]] ^= 0x10
                 conn.send(True)
@@ -125,16 +129,19 @@ class Source:
 
     def handoff(self, endpoint: str | TransportEndpoint, blocks, **header) -> KVHandoff:
         ep = self.endpoints[endpoint] if isinstance(endpoint, str) else endpoint
-        return make_handoff(ep, blocks, self.ask("checksum", tuple(blocks)), **header)
+        token = os.urandom(16)
+        self.ask("allow", token, tuple(blocks))
+        return make_handoff(ep, blocks, self.ask("checksum", tuple(blocks)), token=token, **header)
 
 
-def make_handoff(ep: TransportEndpoint, blocks, checksum: int, **header) -> KVHandoff:
+def make_handoff(ep: TransportEndpoint, blocks, checksum: int, token: bytes = b"", **header) -> KVHandoff:
     fields = dict(request_id="req-1", model_fingerprint=FP, dtype="float32", block_size=GEOM["block_size"],
                   num_layers=GEOM["num_layers"], num_blocks=len(blocks), lease_epoch=1)
     fields.update(header)
     return KVHandoff(request_id="req-1", first_token=7, first_logprob=None, num_prompt_tokens=len(blocks) * 4,
                      num_cached_tokens=0, block_ids=tuple(blocks), endpoint=ep, lease_id="lease-1",
-                     lease_expires_at=time.time() + 30, header=TransferHeader(**fields), checksum=checksum)
+                     lease_expires_at=time.time() + 30, header=TransferHeader(**fields), checksum=checksum,
+                     lease_token=token)
 
 
 # -- this process: a decode worker --------------------------------------------------------------
@@ -461,20 +468,39 @@ def test_gathered_checksum_equals_the_segment_checksum():
 
 
 @pytest.mark.parametrize("name", ["tcp", "tcp_staged"])
-def test_server_refuses_more_bytes_than_its_storage(source, name):
-    """Each segment in range, together twice the storage: a valid plan never asks that, and a
-    staging server would have to pin it all."""
+def test_server_reads_only_the_blocks_of_the_requests_lease(source, name):
+    """A raw reader (no secret on this source) with a lease on blocks 1 and 2: its blocks are
+    served; another block, a part of a block, its blocks twice over, a table longer than the
+    lease can need, or a token of no lease, are refused before a byte of KV moves."""
     import numpy as np
 
-    from splitserve.kv_transfer.tcp_wire import BAD_REQUEST, REQ, REQ_MAGIC, RESP, SEG, VERSION, recv_exact
+    from splitserve.kv_transfer.tcp_wire import BAD_REQUEST, OK, REQ, REQ_MAGIC, RESP, SEG, VERSION, recv_exact
 
-    size = layout(SRC_BLOCKS).storage_bytes
+    lay, token = layout(SRC_BLOCKS), os.urandom(16)
+    source.ask("allow", token, (1, 2))
+    bb, plane = lay.block_bytes, lay.num_blocks * lay.block_bytes
     host, port = source.endpoints[name].address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(REQ.pack(REQ_MAGIC, VERSION, 0, 9, 0, 2) + np.array([(0, size), (0, size)], dtype=SEG).tobytes())
-        magic, _, status, xfer_id, total, _ = RESP.unpack(recv_exact(s, RESP.size))
-        assert (status, xfer_id) == (BAD_REQUEST, 9)
-        assert f"bytes asked of a {size}-byte storage" in recv_exact(s, total).decode()
+
+    def ask(segments, tok=token):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(REQ.pack(REQ_MAGIC, VERSION, 0, 9, tok, 0, len(segments))
+                      + np.array(segments, dtype=SEG).reshape(-1, 2).tobytes())
+            _, _, status, xfer_id, total, _ = RESP.unpack(recv_exact(s, RESP.size))
+            assert xfer_id == 9
+            return status, recv_exact(s, total)
+
+    theirs = [(plane * p + bb, 2 * bb) for p in range(2 * lay.num_layers)]  # blocks 1-2 of every (layer, K/V)
+    status, data = ask(theirs)
+    assert status == OK and len(data) == 2 * bb * 2 * lay.num_layers
+    refused = {"another block": [(0, bb)], "part of a block": [(bb, bb // 2)],
+               "past its blocks": [(bb, 3 * bb)], "a plane past the storage": [(plane * 2 * lay.num_layers + bb, bb)],
+               "twice over": theirs + theirs, "no lease": theirs}
+    for why, segments in refused.items():
+        status, msg = ask(segments, os.urandom(16) if why == "no lease" else token)
+        assert status == BAD_REQUEST, why
+        assert ("no live lease" if why == "no lease" else "lease") in msg.decode(), (why, msg)
+    status, msg = ask([(0, 0)] * (4 * lay.num_layers + 1))  # more segments than 2 blocks × planes
+    assert status == BAD_REQUEST and b"segments for a lease of" in msg
 
 
 @pytest.mark.parametrize("ranges", [

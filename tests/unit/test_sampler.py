@@ -300,6 +300,17 @@ def test_greedy_with_penalties_picks_argmax_of_penalized_logits():
     assert sum(e != a for e, a in zip(expected, raw.argmax(-1).tolist())) > n // 10  # penalties mattered
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.95, 1e-4])
+def test_a_repetition_penalty_near_zero_draws_a_real_token(temperature):
+    """5e-324 is a valid penalty (> 0) that float32 holds as 0: a seen positive logit divided by
+    it is +inf, a seen zero logit 0 / 0. Found by the HTTP fuzzer as a 500 (an index past the
+    vocabulary): now the seen positive token is drawn, every time, and nothing is NaN."""
+    logits = torch.tensor([[0.5, 0.0, 3.0, -1.0, 0.2]]).expand(64, -1).contiguous()
+    p = SamplingParams(temperature=temperature, repetition_penalty=5e-324, seed=None)
+    out = sample(logits, [state(p, prompt=(1, 2, 3)) for _ in range(64)])
+    assert out.token_ids == [2] * 64
+
+
 # ---------------------------------------------------------------- min_tokens
 
 
@@ -307,7 +318,7 @@ def test_greedy_with_penalties_picks_argmax_of_penalized_logits():
 def test_min_tokens_blocks_eos_and_stop_ids(temperature):
     vocab = 10
     logits = torch.zeros(4, vocab)
-    logits[:, EOS] = 30.0  # EOS would always win
+    logits[:, EOS] = 60.0  # EOS would always win (at temperature 1 too: 9 is e^-32 as likely)
     logits[:, 5] = 29.0  # then stop id 5
     logits[:, 9] = 28.0  # then 9, an EOS of the model's second EOS id list
     mk = lambda **kw: SamplingParams(temperature=temperature, min_tokens=3, stop_token_ids=(5,), **kw)

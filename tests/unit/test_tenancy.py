@@ -59,7 +59,7 @@ def completion(prompt="Paris is the capital", **kw):
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 ROUTES = [("POST", "/v1/completions", completion()), ("POST", "/v1/chat/completions", CHAT),
-          ("GET", "/v1/models", None), ("GET", "/metrics", None)]
+          ("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/openapi.json", None)]
 
 
 @pytest.mark.parametrize("method, path, body", ROUTES)
