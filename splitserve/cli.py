@@ -123,6 +123,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="YAML file of API keys and their tenants (priority caps, rate limits); every route but "
                         "/health and /ready then needs 'Authorization: Bearer KEY'. SPLITSERVE_API_KEY adds one "
                         "key (tenant 'default'). Without either the server is open.")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help="redis://host:port[/db]: router replicas share the tenants' rate limits and the in-flight "
+                        "load they placed there; when Redis is away each replica goes on with its own view")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N: where workers run (auto: a GPU "
                                                     "each when the cluster has GPUs)")

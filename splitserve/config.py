@@ -138,6 +138,8 @@ class DeployConfig:
     # The secret every worker's TCP KV server challenges its readers for (hex; one per app,
     # made here unless given); never printed.
     kv_secret: str = dataclasses.field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    # Redis, where the ingress replicas share rate limits and in-flight load (None: each its own).
+    redis_url: str | None = None
 
     def __post_init__(self) -> None:
         from splitserve.router.policy import POLICIES
@@ -149,6 +151,8 @@ class DeployConfig:
                 raise ValueError
         except (TypeError, ValueError):
             raise ConfigError("kv_secret must be at least 32 hex digits") from None
+        if self.redis_url is not None and not str(self.redis_url).startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis_url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
 
         def integer(name: str, low: int) -> None:
             v = getattr(self, name)

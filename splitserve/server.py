@@ -65,7 +65,7 @@ def deploy_options(args: argparse.Namespace, model: str) -> dict:
     keys = ("prefill", "decode", "prefill_resources", "decode_resources", "transport", "policy",
             "disagg_min_tokens", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
             "ingress_replicas", "no_admission", "migration_limit", "decode_inactivity_timeout_s", "prefill_timeout_s",
-            "autoscale", "api_keys")
+            "autoscale", "api_keys", "redis_url")
     return {"model": model, "engine": _engine_options(args), **{k: getattr(args, k) for k in keys}}
 
 
@@ -149,7 +149,13 @@ def _serve_in_process(args: argparse.Namespace, model: str, admission: Admission
     ecfg = EngineConfig.from_dict({"model": model, **_engine_options(args)})
     keys = KeyRing.from_options(args.api_keys).with_env()
     _say_keys(keys)
-    http = OpenAIServer(LocalBackend(ecfg, args.served_model_name), admission=Admission(admission), keys=keys)
+    limiter = None
+    if args.redis_url:  # one in-process server has no peers to place with, but may share limits
+        from splitserve.shared_state import RedisLink, SharedRateLimiter
+
+        limiter = SharedRateLimiter(RedisLink(args.redis_url))
+    http = OpenAIServer(LocalBackend(ecfg, args.served_model_name), admission=Admission(admission), keys=keys,
+                        limiter=limiter)
     _listening(args, http.backend.model_name)
     asyncio.run(_run_both(http, args))
     return 0

@@ -52,3 +52,17 @@ def ray_session():
     yield ray
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A redis-server of our own (tests/redis_server.py); the Redis tests skip where none is
+    installed (.ci/run installs one)."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer()
+    if server.binary is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server.start()
+    yield server
+    server.kill()

@@ -49,6 +49,12 @@ class ClusterBackend:
         self.sampling_defaults = dict(mc.sampling_defaults)
         policy = make_router(cfg.policy, disagg_min_tokens=cfg.disagg_min_tokens)
         self.directory = Directory(source, policy, int(cfg.engine.get("block_size") or 16))
+        self.redis = None  # shared_state.RedisLink, with cfg.redis_url: the replicas' shared load and limits
+        if cfg.redis_url:
+            from splitserve.shared_state import RedisLink, SharedLoad
+
+            self.redis = RedisLink(cfg.redis_url, prefix=f"splitserve:{cfg.name}")
+            self.directory.shared = SharedLoad(self.redis, self.directory.router_id)
         self.source = source
         self._reporter: asyncio.Task | None = None
         self.orchestrator = Orchestrator(self.directory, migration_limit=cfg.migration_limit,

@@ -12,7 +12,8 @@ Two kinds of background task keep it fresh:
 `place` runs the placement policy over these views without waiting on anything. It also counts
 what this router placed on each worker and has not yet seen in that worker's reported load
 (`Pending`), so a burst of simultaneous requests spreads over the pool instead of landing on
-the worker that looked idle in the last snapshot.
+the worker that looked idle in the last snapshot. With a `SharedLoad` (Redis), the counts the
+other router replicas placed are added in too, read in the background like everything else.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class Route:
 class Directory:
     def __init__(self, source: RegistrySource, policy: Router, block_size: int = 16,
                  registry_interval_s: float = 0.2, load_interval_s: float = 0.05, answer_timeout_s: float = 5.0,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, shared=None) -> None:
         self.source, self.policy, self.block_size = source, policy, block_size
         self.registry_interval_s, self.load_interval_s, self.answer_timeout_s = (
             registry_interval_s, load_interval_s, answer_timeout_s)
@@ -131,15 +132,28 @@ class Directory:
         self._pollers: dict[WorkerId, asyncio.Task] = {}
         self._watcher: asyncio.Task | None = None
         self.autoscale = None  # the Controller's last AutoscaleReport (None: fixed pools)
+        self.shared = shared  # shared_state.SharedLoad: the other replicas' pending counts (None: this one's only)
+        self._sharer: asyncio.Task | None = None
 
     # -- background -----------------------------------------------------------------------------
     async def start(self) -> None:
         """First registry read (waits for it), then the background tasks."""
         self.apply_registry(await self.source.fetch(self.version))
         self._watcher = asyncio.get_running_loop().create_task(self._watch_registry())
+        if self.shared is not None:
+            self._sharer = asyncio.get_running_loop().create_task(self.shared.run(self._my_pending, self._others_moved))
+
+    def _my_pending(self) -> dict[str, int]:
+        counts = {str(w): self.pending.count(w, self._seen_at.get(w)) for w in self.records}
+        return {w: n for w, n in counts.items() if n}
+
+    def _others_moved(self, workers: set[str]) -> None:
+        for wid in self.records:
+            if str(wid) in workers:
+                self._stale(wid)
 
     def stop(self) -> None:
-        for task in [self._watcher, *self._pollers.values()]:
+        for task in [self._watcher, self._sharer, *self._pollers.values()]:
             if task is not None:
                 task.cancel()
         self._pollers.clear()
@@ -224,6 +238,8 @@ class Directory:
     def view(self, rec: WorkerRecord) -> WorkerView:
         wid = rec.id
         pending = self.pending.count(wid, self._seen_at.get(wid))
+        if self.shared is not None:
+            pending += self.shared.others.get(str(wid), 0)
         healthy = rec.state is WorkerState.READY and rec.responsive and wid not in self._failed
         s = self._stats.get(wid)
         if s is None:  # registered, not heard from yet: an empty worker

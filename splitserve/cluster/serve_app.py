@@ -39,7 +39,13 @@ class Ingress:
         await self.controller.start.remote()
         self.backend = ClusterBackend(cfg, ControllerSource(self.controller))
         await self.backend.start()
-        self.http = OpenAIServer(self.backend, admission=Admission(admission_config(cfg)), keys=cfg.api_keys)
+        limiter = None
+        if self.backend.redis is not None:  # every replica charges the same buckets
+            from splitserve.shared_state import SharedRateLimiter
+
+            limiter = SharedRateLimiter(self.backend.redis)
+        self.http = OpenAIServer(self.backend, admission=Admission(admission_config(cfg)), keys=cfg.api_keys,
+                                 limiter=limiter)
         self.grpc = GenerationService(self.http.front)
 
     def __serve_build_asgi_app__(self):

@@ -18,8 +18,8 @@ connections (one loopback stream stops well short of what two cores can copy).
 
 Failures never hang (socket timeouts) and surface through `poll`: nothing listening or dropped
 before a response → FAILED("unreachable"); cut short mid-payload → FAILED("truncated"); a
-request the server rejects (segments outside the lease, a token of no live lease, version
-skew) → FAILED("header").
+request the server rejects (segments outside the lease, version skew) → FAILED("header"); a
+token of no live lease (it lapsed before the read) → FAILED("lease_expired").
 `server_cls` chooses the serving side's class (a KVServer subclass): tests install sources that
 misbehave (tests/fakes/tcp_faults.py).
 """
@@ -45,6 +45,7 @@ from splitserve.kv_transfer.tcp_wire import (
     REQ,
     REQ_MAGIC,
     SEG,
+    NO_LEASE,
     OK,
     VERSION,
     Eof,
@@ -282,7 +283,7 @@ class TcpTransport(PooledTransport):
             raise TransferError("internal", f"response for transfer {got_id}, expected {xfer_id}")
         if status != OK:
             msg = recv_exact(sock, min(total, 1 << 16)).decode(errors="replace")
-            raise TransferError("header", f"source rejected the request: {msg}")
+            raise TransferError("lease_expired" if status == NO_LEASE else "header", f"source rejected the request: {msg}")
         if total != nbytes or got_nseg != nseg:
             raise TransferError("header", f"source answers {total} bytes in {got_nseg} segments, asked {nbytes} in {nseg}")
         return total

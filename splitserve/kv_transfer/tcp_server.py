@@ -18,6 +18,7 @@ from splitserve.kv_transfer.grants import Grants
 from splitserve.kv_transfer.regions import HostBytes, StagedBytes
 from splitserve.kv_transfer.tcp_wire import (
     BAD_REQUEST,
+    NO_LEASE,
     OK,
     REQ,
     REQ_MAGIC,
@@ -114,9 +115,11 @@ class KVServer:
             self._reply_error(conn, xfer_id, f"bad request: magic {magic!r}, version {version}")
             return False
         grant = self._grants.get(token)
-        if grant is None or nseg > grant.max_segments:  # refused before its table is read
-            why = "no live lease has this token" if grant is None else f"{nseg} segments for a lease of {grant.max_segments}"
-            self._reply_error(conn, xfer_id, why)
+        if grant is None:  # refused before its table is read
+            self._reply_error(conn, xfer_id, "no live lease has this token", NO_LEASE)
+            return False
+        if nseg > grant.max_segments:
+            self._reply_error(conn, xfer_id, f"{nseg} segments for a lease of {grant.max_segments}")
             return False
         recv_exact(conn, rid_len)  # request id: for logs only, the xfer id is what matches
         table = np.frombuffer(recv_exact(conn, nseg * SEG_SIZE), dtype=SEG).reshape(nseg, 2)
@@ -137,9 +140,9 @@ class KVServer:
         send_all(conn, views)
         return True
 
-    def _reply_error(self, conn: socket.socket, xfer_id: int, message: str) -> None:
+    def _reply_error(self, conn: socket.socket, xfer_id: int, message: str, status: int = BAD_REQUEST) -> None:
         msg = message.encode()
-        send_all(conn, [memoryview(RESP.pack(RESP_MAGIC, VERSION, BAD_REQUEST, xfer_id, len(msg), 0) + msg)])
+        send_all(conn, [memoryview(RESP.pack(RESP_MAGIC, VERSION, status, xfer_id, len(msg), 0) + msg)])
 
     def close(self) -> None:
         self._stop.set()

@@ -5,7 +5,8 @@
             length u64); the token names the blocks the reader may read (grants.py)
   response  RESP magic "SKVD", version, status, xfer_id u64, total bytes u64, nseg u32
             then, when status is OK, the raw bytes of the segments in request order;
-            otherwise `total` bytes of a utf-8 error message.
+            otherwise `total` bytes of a utf-8 error message (status BAD_REQUEST, or NO_LEASE
+            when the request's token opens nothing: its lease ended, or there never was one).
 With a secret (the app's, given to every worker), each connection starts with a challenge:
   hello     HELLO magic "SKVH", version, a 16-byte random nonce (server → reader)
   answer    HMAC-SHA256(secret, nonce), 32 bytes (reader → server)
@@ -33,7 +34,7 @@ SEG_SIZE = 2 * SEG.itemsize
 HELLO = struct.Struct("<4sH16s")
 AUTH_SIZE = 32
 REQ_MAGIC, RESP_MAGIC, HELLO_MAGIC = b"SKVQ", b"SKVD", b"SKVH"
-OK, BAD_REQUEST = 0, 1
+OK, BAD_REQUEST, NO_LEASE = 0, 1, 2  # NO_LEASE: the token is of no live lease (it lapsed, or never was)
 IOV_BATCH = min(512, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 512)
 BATCH_BYTES = 1 << 20
 

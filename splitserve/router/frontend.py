@@ -15,6 +15,7 @@ a request that failed gets, in the OpenAI error shape and in words safe for its 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -171,10 +172,10 @@ class Frontend:
         plan releases what was admitted before it too). The tenant's rate limits come first:
         a request over them is refused (429) before any planning, and a refused one is refunded."""
         tenant, tokens = opts.tenant, self._tokens(reqs)
-        wait = self.limiter.charge(tenant, len(reqs), tokens)
+        wait = await self.limiter.charge(tenant, len(reqs), tokens)
         if wait > 0:
             self.metrics.rejections.labels(reason="rate_limit").inc()
-            raise APIError(429, f"rate limit of tenant {tenant.name!r} exceeded; retry in {max(1, round(wait))} s",
+            raise APIError(429, f"rate limit of tenant {tenant.name!r} exceeded; retry in {max(1, math.ceil(wait))} s",
                            code="rate_limit_exceeded", retry_after=wait)
         admitted: list[Choice] = []
         try:

@@ -1,7 +1,8 @@
 """Per-tenant rate limits: a token bucket for requests per second and one for tokens per minute
 (a request is charged its prompt tokens plus the most it may generate, as OpenAI's limits
 count). A request either fits both buckets and is charged, or is refused with the time until it
-would fit (HTTP 429 + Retry-After). Local to one ingress replica."""
+would fit (HTTP 429 + Retry-After). These buckets are one ingress replica's; with Redis, every
+replica charges the same ones (`shared_state/limits.py`), and these decide while Redis is away."""
 
 from __future__ import annotations
 
@@ -42,19 +43,31 @@ class RateLimiter:
         self._clock = clock
         self._buckets: dict[tuple[str, str], TokenBucket] = {}
 
-    def _bucket(self, tenant: Tenant, kind: str) -> TokenBucket | None:
-        rate = tenant.requests_per_s if kind == "requests" else tenant.tokens_per_min
-        if rate is None:
-            return None
-        b = self._buckets.get((tenant.name, kind))
-        if b is None:
-            # a second's requests (at least one) may come at once; a minute's tokens
-            b = TokenBucket(rate, max(1.0, rate), self._clock) if kind == "requests" else \
-                TokenBucket(rate / 60.0, rate, self._clock)
-            self._buckets[(tenant.name, kind)] = b
-        return b
+    @staticmethod
+    def limits(tenant: Tenant) -> list[tuple[str, float, float]]:
+        """(kind, units a second, burst) of each limit the tenant has: a second's requests (at
+        least one) may come at once; a minute's tokens."""
+        out = []
+        if tenant.requests_per_s is not None:
+            out.append(("requests", tenant.requests_per_s, max(1.0, tenant.requests_per_s)))
+        if tenant.tokens_per_min is not None:
+            out.append(("tokens", tenant.tokens_per_min / 60.0, tenant.tokens_per_min))
+        return out
 
-    def charge(self, tenant: Tenant, requests: int, tokens: int) -> float:
+    def _bucket(self, tenant: Tenant, kind: str) -> TokenBucket | None:
+        for k, rate, burst in self.limits(tenant):
+            if k == kind:
+                b = self._buckets.get((tenant.name, kind))
+                if b is None:
+                    b = self._buckets[(tenant.name, kind)] = TokenBucket(rate, burst, self._clock)
+                return b
+        return None
+
+    async def charge(self, tenant: Tenant, requests: int, tokens: int) -> float:
+        """`charge_now`, as the Frontend calls every limiter (a shared one asks Redis)."""
+        return self.charge_now(tenant, requests, tokens)
+
+    def charge_now(self, tenant: Tenant, requests: int, tokens: int) -> float:
         """Charge `tenant` for `requests` requests of `tokens` tokens in all; 0.0 if charged,
         else the seconds until they would fit (nothing is charged then)."""
         want = [(b, n) for b, n in ((self._bucket(tenant, "requests"), requests), (self._bucket(tenant, "tokens"), tokens))

@@ -52,16 +52,20 @@ class Outcome:
 @dataclass
 class Load:
     """Streams run on the cluster's loop; `progress[i]`: tokens stream i has delivered so far.
-    `cut_after[i]`: the client leaves after that many tokens (0: before the body starts)."""
+    `cut_after[i]`: the client leaves after that many tokens (0: before the body starts).
+    `fronts`: the ingress replicas' Frontends, stream i through fronts[i % len] (default: one
+    over the cluster's backend)."""
 
     c: object
     ps: list
     sps: list
     cut_after: dict = field(default_factory=dict)
     progress: list = field(default_factory=list)
+    fronts: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.front = Frontend(self.c.backend)
+        self.fronts = self.fronts or [Frontend(self.c.backend)]
+        self.front = self.fronts[0]
         self.progress = [0] * len(self.ps)
         self.future = asyncio.run_coroutine_threadsafe(self._all(), self.c._loop.loop)
 
@@ -69,11 +73,12 @@ class Load:
         return await asyncio.gather(*[self._one(i) for i in range(len(self.ps))])
 
     async def _one(self, i: int) -> Outcome:
+        front = self.fronts[i % len(self.fronts)]
         opts = RequestOptions("m", self.sps[i], True, False, None, Priority.STANDARD, None, None)
-        _, choices, reqs = self.front.requests(opts, [self.ps[i]])
+        _, choices, reqs = front.requests(opts, [self.ps[i]])
         cut = self.cut_after.get(i)
         try:
-            async with RequestLease(self.front, opts, reqs, choices) as lease:
+            async with RequestLease(front, opts, reqs, choices) as lease:
                 if cut == 0:
                     return Outcome(reqs[0].request_id, cut=True)
                 async for _ in lease.streams[0]:
@@ -168,10 +173,12 @@ def assert_nothing_held(c, load: Load, timeout: float = 10.0) -> None:
     while True:
         counts = c.check_invariants()
         held = [s for s in counts if s["in_use"] or s.get("leases", 0) or s.get("grants", 0) or s.get("handoffs", 0)]
-        if not held and load.front.admission.inflight == 0:
+        inflight = [f.admission.inflight for f in load.fronts]
+        if not held and not any(inflight):
             break
-        assert time.time() < deadline, (held, load.front.admission.inflight)
+        assert time.time() < deadline, (held, inflight)
         time.sleep(0.1)
     assert counts, "no live worker to check"
-    outstanding = load.front.admission.outstanding
-    assert all(outstanding[w] == (0, 0) for w in list(outstanding._by_worker)), outstanding._by_worker
+    for front in load.fronts:
+        outstanding = front.admission.outstanding
+        assert all(outstanding[w] == (0, 0) for w in list(outstanding._by_worker)), outstanding._by_worker

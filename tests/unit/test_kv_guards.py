@@ -170,8 +170,8 @@ def test_a_reader_with_another_leases_token_reads_no_kv_byte():
         assert status.state is TransferState.DONE and torch.equal(got, src_kv.storage[:, :, [1, 4]])
         src.revoke(b)
         assert src.granted() == 1
-        status, got = pull((1, 4), b)
-        assert status.state is TransferState.FAILED and not got.any()
+        status, got = pull((1, 4), b)  # its lease ended: the reader says so (it recomputes)
+        assert status.state is TransferState.FAILED and status.reason.kind == "lease_expired" and not got.any()
     finally:
         for t in (src, dst):
             t.close()

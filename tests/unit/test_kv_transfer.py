@@ -474,7 +474,7 @@ def test_server_reads_only_the_blocks_of_the_requests_lease(source, name):
     lease can need, or a token of no lease, are refused before a byte of KV moves."""
     import numpy as np
 
-    from splitserve.kv_transfer.tcp_wire import BAD_REQUEST, OK, REQ, REQ_MAGIC, RESP, SEG, VERSION, recv_exact
+    from splitserve.kv_transfer.tcp_wire import BAD_REQUEST, NO_LEASE, OK, REQ, REQ_MAGIC, RESP, SEG, VERSION, recv_exact
 
     lay, token = layout(SRC_BLOCKS), os.urandom(16)
     source.ask("allow", token, (1, 2))
@@ -497,7 +497,7 @@ def test_server_reads_only_the_blocks_of_the_requests_lease(source, name):
                "twice over": theirs + theirs, "no lease": theirs}
     for why, segments in refused.items():
         status, msg = ask(segments, os.urandom(16) if why == "no lease" else token)
-        assert status == BAD_REQUEST, why
+        assert status == (NO_LEASE if why == "no lease" else BAD_REQUEST), why
         assert ("no live lease" if why == "no lease" else "lease") in msg.decode(), (why, msg)
     status, msg = ask([(0, 0)] * (4 * lay.num_layers + 1))  # more segments than 2 blocks × planes
     assert status == BAD_REQUEST and b"segments for a lease of" in msg

@@ -1,0 +1,138 @@
+"""Router state shared through a real Redis (tests/redis_server.py): two ingress replicas'
+rate limiters charge one set of buckets, and a replica's placements show in the other's view
+of the workers. Redis killed: nothing raises, each replica goes on with its own view; Redis
+back: shared again, with no restart of either replica."""
+
+import asyncio
+import uuid
+
+import pytest
+
+pytest.importorskip("redis")
+
+from splitserve.router.policy import make_router  # noqa: E402
+from splitserve.cluster.directory import Directory  # noqa: E402
+from splitserve.shared_state import RedisLink, SharedLoad, SharedRateLimiter  # noqa: E402
+from splitserve.tenancy import RateLimiter, Tenant  # noqa: E402
+from splitserve.types import Request, Role, SamplingParams  # noqa: E402
+from tests.fakes.cluster import FakeSource  # noqa: E402
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def until(cond, what: str, within_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not cond():
+        assert loop.time() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+def replicas(url: str, n: int, clock):
+    """n replicas' limiters over one app's keys in Redis, each with its own local buckets."""
+    prefix = f"test:{uuid.uuid4().hex}"
+    links = [RedisLink(url, prefix, retry_s=0.1) for _ in range(n)]
+    return links, [SharedRateLimiter(link, RateLimiter(clock), clock) for link in links]
+
+
+def test_two_replicas_limit_a_tenant_as_one(redis_server):
+    """R = 4 requests/s offered at 3R for 30 (simulated) seconds, alternately to two replicas:
+    R ± 10% admitted in all, where two local limiters admit 2R; another tenant's bucket is its
+    own; a refund gives back to the shared bucket."""
+    async def go():
+        clock = Clock()
+        links, (a, b) = replicas(redis_server.url, 2, clock)
+        local = [RateLimiter(clock), RateLimiter(clock)]
+        t, other = Tenant("t", requests_per_s=4.0), Tenant("o", requests_per_s=2.0)
+        shared = alone = spare = 0
+        for step in range(30 * 12):
+            clock.t += 1 / 12
+            shared += await (a if step % 2 else b).charge(t, 1, 10) == 0
+            alone += local[step % 2].charge_now(t, 1, 10) == 0
+            spare += await (b if step % 2 else a).charge(other, 1, 10) == 0
+        assert abs(shared / 30 - 4) <= 0.4 and abs(alone / 30 - 8) <= 0.8 and abs(spare / 30 - 2) <= 0.2
+        assert await a.charge(t, 1, 10) > 0
+        a.refund(t, 1, 10)
+        await asyncio.sleep(0.1)  # refunds go in the background
+        assert await b.charge(t, 1, 10) == 0
+        for link in links:
+            await link.close()
+
+    asyncio.run(go())
+
+
+def test_losing_redis_falls_back_to_local_limits_and_recovers(redis_server):
+    async def go():
+        clock = Clock()
+        (link,), (lim,) = replicas(redis_server.url, 1, clock)
+        t = Tenant("t", requests_per_s=1.0)
+        assert await lim.charge(t, 1, 1) == 0 and await lim.charge(t, 1, 1) > 0  # shared bucket: empty now
+        redis_server.kill()
+        try:
+            assert await lim.charge(t, 1, 1) == 0  # Redis away: the local bucket (full) decides, no error
+            assert not link.up and await lim.charge(t, 1, 1) > 0
+        finally:
+            redis_server.start()
+        await until(lambda: link.up, "the link never noticed Redis back")
+        clock.t += 1.0
+        assert await lim.charge(t, 1, 1) == 0
+        assert await link.client.exists(link.key("limit", "t", "requests")) == 1  # charged in Redis again
+        await link.close()
+
+    asyncio.run(go())
+
+
+def test_a_replica_sees_what_another_placed_and_degrades_without_redis(redis_server):
+    """Replica A places three requests (held open) over two idle decode workers; replica B's view
+    of each worker counts A's pending ones, so B places on the one A loaded less. Redis killed:
+    B's view is its own again, placing still works; Redis back: A's counts show again."""
+    async def go():
+        src = FakeSource()
+        w1, w2 = src.add(Role.DECODE), src.add(Role.DECODE)
+        prefix = f"test:{uuid.uuid4().hex}"
+        frozen = lambda: 0.0  # noqa: E731 - A's pending entries never lapse by themselves here
+        dirs = []
+        for clock in (frozen, None):
+            link = RedisLink(redis_server.url, prefix, retry_s=0.1)
+            d = Directory(src, make_router("least_loaded"), 16, registry_interval_s=0.01, load_interval_s=0.01,
+                          **({"clock": clock} if clock else {}))
+            d.shared = SharedLoad(link, d.router_id, interval_s=0.02)
+            dirs.append(d)
+        a, b = dirs
+        for d in dirs:
+            await d.start()
+        req = Request("r", tuple(range(40)), SamplingParams(max_tokens=4))
+        routes = [a.place(req) for _ in range(3)]
+        placed = {w: sum(r.decode.id == w for r in routes) for w in (w1, w2)}
+        assert sorted(placed.values()) == [1, 2]
+
+        def b_sees(counts):
+            return {w: b.view(b.records[w]).num_waiting for w in (w1, w2)} == counts
+
+        await until(lambda: b_sees(placed), "B never saw A's placements")
+        lighter = min(placed, key=placed.get)
+        route = b.place(req)
+        assert route.decode.id == lighter
+        route.close()
+        redis_server.kill()
+        try:
+            await until(lambda: b_sees({w1: 0, w2: 0}), "B kept counting A's load with Redis gone")
+            b.place(req).close()  # still places, on its own view
+        finally:
+            redis_server.start()
+        await until(lambda: b_sees(placed), "A's placements never showed again after Redis came back")
+        for r in routes:
+            r.close()
+        await until(lambda: b_sees({w1: 0, w2: 0}), "A's closed routes still count at B")
+        for d in dirs:
+            d.stop()
+            await d.shared.leave()
+            await d.shared.link.close()
+
+    asyncio.run(go())
