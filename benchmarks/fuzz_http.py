@@ -71,7 +71,9 @@ def fuzz(server: OpenAIServer, cases: int) -> dict:
                     if eng.has_unfinished() or eng.pool.num_in_use:
                         raise AssertionError("a finished call left work in the engine")
                     eng.check_invariants()
-                except Exception as e:  # recorded, and the run goes on
+                except BaseException as e:  # recorded (a check's failures come as a group), and the run goes on
+                    if isinstance(e, KeyboardInterrupt):
+                        raise
                     statuses["failed"] += 1
                     failures.append({"operation": op.label, "mode": mode.value, "error": str(e)[:2000],
                                      "trace": traceback.format_exc(limit=3)[-2000:]})

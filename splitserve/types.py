@@ -91,7 +91,9 @@ class SamplingParams:
         _check(-2.0 <= finite("presence_penalty") <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= finite("frequency_penalty") <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         _check(0.0 < finite("repetition_penalty") <= 2.0, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                     and -(1 << 63) <= self.seed < (1 << 63)),
+               f"seed must be a 64-bit signed integer, got {self.seed!r}")  # (seed + i for n samples still fits the generator)
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",

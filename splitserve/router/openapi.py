@@ -20,7 +20,7 @@ _SAMPLING: dict[str, Any] = {
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
-    "seed": {"type": "integer"},
+    "seed": {"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 63) - 1},
     "min_tokens": {"type": "integer", "minimum": 0},
     "stop": {"oneOf": [{"type": "string", "minLength": 1},
                        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]},

@@ -32,7 +32,7 @@ def test_shape_and_status(body, param, status):
     ("max_tokens", -1), ("max_tokens", 0), ("max_tokens", "10"), ("max_tokens", 1.5), ("max_tokens", True),
     ("temperature", math.nan), ("temperature", math.inf), ("temperature", -1), ("temperature", 101), ("temperature", "hot"),
     ("top_p", 0), ("top_p", 1.5), ("top_k", -5), ("min_p", 2), ("n", 0), ("n", "2"), ("best_of", 3),
-    ("presence_penalty", 5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("seed", "x"), ("seed", 1.5),
+    ("presence_penalty", 5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("seed", "x"), ("seed", 1.5), ("seed", -1798167052297361522275565699072), ("seed", 1 << 63),
     ("stop", 5), ("stop", [""]), ("stop", ["a"] * 17), ("logprobs", 6), ("logprobs", -1), ("echo", "yes"),
     ("stream", 1), ("stream_options", {"include_usage": True}), ("prompt", ""), ("prompt", []), ("prompt", [1, "a"]),
     ("prompt", [[1, 2], []]), ("prompt", 7), ("prompt", None), ("suffix", "x"), ("logit_bias", {"1": 5}),
