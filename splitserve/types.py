@@ -92,8 +92,8 @@ class SamplingParams:
         _check(-2.0 <= finite("frequency_penalty") <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         _check(0.0 < finite("repetition_penalty") <= 2.0, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                                     and -(1 << 63) <= self.seed < (1 << 63)),
-               f"seed must be a 64-bit signed integer, got {self.seed!r}")  # (seed + i for n samples still fits the generator)
+                                     and -(1 << 63) <= self.seed <= (1 << 63) - self.n),
+               f"seed must be a 64-bit signed integer (with n samples, seed + n - 1 too), got {self.seed!r}")
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
@@ -108,10 +108,10 @@ class SamplingParams:
 
     def for_choice(self, i: int) -> "SamplingParams":
         """The params of the i-th of n samples: seeded samples must differ from each other and
-        still be reproducible, so sample i > 0 takes seed + i."""
+        still be reproducible, so sample i > 0 takes seed + i (one sample: n is the fan-out's)."""
         if self.seed is None or i == 0:
             return self
-        return dataclasses.replace(self, seed=self.seed + i)
+        return dataclasses.replace(self, seed=self.seed + i, n=1)
 
     @property
     def greedy(self) -> bool:

@@ -84,3 +84,13 @@ def test_good_chat():
     assert r.messages[0] == {"role": "system", "content": "be brief"}
     assert r.options.params.max_tokens == 5 and r.options.params.logprobs == 3 and r.logprobs
     assert parse_chat(CHAT, SERVED).options.params.max_tokens is None  # up to the context length
+
+
+def test_a_seed_whose_samples_would_pass_64_bits_is_a_400():
+    """Sample i of n takes seed + i: the last one must still fit (found by the long fuzz run as
+    a 500 when seed was 2^63 - 1 and n 2)."""
+    with pytest.raises(APIError) as e:
+        parse_completion({**BASE, "seed": (1 << 63) - 1, "n": 2}, SERVED)
+    assert e.value.status == 400 and "seed" in e.value.message
+    ok = parse_completion({**BASE, "seed": (1 << 63) - 2, "n": 2}, SERVED).options.params
+    assert [ok.for_choice(i).seed for i in range(2)] == [(1 << 63) - 2, (1 << 63) - 1]
