@@ -113,7 +113,7 @@ class Route:
 class Directory:
     def __init__(self, source: RegistrySource, policy: Router, block_size: int = 16,
                  registry_interval_s: float = 0.2, load_interval_s: float = 0.05, answer_timeout_s: float = 5.0,
-                 clock=time.monotonic, shared=None) -> None:
+                 clock=time.monotonic) -> None:
         self.source, self.policy, self.block_size = source, policy, block_size
         self.registry_interval_s, self.load_interval_s, self.answer_timeout_s = (
             registry_interval_s, load_interval_s, answer_timeout_s)
@@ -132,7 +132,7 @@ class Directory:
         self._pollers: dict[WorkerId, asyncio.Task] = {}
         self._watcher: asyncio.Task | None = None
         self.autoscale = None  # the Controller's last AutoscaleReport (None: fixed pools)
-        self.shared = shared  # shared_state.SharedLoad: the other replicas' pending counts (None: this one's only)
+        self.shared = None  # shared_state.SharedLoad, set before start: the other replicas' pending counts (None: this one's only)
         self._sharer: asyncio.Task | None = None
 
     # -- background -----------------------------------------------------------------------------

@@ -128,6 +128,21 @@ class TransferHandle:
     nbytes: int = 0
 
 
+class UngatedReads:
+    """For a transport whose reads are not gated per lease (shm: a file only this host's
+    processes of the same user open; nixl: memory readable by the agents given this worker's
+    metadata): `allow` and `revoke` accept and ignore."""
+
+    def allow(self, token: bytes, blocks: Sequence[int]) -> None:
+        pass
+
+    def revoke(self, token: bytes) -> None:
+        pass
+
+    def granted(self) -> int:
+        return 0
+
+
 class KVTransport(Protocol):
     name: str
 
@@ -136,10 +151,8 @@ class KVTransport(Protocol):
         `serve` (a prefill worker), else only a destination to read into (a decode worker)."""
 
     def allow(self, token: bytes, blocks: Sequence[int]) -> None:
-        """Let the holder of `token` (a lease's) read `blocks` from this worker until `revoke`.
-        A transport whose reads are not gated per lease accepts and ignores it (shm: a file
-        only this host's processes of the same user open; nixl: memory readable by the agents
-        given this worker's metadata)."""
+        """Let the holder of `token` (a lease's) read `blocks` from this worker until `revoke`
+        (a transport whose reads are not gated per lease ignores it: `UngatedReads`)."""
 
     def revoke(self, token: bytes) -> None:
         """The lease ended: its token reads nothing more."""

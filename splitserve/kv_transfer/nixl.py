@@ -46,6 +46,7 @@ from splitserve.kv_transfer.base import (
     TransferState,
     TransferStatus,
     TransportEndpoint,
+    UngatedReads,
 )
 from splitserve.kv_transfer.nixl_agent import PROGRESS_DELAY_US, default_ucx_tls, import_nixl, make_agent
 from splitserve.kv_transfer.regions import Segment, plan_transfer, storage_tensor
@@ -96,7 +97,7 @@ class _Remote:
     mem: str
 
 
-class NixlTransport:
+class NixlTransport(UngatedReads):
     """KV transport over NIXL. One instance per worker process; thread-safe.
 
     `progress_delay_us`: how long NIXL's progress thread sleeps between rounds (0 = NIXL's
@@ -162,16 +163,6 @@ class NixlTransport:
             metadata=header + self._agent.get_agent_metadata(),
         )
         return self.endpoint
-
-    def allow(self, token: bytes, blocks: Sequence[int]) -> None:
-        """Reads are not gated per lease here: NIXL reads whatever registered memory the agent's
-        metadata names."""
-
-    def revoke(self, token: bytes) -> None:
-        pass
-
-    def granted(self) -> int:
-        return 0
 
     @staticmethod
     def _check_storage(tensor, layout: KVLayout) -> None:

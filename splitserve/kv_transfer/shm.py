@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransferHandle, TransportEndpoint
+from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransferHandle, TransportEndpoint, UngatedReads
 from splitserve.kv_transfer.jobs import AsyncHandle, PooledTransport, TransferPool, start_read
 from splitserve.kv_transfer.regions import block_runs, check_transfer, storage_tensor
 
@@ -96,7 +96,7 @@ class PeerMaps:
                 self._drop(path)
 
 
-class ShmTransport(PooledTransport):
+class ShmTransport(UngatedReads, PooledTransport):
     name = "shm"
 
     def __init__(self, max_workers: int = 2, max_maps: int = 16) -> None:
@@ -122,15 +122,6 @@ class ShmTransport(PooledTransport):
         self._dst = tensor.view(torch.uint8).reshape(-1)
         self._layout = layout
         return TransportEndpoint(transport=self.name, host=host, address=path, layout=layout)
-
-    def allow(self, token: bytes, blocks: Sequence[int]) -> None:
-        """Reads are not gated per lease here (see `register`)."""
-
-    def revoke(self, token: bytes) -> None:
-        pass
-
-    def granted(self) -> int:
-        return 0
 
     # -- transfers ----------------------------------------------------------------------------
 

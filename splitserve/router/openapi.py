@@ -49,7 +49,6 @@ def _ref(name: str) -> dict:
 def _schemas(model_name: str) -> dict[str, Any]:
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
              "properties": {k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
-    finish = {"type": ["string", "null"]}
     return {
         "CompletionRequest": {
             "type": "object", "required": ["model", "prompt"],
@@ -75,26 +74,10 @@ def _schemas(model_name: str) -> dict[str, Any]:
                            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
                                "type": "object", "required": ["type", "text"],
                                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}},
-        "Completion": {
-            "type": "object", "required": ["id", "object", "created", "model", "choices"],
-            "properties": {"id": {"type": "string"}, "object": {"const": "text_completion"},
-                           "created": {"type": "integer"}, "model": {"type": "string"},
-                           "choices": {"type": "array", "items": {
-                               "type": "object", "required": ["index", "text", "finish_reason"],
-                               "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
-                                              "finish_reason": finish}}},
-                           "usage": usage}},
-        "ChatCompletion": {
-            "type": "object", "required": ["id", "object", "created", "model", "choices"],
-            "properties": {"id": {"type": "string"}, "object": {"const": "chat.completion"},
-                           "created": {"type": "integer"}, "model": {"type": "string"},
-                           "choices": {"type": "array", "items": {
-                               "type": "object", "required": ["index", "message", "finish_reason"],
-                               "properties": {"index": {"type": "integer"}, "finish_reason": finish,
-                                              "message": {"type": "object", "required": ["role", "content"],
-                                                          "properties": {"role": {"const": "assistant"},
-                                                                         "content": {"type": "string"}}}}}},
-                           "usage": usage}},
+        "Completion": _answer("text_completion", {"text": {"type": "string"}}, usage),
+        "ChatCompletion": _answer("chat.completion", {"message": {
+            "type": "object", "required": ["role", "content"],
+            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}, usage),
         "Models": {"type": "object", "required": ["object", "data"],
                    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
                        "type": "object", "required": ["id", "object"],
@@ -105,6 +88,17 @@ def _schemas(model_name: str) -> dict[str, Any]:
             "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}}}}},
     }
+
+
+def _answer(kind: str, content: dict[str, Any], usage: dict[str, Any]) -> dict[str, Any]:
+    """A completion object (`kind`: its "object" value) whose choices carry `content` (the text,
+    or the message)."""
+    choice = {"type": "object", "required": ["index", *content, "finish_reason"],
+              "properties": {"index": {"type": "integer"}, **content, "finish_reason": {"type": ["string", "null"]}}}
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices"],
+            "properties": {"id": {"type": "string"}, "object": {"const": kind}, "created": {"type": "integer"},
+                           "model": {"type": "string"}, "choices": {"type": "array", "items": choice},
+                           "usage": usage}}
 
 
 def _answers(ok: dict[str, Any], errors: tuple[int, ...]) -> dict[str, Any]:
