@@ -19,7 +19,6 @@ other router replicas placed are added in too, read in the background like every
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import uuid
@@ -28,6 +27,7 @@ from typing import Protocol
 
 from splitserve.cluster.registry import RegistrySnapshot, WorkerRecord
 from splitserve.kv_transfer import choose_transport
+from splitserve.router.pending import Pending
 from splitserve.router.policy import RouteRequest, Router, WorkerView
 from splitserve.types import PromptHashes, Request, Role, WorkerId, WorkerState, WorkerStats
 
@@ -37,52 +37,6 @@ log = logging.getLogger(__name__)
 class RegistrySource(Protocol):
     async def fetch(self, known_version: int) -> RegistrySnapshot | None:
         """The registry if its version differs from `known_version`, else None."""
-
-
-class Pending:
-    """Placements this router made that a worker's reported load may not show yet. An entry
-    counts until the worker confirms it has the request and a snapshot sent after that
-    confirmation has been applied, or until the request ends; one never confirmed (a plan that
-    was refused or never ran) lapses after `ttl_s`."""
-
-    def __init__(self, ttl_s: float = 2.0, clock=time.monotonic, on_change=lambda wid: None) -> None:
-        self.ttl_s, self._clock = ttl_s, clock
-        self._on_change = on_change  # a worker's count may have changed
-        self._entries: dict[WorkerId, dict[int, list]] = {}  # worker -> ticket -> [placed_at, confirmed_at]
-        self._tickets = itertools.count()
-
-    def add(self, wid: WorkerId) -> int:
-        t = next(self._tickets)
-        self._entries.setdefault(wid, {})[t] = [self._clock(), None]
-        self._on_change(wid)
-        return t
-
-    def confirm(self, wid: WorkerId, ticket: int) -> None:
-        e = self._entries.get(wid, {}).get(ticket)
-        if e is not None and e[1] is None:
-            e[1] = self._clock()
-            self._on_change(wid)
-
-    def done(self, wid: WorkerId, ticket: int) -> None:
-        if self._entries.get(wid, {}).pop(ticket, None) is not None:
-            self._on_change(wid)
-
-    def lapses_at(self, wid: WorkerId) -> float:
-        """When the worker's count next drops by itself (an unconfirmed entry's ttl ends)."""
-        return min((placed + self.ttl_s for placed, confirmed in self._entries.get(wid, {}).values()
-                    if confirmed is None), default=float("inf"))
-
-    def count(self, wid: WorkerId, seen_at: float | None) -> int:
-        now, entries = self._clock(), self._entries.get(wid, {})
-        for t, (placed, confirmed) in list(entries.items()):
-            if (confirmed is None and now - placed > self.ttl_s) or (
-                    confirmed is not None and seen_at is not None and seen_at > confirmed):
-                del entries[t]
-        return len(entries)
-
-    def forget(self, wid: WorkerId) -> None:
-        self._entries.pop(wid, None)
-        self._on_change(wid)
 
 
 @dataclass
@@ -241,12 +195,8 @@ class Directory:
         if self.shared is not None:
             pending += self.shared.others.get(str(wid), 0)
         healthy = rec.state is WorkerState.READY and rec.responsive and wid not in self._failed
-        s = self._stats.get(wid)
-        if s is None:  # registered, not heard from yet: an empty worker
-            return WorkerView(wid, rec.role, rec.node_ip, pending, healthy=healthy,
-                              draining=rec.state is WorkerState.DRAINING)
-        return WorkerView(wid, rec.role, rec.node_ip, s.num_waiting + pending, s.num_running, s.kv_usage,
-                          s.kv_blocks_free + s.kv_blocks_cached, healthy, rec.state is WorkerState.DRAINING)
+        return WorkerView.of(wid, rec.role, rec.node_ip, self._stats.get(wid), pending, healthy,
+                             rec.state is WorkerState.DRAINING)
 
     def views(self, role: Role | None = None) -> tuple[WorkerView, ...]:
         """The workers' views (of one role), the same objects until a worker's facts change:

@@ -16,13 +16,16 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
-from splitserve.engine.kv_cache import BlockPool, HostTier
+from splitserve.engine.kv_cache import BlockPool
 from splitserve.engine.sequence import Sequence, SeqStatus
 
+if TYPE_CHECKING:
+    from splitserve.engine.kv_cache import HostTier
 
-@dataclass(frozen=True)
-class Scheduled:
+
+class Scheduled(NamedTuple):  # a tuple: built for every row of every step (the simulator's hot path)
     seq: Sequence
     num_new_tokens: int
 
@@ -88,8 +91,10 @@ class Scheduler:
         admitting = True
         # Class by class: a class's running sequences (older) before its waiting ones, and a
         # waiting critical request before a running sheddable one.
-        for prio in sorted({s.request.priority for s in self.running + self.waiting}):
-            for seq in [s for s in self.running if s.request.priority == prio]:
+        classes = {s.request.priority for s in self.running}
+        classes.update(s.request.priority for s in self.waiting)
+        for prio in sorted(classes):
+            for seq in list(self.running) if len(classes) == 1 else [s for s in self.running if s.request.priority == prio]:
                 if seq.status is not SeqStatus.RUNNING or budget == 0:
                     continue
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -107,20 +112,24 @@ class Scheduler:
         """Give `seq` blocks for n more tokens, preempting newer/lower-priority running
         sequences not yet scheduled this step. False if `seq` itself had to go."""
         need = self._blocks_needed(seq, seq.num_computed_tokens + n)
-        scheduled = {id(s.seq) for s in out}
-        while need > self.pool.num_available:
-            victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
-            if victim is None:
-                return False
-            self._preempt(victim, preempted)
-            if victim is seq:
-                return False
-        seq.block_ids += self.pool.allocate(need)
+        if need > self.pool.num_available:  # rare: the set costs O(batch), once per sequence short of blocks
+            scheduled = {id(s.seq) for s in out}
+            while need > self.pool.num_available:
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
+                if victim is None:
+                    return False
+                self._preempt(victim, preempted)
+                if victim is seq:
+                    return False
+        if need:
+            seq.block_ids += self.pool.allocate(need)
         return True
 
     def _admit(self, prio: int, budget: int, out: list[Scheduled], preempted: list[Sequence]) -> tuple[int, bool]:
         """Admit waiting sequences of class `prio` in order; (budget left, whether admission may
         go on to lower classes — not once a sequence had to be left waiting)."""
+        if not self.waiting:
+            return budget, True
         for seq in [s for s in self.waiting if s.request.priority == prio]:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 return budget, False

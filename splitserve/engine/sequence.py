@@ -9,10 +9,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from splitserve.engine.sampler import SamplingState
 from splitserve.hashing import BlockHash, block_hashes
 from splitserve.types import FinishReason, Request
+
+if TYPE_CHECKING:  # the sampler needs torch; the simulator's sequences carry a plain stand-in
+    from splitserve.engine.sampler import SamplingState
 
 
 class SeqStatus(enum.Enum):

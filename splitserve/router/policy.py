@@ -30,7 +30,7 @@ from typing import Callable, Collection, Hashable, Mapping, Protocol, Sequence
 
 from splitserve.hashing import BlockHash
 from splitserve.router.kv_index import Group, KVIndex
-from splitserve.types import Role, WorkerId
+from splitserve.types import Role, WorkerId, WorkerStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,16 @@ class WorkerView:
     @property
     def up(self) -> bool:
         return self.healthy and not self.draining
+
+    @staticmethod
+    def of(wid: WorkerId, role: Role, host: str, stats: "WorkerStats | None", pending: int, healthy: bool,
+           draining: bool) -> "WorkerView":
+        """The view of a worker whose last report is `stats` (None: not heard from yet, an
+        empty worker) and on which `pending` placements are not in that report yet."""
+        if stats is None:
+            return WorkerView(wid, role, host, pending, healthy=healthy, draining=draining)
+        return WorkerView(wid, role, host, stats.num_waiting + pending, stats.num_running, stats.kv_usage,
+                          stats.kv_blocks_free + stats.kv_blocks_cached, healthy, draining)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The in-flight load each router replica has placed, shared: every `interval_s` a replica
 writes its pending counts (what it placed on each worker that the worker's own reports do not
-show yet, `cluster/directory.Pending`) to its hash in Redis and reads the other live replicas'
+show yet, `router/pending.Pending`) to its hash in Redis and reads the other live replicas'
 back, so that replicas placing a burst at once spread it as one router would. A replica's hash
 lapses `ttl_s` after its last write (a replica that stopped counts for nothing). Redis away:
 `others` is empty (each replica's own view) until a round trip succeeds again."""

@@ -1,3 +1,7 @@
+"""The KV cache: the block pool and prefix cache (pure Python), the host-memory tier below it and
+the cache tensors (both torch: imported when first asked for, so the simulator's import path
+has no torch)."""
+
 from splitserve.engine.kv_cache.block_pool import (
     BlockPool,
     BlockRemoved,
@@ -6,8 +10,19 @@ from splitserve.engine.kv_cache.block_pool import (
     OutOfBlocks,
     PrefixMatch,
 )
-from splitserve.engine.kv_cache.host_tier import HostTier
-from splitserve.engine.kv_cache.tensors import KVCacheTensors
+
+
+def __getattr__(name: str):
+    if name == "HostTier":
+        from splitserve.engine.kv_cache.host_tier import HostTier
+
+        return HostTier
+    if name == "KVCacheTensors":
+        from splitserve.engine.kv_cache.tensors import KVCacheTensors
+
+        return KVCacheTensors
+    raise AttributeError(name)
+
 
 __all__ = ["BlockPool", "BlockRemoved", "BlockStored", "HostTier", "KVEvent", "OutOfBlocks", "PrefixMatch",
            "KVCacheTensors"]

@@ -1,0 +1,274 @@
+"""EngineCore: everything an engine step does except run the model — requests and their
+sequences, the scheduler and block pool, the disaggregation hand-over (detach / pull), token
+stop rules, stats and invariants. No torch: the `Engine` adds the model runner and sampler,
+the simulator (`splitserve.sim`) adds a cost model, and both run this same bookkeeping.
+
+A step is `scheduler.schedule()` → the subclass's forward + sample (`_forward`) → `_complete`
+(advance every scheduled sequence, append the sampled tokens, apply EOS / stop ids /
+max_tokens / context length, hand finished blocks back: full ones stay in the prefix cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Iterable
+
+from splitserve.engine.kv_cache.block_pool import BlockPool, BlockStored, KVEvent
+from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.sequence import Sequence, SeqStatus
+from splitserve.types import ConfigError, FinishReason, PhaseTimes, Request, Tier, TokenChunk, WorkerStats
+
+Sampled = tuple[Sequence, int, object]  # (sequence, next token, its logprob or None)
+
+
+class EngineCore:
+    def __init__(self, *, block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: Iterable[int] = (), enable_prefix_caching: bool = True,
+                 host=None) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.token_budget = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.host = host  # a HostTier below the pool (the Engine's; it needs torch storage), or None
+        if host is not None:
+            self.pool.on_evict = host.save
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, host)
+        self._seqs: dict[str, Sequence] = {}
+        self._pulling: dict[str, Sequence] = {}  # blocks allocated, KV arriving from a peer
+        self._detached: dict[str, list[int]] = {}  # blocks pinned for a KV handoff
+        self._order = itertools.count()
+        self._steps = 0
+        self._prefill_tokens = 0  # prompt tokens computed, ever (the autoscaler's served rate)
+
+    # -- what a subclass provides ----------------------------------------------------------------
+    def _forward(self, sched: SchedulerOutput) -> list[Sampled]:
+        """Run the scheduled tokens through the model; the sequences whose next token is due,
+        each with that token."""
+        raise NotImplementedError
+
+    def _new_seq(self, req: Request, outputs: tuple[int, ...] = ()) -> Sequence:
+        """A sequence for `req` (checked, with its sampling state) continuing after `outputs`."""
+        raise NotImplementedError
+
+    def _observe(self, sched: SchedulerOutput, seconds: float) -> None:
+        """One step ran in `seconds` (the Engine's step-time fit learns from it)."""
+
+    @property
+    def step_time_coeffs(self) -> tuple[float, ...]:
+        return ()
+
+    def _before_pull(self) -> None:
+        """Blocks were just allocated for a transport to write into."""
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = ()) -> None:
+        """Queue a request; bad input raises ConfigError here, before anything is allocated.
+        `prefill_only`: stop after the first token and hand the prompt's KV blocks over (the
+        chunk carries `kv_blocks`; `release_detached` frees them later). `outputs`: tokens
+        already generated elsewhere (a handoff that fell back to local compute, a migration):
+        they are recomputed as context and generation continues after them."""
+        seq = self._checked_new_seq(req, tuple(outputs))
+        seq.prefill_only = prefill_only
+        self._seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    def check_lengths(self, req: Request) -> int:
+        """A request's length against the context and the pool; the effective max_tokens."""
+        prompt_len = len(req.prompt_token_ids)
+        if prompt_len >= self.max_model_len:
+            raise ConfigError(f"prompt has {prompt_len} tokens; the context length is {self.max_model_len} "
+                              "and at least one token must be generated")
+        room = self.max_model_len - prompt_len
+        max_tokens = room if req.params.max_tokens is None else min(req.params.max_tokens, room)
+        self._check_fits(prompt_len + max_tokens)
+        return max_tokens
+
+    def _checked_new_seq(self, req: Request, outputs: tuple[int, ...]) -> Sequence:
+        if req.request_id in self._seqs or req.request_id in self._pulling or req.request_id in self._detached:
+            raise ConfigError(f"request id {req.request_id!r} is already running")
+        seq = self._new_seq(req, outputs)
+        seq.update_hashes(self.block_size)
+        return seq
+
+    def _check_fits(self, max_len: int) -> None:
+        blocks = -(-max_len // self.block_size)
+        if blocks > self.pool.num_blocks:
+            raise ConfigError(f"a request of up to {max_len} tokens needs {blocks} KV blocks; the pool has "
+                              f"{self.pool.num_blocks}: lower max_tokens or give the engine more KV memory")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; its blocks return at once and no chunk of it follows.
+        Unknown ids are ignored (the request may have finished in the meantime)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+        pulling = self._pulling.pop(request_id, None)
+        if pulling is not None:  # the caller has stopped its transfer into these blocks
+            self.pool.free(pulling.block_ids)
+        self.release_detached(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def holds_nothing(self) -> bool:
+        """No request runs, waits, lands KV or keeps blocks pinned for a peer."""
+        return not (self._seqs or self._pulling or self._detached)
+
+    # -- disaggregation: the prefill side hands blocks over, the decode side takes KV in -------
+    def release_detached(self, request_id: str) -> bool:
+        """Free the blocks pinned for a handoff (acknowledged or lease expired)."""
+        blocks = self._detached.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(blocks)
+        return True
+
+    def detached_requests(self) -> list[str]:
+        return list(self._detached)
+
+    def add_pulled(self, req: Request, first_token: int, outputs: tuple[int, ...] = ()) -> list[int]:
+        """Allocate blocks for a context whose KV a peer computed — the prompt, and `outputs`
+        when the request migrated — and which the peer continued with `first_token`; the caller
+        fills them and then calls kv_ready (or kv_failed to recompute locally). Raises
+        OutOfBlocks if none free."""
+        seq = self._checked_new_seq(req, (*outputs, first_token))
+        seq.block_ids = self.pool.allocate(-(-(seq.num_tokens - 1) // self.block_size))
+        self._pulling[req.request_id] = seq
+        self._before_pull()
+        return list(seq.block_ids)
+
+    def is_pulling(self, request_id: str) -> bool:
+        return request_id in self._pulling
+
+    def kv_ready(self, request_id: str) -> None:
+        """The pulled KV is in place and verified: the request joins the decode batch."""
+        seq = self._pulling.pop(request_id)
+        seq.num_computed_tokens = seq.num_tokens - 1  # all but the peer's token, computed next
+        seq.num_cached_tokens = 0
+        self._advance(seq, 0)  # full prompt blocks become reusable prefix-cache entries
+        self._seqs[request_id] = seq
+        self.scheduler.add_running(seq)
+
+    def kv_failed(self, request_id: str) -> None:
+        """The pull failed: drop the blocks and compute the prompt here instead (the first token
+        is kept, so the output continues exactly where the peer left it)."""
+        seq = self._pulling.pop(request_id)
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    # -- one iteration -------------------------------------------------------------------------
+    def step(self) -> list[TokenChunk]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        t0 = time.perf_counter()
+        sampled = self._forward(sched)
+        chunks = self._complete(sched, sampled)
+        self._observe(sched, time.perf_counter() - t0)
+        return chunks
+
+    def _complete(self, sched: SchedulerOutput, sampled: list[Sampled]) -> list[TokenChunk]:
+        """The step's forward pass is done: advance what it computed, append what it sampled."""
+        for item in sched.scheduled:
+            self._advance(item.seq, item.num_new_tokens)
+        chunks = [self._append(seq, tok, lp) for seq, tok, lp in sampled]
+        self._steps += 1
+        self._prefill_tokens += sum(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens != 1)
+        return chunks
+
+    def _advance(self, seq: Sequence, n: int) -> None:
+        seq.num_computed_tokens += n
+        full = seq.num_computed_tokens // self.block_size
+        if full > seq.num_cached_blocks:
+            self.pool.cache_blocks(seq.block_ids[seq.num_cached_blocks:full], seq.block_hashes[seq.num_cached_blocks:full])
+            seq.num_cached_blocks = full
+
+    def _append(self, seq: Sequence, tok: int, lp) -> TokenChunk:
+        first = not seq.output_token_ids
+        seq.append_token(tok, self.block_size)
+        reason, stop_id = self._finish_reason(seq, tok)
+        chunk = TokenChunk(seq.request_id, (tok,), (lp,) if lp is not None else None, reason, stop_id,
+                           num_prompt_tokens=seq.num_prompt_tokens,
+                           num_cached_tokens=max(seq.num_cached_tokens, 0) if first or reason else 0,
+                           phases=_phases(seq) if first else None)
+        if reason is not None:
+            self._seqs.pop(seq.request_id, None)
+            self.scheduler.remove(seq)
+        elif seq.prefill_only:
+            self._seqs.pop(seq.request_id, None)
+            self.scheduler.detach(seq)
+            self._detached[seq.request_id] = list(seq.block_ids)
+            chunk = dataclasses.replace(chunk, kv_blocks=tuple(seq.block_ids))
+        return chunk
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> tuple[FinishReason | None, int | None]:
+        p = seq.request.params
+        n_out = len(seq.output_token_ids)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                return FinishReason.STOP, tok
+            if tok in p.stop_token_ids:
+                return FinishReason.STOP, tok
+        if n_out >= seq.max_tokens:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    # -- introspection -------------------------------------------------------------------------
+    def stats(self) -> WorkerStats:
+        return WorkerStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_preempted_total=self.scheduler.num_preemptions,
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_free=self.pool.num_free,
+            kv_blocks_cached=self.pool.num_cached,
+            prefix_query_tokens_total=self.scheduler.prefix_query_tokens,
+            prefix_hit_tokens_total=self.scheduler.prefix_hit_tokens,
+            host_hit_tokens_total=0 if self.host is None else self.host.promoted_total * self.block_size,
+            kv_host_blocks_cached=0 if self.host is None else len(self.host),
+            steps_total=self._steps,
+            prefill_tokens_total=self._prefill_tokens,
+            step_time_coeffs=self.step_time_coeffs,
+            pending_prefill_tokens=sum(max(0, s.num_tokens - s.num_computed_tokens - 1) for s in self._seqs.values()),
+            decode_context_tokens=sum(s.num_computed_tokens for s in self.scheduler.running),
+            token_budget=self.token_budget,
+        )
+
+    def block_counts(self) -> dict[str, int]:
+        """Check the invariants, then report the pool's counts (for workers' health checks)."""
+        self.check_invariants()
+        p = self.pool
+        return {"in_use": p.num_in_use, "free": p.num_free, "cached": p.num_cached, "total": p.num_blocks}
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.pool.drain_events() + (self.host.drain_events() if self.host is not None else [])
+
+    def kv_listing(self) -> list[KVEvent]:
+        """The whole prefix cache as events: what a router rebuilds this worker's index from."""
+        listing = [BlockStored(self.pool.cached_hashes())]
+        return listing + ([BlockStored(self.host.held_hashes(), Tier.HOST)] if self.host is not None else [])
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants()
+        held = sum(len(s.block_ids) for s in (*self._seqs.values(), *self._pulling.values()))
+        held += sum(len(b) for b in self._detached.values())
+        if self.holds_nothing() and self.pool.num_in_use:
+            raise AssertionError(f"no requests, yet {self.pool.num_in_use} blocks are in use")
+        if held < self.pool.num_in_use:
+            raise AssertionError(f"{self.pool.num_in_use} blocks in use but requests hold only {held}")
+        for s in self._seqs.values():
+            if s.status is SeqStatus.WAITING and s.block_ids:
+                raise AssertionError(f"waiting request {s.request_id} holds blocks")
+
+
+def _phases(seq: Sequence) -> PhaseTimes:
+    now = time.monotonic()
+    sched = seq.scheduled_at if seq.scheduled_at is not None else now
+    return PhaseTimes(queue_s=sched - seq.added_at, prefill_s=now - sched)
