@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(subparsers, "chat")
     _add_generate(subparsers, "generate")
     _add_bench(subparsers)
+    _add_simulate(subparsers)
     return parser
 
 
@@ -285,6 +286,8 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     data.add_argument("--trace", default=None, help="mooncake: JSONL trace file")
     data.add_argument("--time-scale", type=float, default=1.0,
                       help="mooncake: multiply trace timestamps by this (0.5 replays twice as fast)")
+    data.add_argument("--length-scale", type=float, default=1.0,
+                      help="mooncake: prompts and their 512-token hash blocks x this (1/32 for a small model)")
     data.add_argument("--max-requests", type=int, default=None, help="mooncake: read at most this many trace lines")
     data.add_argument("--max-output-len", type=int, default=None, help="mooncake: cap each output length")
     out = p.add_argument_group("measurement and output")
@@ -301,6 +304,26 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_bench(args: argparse.Namespace) -> int:
     from splitserve.bench.command import run_from_args
+
+    return run_from_args(args)
+
+
+def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
+    from splitserve.sim.command import add_arguments
+
+    p = subparsers.add_parser(
+        "simulate", help="simulate a cluster: the real scheduler, router, admission and autoscaler on cost models",
+        description="Replay a workload (a Mooncake trace, or a bench dataset) on simulated prefill and decode pools "
+        "that run splitserve's own scheduler, block pool, router policy, admission and autoscaler, with the model "
+        "step replaced by a cost model (--gpu/--model roofline, --calibrated FILE, --profiled FILE). One run, "
+        "a goodput search (--goodput) or a prefill:decode sweep (--sweep-ratio GPUS); JSON (--out) and a PNG. "
+        "--calibrate measures this machine's engine and writes a cost model.")
+    add_arguments(p)
+    p.set_defaults(func=_run_simulate)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from splitserve.sim.command import run_from_args
 
     return run_from_args(args)
 

@@ -11,7 +11,8 @@ import sys
 from typing import Iterator
 
 from splitserve.bench.datasets import (
-    BenchRequest, random_requests, read_mooncake_trace, shared_prefix_requests, trace_requests,
+    MOONCAKE_BLOCK_SIZE, BenchRequest, random_requests, read_mooncake_trace, scale_lengths, shared_prefix_requests,
+    trace_requests,
 )
 from splitserve.bench.metrics import Slo, format_summary
 from splitserve.bench.runner import BenchConfig, LoadConfig, run_bench, write_results
@@ -37,7 +38,10 @@ def dataset_from_args(args: argparse.Namespace) -> tuple[Iterator[BenchRequest],
         if args.max_requests is not None and args.max_requests < 1:
             raise ValueError(f"--max-requests must be >= 1, got {args.max_requests}")
         records = read_mooncake_trace(args.trace, args.max_requests)
-        return trace_requests(records, args.time_scale, args.seed, args.vocab_size,
+        if args.length_scale != 1.0:
+            records = scale_lengths(records, args.length_scale)
+        block = max(1, round(MOONCAKE_BLOCK_SIZE * args.length_scale))
+        return trace_requests(records, args.time_scale, args.seed, args.vocab_size, block_size=block,
                               max_output_len=args.max_output_len), len(records)
     raise ValueError(f"unknown dataset {args.dataset!r}")
 
@@ -82,5 +86,5 @@ def _dataset_args(args: argparse.Namespace) -> dict:
     keys = {"random": ("input_len", "output_len", "vocab_size", "seed"),
             "shared-prefix": ("num_groups", "prompts_per_group", "system_prompt_len", "question_len", "output_len",
                               "vocab_size", "seed"),
-            "mooncake": ("trace", "time_scale", "max_requests", "max_output_len", "vocab_size", "seed")}
+            "mooncake": ("trace", "time_scale", "length_scale", "max_requests", "max_output_len", "vocab_size", "seed")}
     return {k: getattr(args, k) for k in keys[args.dataset]}

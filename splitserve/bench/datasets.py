@@ -146,6 +146,17 @@ def _parse_trace_line(line: str, path: Path, lineno: int) -> TraceRecord:
         raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({e!r})") from e
 
 
+def scale_lengths(records: Sequence[TraceRecord], length_scale: float) -> list[TraceRecord]:
+    """The trace for a smaller model: prompts x `length_scale`, with hash blocks shrunk alike
+    (pass `block_size` = 512 x length_scale to `trace_requests`), so the same blocks are shared;
+    outputs keep their length (cap them with max_output_len). `splitserve simulate
+    --length-scale` reads a trace the same way."""
+    if not 0 < length_scale <= 1:
+        raise ValueError(f"length_scale must be in (0, 1], got {length_scale}")
+    return [TraceRecord(r.timestamp_ms, max(1, round(r.input_length * length_scale)), r.output_length, r.hash_ids)
+            for r in records]
+
+
 @functools.lru_cache(maxsize=4096)
 def mooncake_block(hash_id: int, seed: int, vocab_size: int, block_size: int) -> tuple[int, ...]:
     """The tokens of hash id `hash_id`: a deterministic function of (seed, hash id)."""

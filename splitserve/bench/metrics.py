@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from splitserve.bench.client import RequestResult
+if TYPE_CHECKING:  # the simulator reads Distribution without the HTTP client
+    from splitserve.bench.client import RequestResult
 
 
 @dataclass(frozen=True)

@@ -174,11 +174,12 @@ class EngineCore:
 
     def _complete(self, sched: SchedulerOutput, sampled: list[Sampled]) -> list[TokenChunk]:
         """The step's forward pass is done: advance what it computed, append what it sampled."""
-        for item in sched.scheduled:
-            self._advance(item.seq, item.num_new_tokens)
+        for seq, n in sched.scheduled:
+            self._advance(seq, n)
+            if n != 1:
+                self._prefill_tokens += n
         chunks = [self._append(seq, tok, lp) for seq, tok, lp in sampled]
         self._steps += 1
-        self._prefill_tokens += sum(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens != 1)
         return chunks
 
     def _advance(self, seq: Sequence, n: int) -> None:

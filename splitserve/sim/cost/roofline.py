@@ -1,0 +1,97 @@
+"""Roofline cost of a step: a GPU's data sheet × a model shape, with stated efficiencies.
+
+  FLOPs = 2 · matmul params · tokens + 2 · LM head params · sampled rows
+          + 4 · layers · heads · head_dim · attention pairs (prefill: causal, chunk × its
+            context; decode: each sequence's context)
+  bytes = weights (read once a step) + KV read (decode contexts, prefill chunks' contexts)
+          + KV written (the step's tokens)
+  step  = max(FLOPs / (peak · compute_efficiency), bytes / (HBM bandwidth · memory_efficiency))
+          + step_overhead_s (scheduling, launches, sampling: the part no roofline has)
+
+The KV pool is what is left of `memory_utilization` of HBM after the weights and an
+activation reserve. KV moves over NVLink within a node and over the GPU's NIC across nodes,
+each at `link_efficiency` of its rated bandwidth. Tensor parallelism is not modelled: a worker is
+one GPU (the issue of TP workers is separate), so a model whose weights do not fit is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+
+from splitserve.sim.cost import Link, StepShape
+from splitserve.sim.cost.hardware import GPUSpec
+from splitserve.sim.cost.shapes import ModelShape
+from splitserve.types import ConfigError
+
+
+@dataclass(frozen=True)
+class RooflineCost:
+    gpu: GPUSpec
+    model: ModelShape
+    compute_efficiency: float = 0.6  # of peak bf16 FLOP/s that large GEMMs reach (prefill MFU 50-65% is typical)
+    memory_efficiency: float = 0.8  # of HBM bandwidth a decode step's reads reach
+    step_overhead_s: float = 0.002  # per step: scheduler, kernel launches, sampling, detokenizing
+    memory_utilization: float = 0.9  # share of HBM the engine may use
+    activation_reserve_bytes: float = 4e9
+    link_efficiency: float = 0.8
+    name: str = "roofline"
+
+    def __post_init__(self) -> None:
+        for n in ("compute_efficiency", "memory_efficiency", "memory_utilization", "link_efficiency"):
+            if not 0 < getattr(self, n) <= 1:
+                raise ConfigError(f"roofline {n} must be in (0, 1], got {getattr(self, n)}")
+        if self.step_overhead_s < 0:
+            raise ConfigError("roofline step_overhead_s must be >= 0")
+        if self._kv_bytes() <= 0:
+            raise ConfigError(f"{self.model.name} ({self.model.weight_bytes / 1e9:.0f} GB of weights) leaves no KV "
+                              f"memory on one {self.gpu.name}: it needs tensor parallelism, which the simulator "
+                              "does not model yet")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token
+
+    @property
+    def link(self) -> Link:
+        e = self.link_efficiency
+        return Link(self.gpu.nvlink_bandwidth * e, self.gpu.network_bandwidth * e)
+
+    def _kv_bytes(self) -> float:
+        return self.gpu.hbm_bytes * self.memory_utilization - self.model.weight_bytes - self.activation_reserve_bytes
+
+    def kv_blocks(self, block_size: int) -> int:
+        return int(self._kv_bytes() // (self.kv_bytes_per_token * block_size))
+
+    @functools.cached_property
+    def _per(self) -> tuple[float, ...]:
+        """Seconds per unit of each term (computed once: the simulator asks every step)."""
+        m, flop_s, byte_s = self.model, self.gpu.bf16_flops * self.compute_efficiency, \
+            self.gpu.hbm_bandwidth * self.memory_efficiency
+        return (2 * m.matmul_params / flop_s, 2 * m.vocab * m.hidden / flop_s,
+                4 * m.num_layers * m.num_heads * m.head_dim / flop_s, m.weight_bytes / byte_s,
+                m.kv_bytes_per_token / byte_s)
+
+    def step_s(self, s: StepShape) -> float:
+        token, head, pair, weights, kv = self._per
+        compute = token * (s.prefill_tokens + s.decode_seqs) + head * s.sampled + pair * (s.prefill_attended + s.decode_context)
+        memory = weights + kv * (s.decode_context + s.prefill_context + s.decode_seqs)
+        return (compute if compute > memory else memory) + self.step_overhead_s
+
+    def coeffs(self) -> tuple[float, float, float, float]:
+        """The roofline made linear the way the engine's fit sees a real GPU: a weight-bound
+        step floor, compute per prefill token, and the decode reads per sequence and per
+        context token."""
+        m, g = self.model, self.gpu
+        flop_s, byte_s = g.bf16_flops * self.compute_efficiency, g.hbm_bandwidth * self.memory_efficiency
+        c0 = m.weight_bytes / byte_s + self.step_overhead_s
+        c1 = 2 * m.matmul_params / flop_s
+        c2 = (2 * m.vocab * m.hidden) / flop_s + m.kv_bytes_per_token / byte_s
+        c3 = max(m.kv_bytes_per_token / byte_s, 4 * m.num_layers * m.num_heads * m.head_dim / flop_s)
+        return (c0, c1, c2, c3)
+
+    def describe(self) -> dict:
+        d = asdict(self)
+        d["kv_blocks_per_16"] = self.kv_blocks(16)
+        d["weight_bytes"] = self.model.weight_bytes
+        return d

@@ -1,0 +1,77 @@
+"""SimEngine: the real EngineCore — scheduler, block pool, prefix cache, preemption, chunked
+prefill, the KV hand-over, stop rules — with the model replaced by a cost model. A step is
+split in two around simulated time: `begin` schedules it and says how long it takes, `finish`
+applies it when that time has passed. Sampling draws nothing: every sampled token is the same
+id, and outputs end by length (the trace's output length), as a benchmark's ignore_eos does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.engine.core import EngineCore, Sampled
+from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.sequence import Sequence
+from splitserve.sim.cost import CostModel, StepShape
+from splitserve.types import Request, SamplingParams, TokenChunk
+
+TOKEN = 1  # the id every simulated sample draws
+
+
+@dataclass
+class SimSampling:
+    """What a Sequence reads of its sampling state, without a generator."""
+
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class SimEngine(EngineCore):
+    def __init__(self, cost: CostModel, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_prefix_caching: bool = True, num_blocks: int | None = None) -> None:
+        super().__init__(block_size=block_size, num_blocks=num_blocks or cost.kv_blocks(block_size),
+                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching)
+        self.cost = cost
+        self._coeffs = tuple(cost.coeffs())
+
+    @property
+    def step_time_coeffs(self) -> tuple[float, ...]:
+        return self._coeffs
+
+    def _new_seq(self, req: Request, outputs: tuple[int, ...] = ()) -> Sequence:
+        # a simulated prompt's ids are placeholders (its prefix identity is its prompt_hashes):
+        # lengths are checked, ids are not
+        return Sequence(request=req, order=next(self._order), sampling=SimSampling(req.params, list(outputs)),
+                        max_tokens=self.check_lengths(req), token_ids=list(req.prompt_token_ids) + list(outputs))
+
+    def begin(self) -> tuple[SchedulerOutput, float] | None:
+        """Schedule one step: what it runs and the seconds it takes (None: nothing to run)."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return None
+        return sched, self.cost.step_s(shape_of(sched))
+
+    def finish(self, sched: SchedulerOutput) -> list[TokenChunk]:
+        """The step `begin` scheduled has run: apply it."""
+        return self._complete(sched, self._forward(sched))
+
+    def _forward(self, sched: SchedulerOutput) -> list[Sampled]:
+        # the rows whose scheduled tokens reach the end of the sequence sample (as ModelRunner's)
+        return [(seq, TOKEN, None) for seq, n in sched.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
+
+
+def shape_of(sched: SchedulerOutput) -> StepShape:
+    pt = pc = ds = dc = sampled = 0
+    attended = 0.0
+    for seq, n in sched.scheduled:
+        ctx = seq.num_computed_tokens
+        if ctx + n == seq.num_tokens:
+            sampled += 1
+        if n == 1:
+            ds += 1
+            dc += ctx
+        else:
+            pt += n
+            pc += ctx + n
+            attended += n * (ctx + (n + 1) / 2)
+    return StepShape(pt, attended, pc, ds, dc, sampled)

@@ -1,0 +1,59 @@
+"""The two questions a simulator is asked most, DistServe's way:
+
+  goodput      the highest request rate (a multiple of the workload's own) at which at least
+               `target` of the requests meet both SLOs — exponential search up, then bisection;
+               per GPU it is that rate over the run's mean GPUs
+  sweep_ratio  that search for every prefill:decode split of a fixed GPU count, and for the
+               same GPUs aggregated
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+Run = Callable[[float], dict[str, Any]]  # rate scale -> summary
+
+
+def goodput(run: Run, start: float = 1.0, target: float = 0.9, iters: int = 7, max_scale: float = 1e6
+            ) -> dict[str, Any]:
+    probes: list[dict[str, Any]] = []
+
+    def ok(scale: float) -> bool:
+        s = run(scale)
+        probes.append({"rate_scale": scale, "slo_attainment": s["slo_attainment"], "gpus": s["gpus"],
+                       "rate_rps": s["workload"]["rate_rps"],  # of the scaled workload
+                       "ttft_p90_ms": s["ttft_ms"]["p90"], "tpot_p90_ms": s["tpot_ms"]["p90"]})
+        return (s["slo_attainment"] or 0.0) >= target
+
+    if ok(start):  # double until it misses
+        lo = start
+        while lo * 2 <= max_scale and ok(lo * 2):
+            lo *= 2
+        hi = lo * 2
+    else:  # halve until it meets
+        lo, hi = 0.0, start
+        while hi / 2 >= start / 1024:
+            if ok(hi / 2):
+                lo = hi / 2
+                break
+            hi /= 2
+    if lo > 0:
+        for _ in range(iters):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    best = next((p for p in probes if p["rate_scale"] == lo), None)
+    per_gpu = best["rate_rps"] / best["gpus"] if best and best["rate_rps"] and best["gpus"] else 0.0
+    return {"target": target, "rate_scale": lo, "rate_rps": best["rate_rps"] if best else 0.0,
+            "gpus": best["gpus"] if best else None, "goodput_rps_per_gpu": per_gpu,
+            "probes": sorted(probes, key=lambda p: p["rate_scale"])}
+
+
+def sweep_ratio(run_split: Callable[[int, int], Run], gpus: int, **search) -> dict[str, Any]:
+    """`run_split(prefill, decode)` gives the run for one split; prefill 0 is aggregated."""
+    rows = []
+    for p in range(0, gpus):
+        res = goodput(run_split(p, gpus - p), **search)
+        rows.append({"prefill": p, "decode": gpus - p, **{k: v for k, v in res.items() if k != "probes"}})
+    pd_rows = [r for r in rows if r["prefill"] > 0]
+    best = max(pd_rows, key=lambda r: r["goodput_rps_per_gpu"], default=None)
+    return {"gpus": gpus, "splits": rows, "best": best, "aggregated": rows[0]}

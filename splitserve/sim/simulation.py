@@ -1,0 +1,289 @@
+"""Simulation: a workload replayed on simulated pools, each request owned from arrival to end.
+
+A request's life, as on a Ray cluster (docs/architecture.md), on the simulated clock:
+  arrival → (+ ingress_s) the router places it (real policy, PD decider) and admission decides
+  (real `Admission`, from the workers' last reports) → the prefill worker's engine computes the
+  prompt (prefill_only) → its first token reaches the client (+ stream_s) → (+ handoff_s) the
+  decode worker allocates the context's blocks (`add_pulled`; out of blocks: it recomputes the
+  prompt itself, as the real one does) → the KV moves (Link: bytes / bandwidth + latency, by
+  node) → `kv_ready`, the prefill side frees its blocks (the ack) → decode steps stream the
+  rest. The aggregated path (no prefill pool, or a prompt the PD decider keeps on the decode
+  worker) prefills on the decode worker. `_end` frees what the request holds — its pending
+  counts and its admission slot — exactly once, whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from splitserve.autoscale import AutoscaleConfig, Autoscaler, RequestSample
+from splitserve.engine.kv_cache import OutOfBlocks
+from splitserve.router.admission import Admission, AdmissionConfig, Decision, Plan
+from splitserve.router.policy import NoCapacity, make_router
+from splitserve.sim.cost import CostModel
+from splitserve.sim.engine import SimEngine
+from splitserve.sim.events import EventLoop
+from splitserve.sim.pools import SimPools
+from splitserve.sim.router import SimRouter
+from splitserve.sim.worker import HostCPU, SimWorker
+from splitserve.sim.workload import PrefixHasher, SimRequestSpec, Workload
+from splitserve.types import ConfigError, PromptHashes, Request, Role, SamplingParams, TokenChunk, WorkerId, WorkerState
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    prefill: int = 1  # workers at the start (0: aggregated — decode workers prefill)
+    decode: int = 1
+    policy: str = "cache_aware"
+    disagg_min_tokens: int = 32
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 131072
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    admission: bool = True
+    max_inflight: int = 1_000_000  # one router's cap; a fleet of routers has many
+    autoscale: AutoscaleConfig | None = None
+    gpus_per_node: int = 8
+    layout: str = "by-role"
+    worker_start_s: float = 30.0  # an autoscaled worker: asked for → READY (model load)
+    report_interval_s: float = 0.05  # how often a router reads a worker's load
+    ingress_s: float = 0.0  # arrival → on a worker's queue (HTTP, tokenize, route, RPC)
+    handoff_s: float = 0.0  # prefill's first token → the decode worker starts its pull
+    stream_s: float = 0.0  # a token from the engine to the client
+    host_cores: int | None = None  # CPU serving: the cores a node's workers share (None: a device each)
+
+    def __post_init__(self) -> None:
+        if self.decode < 1 and self.autoscale is None:
+            raise ConfigError("the simulated cluster needs at least one decode worker")
+        if self.prefill < 0:
+            raise ConfigError("prefill workers must be >= 0")
+        for n in ("ingress_s", "handoff_s", "stream_s", "worker_start_s"):
+            if getattr(self, n) < 0:
+                raise ConfigError(f"{n} must be >= 0")
+        if self.report_interval_s <= 0:
+            raise ConfigError("report_interval_s must be > 0")
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One request's state and timings (simulated seconds)."""
+
+    spec: SimRequestSpec
+    req: Request
+    phase: str = "placing"  # placing → prefill → handoff → decode → done
+    tickets: dict = field(default_factory=dict)
+    decision: Decision | None = None
+    prefill: WorkerId | None = None
+    decode: WorkerId | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one request measured: the row the summary is built from."""
+
+    index: int
+    status: str  # ok | rejected (admission: 429) | failed (no capacity: 503)
+    arrival_s: float
+    end_s: float
+    ttft_s: float | None
+    tpot_s: float | None
+    output_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    disaggregated: bool
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, cost: CostModel, workload: Workload) -> None:
+        self.config, self.cost, self.workload = config, cost, workload
+        self.loop = EventLoop()
+        policy = make_router(config.policy, disagg_min_tokens=config.disagg_min_tokens)
+        self.router = SimRouter(policy, lambda: self.loop.now, config.block_size)
+        self.admission = Admission(AdmissionConfig(max_inflight=config.max_inflight, ttft_slo_ms=config.ttft_slo_ms,
+                                                   tpot_slo_ms=config.tpot_slo_ms, enabled=config.admission))
+        self.autoscaler = Autoscaler(config.autoscale) if config.autoscale is not None else None
+        self.pools = SimPools(self.loop, self.router, self._make_worker, config.gpus_per_node, config.layout,
+                              config.worker_start_s)
+        self.hasher = PrefixHasher(config.block_size, workload.tokens_per_hash)
+        self.targets: dict[Role, int] = {Role.PREFILL: config.prefill, Role.DECODE: config.decode}
+        self.requests: dict[str, SimRequest] = {}
+        self.outcomes: list[Outcome] = []
+        self.pool_sizes: list[dict] = []
+        self._next = 0
+        self._hosts: dict[str, HostCPU] = {}
+        self.wall_s = 0.0
+
+    # -- running ----------------------------------------------------------------------------------
+    def run(self) -> "Simulation":
+        t0 = time.perf_counter()
+        if self.autoscaler is not None:
+            for role in Role:
+                self.targets[role] = self.autoscaler.initial(role, self.targets[role])
+        for role in Role:
+            for _ in range(self.targets[role]):
+                self.pools.start(role, 0.0)
+        self._schedule_next_arrival()
+        if self.autoscaler is not None:
+            self.loop.after(self.autoscaler.config.interval_s, self._tick)
+        self.loop.run()
+        self.wall_s = time.perf_counter() - t0
+        self._check_drained()
+        return self
+
+    def _schedule_next_arrival(self) -> None:
+        reqs = self.workload.requests
+        if self._next < len(reqs):
+            spec = reqs[self._next]
+            self._next += 1
+            self.loop.at(max(self.loop.now, spec.arrival_s), self._arrive, spec)
+
+    def _busy(self) -> bool:
+        return self._next < len(self.workload.requests) or bool(self.requests)
+
+    def _make_worker(self, wid: WorkerId, role: Role, node: str, slot: int) -> SimWorker:
+        c = self.config
+        engine = SimEngine(self.cost, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+                           max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len)
+        host = None
+        if c.host_cores is not None:
+            host = self._hosts.setdefault(node, HostCPU(c.host_cores))
+        return SimWorker(wid, role, node, slot, engine, self.loop, self._on_chunk, self._on_report,
+                         c.report_interval_s, host)
+
+    def _on_report(self, w: SimWorker, stats, events, at: float) -> None:
+        self.router.report(w.id, stats, events, at)
+
+    # -- a request's life ---------------------------------------------------------------------------
+    def _arrive(self, spec: SimRequestSpec) -> None:
+        self._schedule_next_arrival()
+        bs = self.config.block_size
+        params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
+        prompt = spec.tokens if spec.tokens is not None else (1,) * spec.input_len
+        req = Request(f"r{spec.index}", prompt, params, arrival_time=spec.arrival_s,
+                      prompt_hashes=PromptHashes(bs, self.hasher.hashes(spec)))
+        sr = self.requests[req.request_id] = SimRequest(spec, req)
+        self.loop.after(self.config.ingress_s, self._place, sr)
+
+    def _place(self, sr: SimRequest) -> None:
+        rr = self.router.route_request(sr.req)
+        try:
+            pl, sr.tickets = self.router.place(rr)
+        except NoCapacity:
+            return self._end(sr, "failed")
+        first = pl.prefill if pl.prefill is not None else pl.decode
+        stats = self.router.stats
+        plan = Plan(first, stats.get(first), pl.decode, stats.get(pl.decode), pl.cached_tokens)
+        decision = self.admission.decide(plan, sr.req.priority, rr.num_tokens)
+        if not decision.admit:
+            return self._end(sr, "rejected")
+        sr.decision, sr.prefill, sr.decode = decision, pl.prefill, pl.decode
+        worker = self.pools.workers[first]
+        sr.phase = "prefill" if pl.prefill is not None else "decode"
+        worker.submit(sr.req, prefill_only=pl.prefill is not None)
+        self.router.pending.confirm(first, sr.tickets[first])
+
+    def _on_chunk(self, w: SimWorker, chunk: TokenChunk) -> None:
+        sr = self.requests[chunk.request_id]
+        now = self.loop.now + self.config.stream_s
+        if sr.tokens == 0:
+            sr.first_token_at = now
+            sr.cached_tokens = chunk.num_cached_tokens
+            self.admission.prefilled(sr.decision)
+        sr.tokens += 1
+        sr.last_token_at = now
+        if chunk.finish_reason is not None:
+            return self._end(sr, "ok")
+        if sr.phase == "prefill":
+            sr.phase = "handoff"
+            self.loop.after(self.config.handoff_s, self._pull, sr, w, chunk.token_ids[-1])
+
+    def _pull(self, sr: SimRequest, pw: SimWorker, first_token: int) -> None:
+        dw = self.pools.workers[sr.decode]
+        self.router.pending.confirm(dw.id, sr.tickets[dw.id])
+        try:
+            dw.engine.add_pulled(sr.req, first_token)
+        except OutOfBlocks:  # as the real decode worker: free the source now, compute it here
+            self._release_source(sr, pw)
+            sr.phase = "decode"
+            dw.submit(sr.req, outputs=(first_token,))
+            return
+        nbytes = sr.spec.input_len * self.cost.kv_bytes_per_token
+        self.loop.after(self.cost.link.transfer_s(nbytes, pw.node == dw.node), self._landed, sr, pw, dw)
+
+    def _landed(self, sr: SimRequest, pw: SimWorker, dw: SimWorker) -> None:
+        dw.engine.kv_ready(sr.req.request_id)
+        sr.phase = "decode"
+        dw.kick()
+        self._release_source(sr, pw)
+
+    def _release_source(self, sr: SimRequest, pw: SimWorker) -> None:
+        if not pw.engine.release_detached(sr.req.request_id):
+            raise AssertionError(f"{sr.req.request_id}: its prefill blocks were freed twice")
+        pw.kick()  # freed blocks may let a waiting prompt in
+
+    def _end(self, sr: SimRequest, status: str) -> None:
+        if sr.phase == "done":
+            raise AssertionError(f"{sr.req.request_id} ended twice")
+        sr.phase = "done"
+        del self.requests[sr.req.request_id]
+        for wid, ticket in sr.tickets.items():
+            self.router.pending.done(wid, ticket)
+        ttft = tpot = None
+        if sr.first_token_at is not None:
+            ttft = sr.first_token_at - sr.spec.arrival_s
+            if sr.tokens >= 2:
+                tpot = (sr.last_token_at - sr.first_token_at) / (sr.tokens - 1)
+        if sr.decision is not None:
+            self.admission.finished(sr.decision, ttft)
+        if self.autoscaler is not None and status == "ok":
+            self.autoscaler.record([RequestSample(self.loop.now, ttft, tpot)])
+        self.outcomes.append(Outcome(sr.spec.index, status, sr.spec.arrival_s, self.loop.now, ttft, tpot, sr.tokens,
+                                     sr.spec.input_len, sr.cached_tokens, sr.prefill is not None))
+
+    # -- the pools over time -------------------------------------------------------------------------
+    def _tick(self) -> None:
+        pools, scaler = self.pools, self.autoscaler
+        ready = {r: {str(w.id): w.engine.stats() for w in pools.ready(r)} for r in Role}
+        starting = {r: sum(w.state is WorkerState.STARTING for w in pools.live(r)) for r in Role}
+        d = scaler.tick(self.loop.now, dict(self.targets), ready[Role.PREFILL], ready[Role.DECODE], starting)
+        for role in Role:
+            if d.target(role) != self.targets[role]:
+                self.targets[role] = d.target(role)
+                pools.scale(role, d.target(role))
+        self.pool_sizes.append({"t": round(self.loop.now, 3), "prefill": len(pools.ready(Role.PREFILL)),
+                                "decode": len(pools.ready(Role.DECODE)), "prefill_target": self.targets[Role.PREFILL],
+                                "decode_target": self.targets[Role.DECODE],
+                                "reason": f"{d.prefill_reason}/{d.decode_reason}"})
+        if self._busy():
+            self.loop.after(scaler.config.interval_s, self._tick)
+
+    def _check_drained(self) -> None:
+        """The invariants a finished run must hold: every request ended once, every worker
+        empty with its block pool consistent, no pending count or admission slot left."""
+        if self.requests:
+            raise AssertionError(f"{len(self.requests)} requests never ended")
+        if len(self.outcomes) != len(self.workload.requests):
+            raise AssertionError(f"{len(self.outcomes)} outcomes for {len(self.workload.requests)} requests")
+        for w in self.pools.workers.values():
+            if not w.idle:
+                raise AssertionError(f"{w.id} still holds work at the end")
+            w.engine.check_invariants()
+            if w.engine.pool.num_in_use:
+                raise AssertionError(f"{w.id}: {w.engine.pool.num_in_use} blocks in use at the end")
+        if self.admission.inflight:
+            raise AssertionError(f"admission counts {self.admission.inflight} requests in flight at the end")
+        for wid in self.router.roles:
+            if self.router.pending.count(wid, float("inf")):
+                raise AssertionError(f"{wid}: pending placements left at the end")
+
+
+def replace(config: SimConfig, **changes) -> SimConfig:
+    return dataclasses.replace(config, **changes)
