@@ -328,3 +328,27 @@ def _hashes(rr):
     from splitserve.types import PromptHashes
 
     return PromptHashes(rr.block_size, rr.block_hashes)
+
+
+def test_the_simulated_prompts_share_exactly_the_blocks_the_bench_prompts_share():
+    """`splitserve bench --dataset mooncake --length-scale` and `splitserve simulate
+    --length-scale` read one trace alike: any two prompts have as many equal leading blocks."""
+    from splitserve.bench.datasets import scale_lengths, trace_requests
+    from splitserve.hashing import block_hashes
+    from splitserve.sim.workload import PrefixHasher
+
+    recs = [TraceRecord(0, 1700, 4, (1, 2, 3, 4)), TraceRecord(0, 2100, 4, (1, 2, 9)),
+            TraceRecord(0, 900, 4, (1, 2, 3)), TraceRecord(0, 3000, 4, (5,))]
+    scale = 1 / 32
+    bench = [block_hashes(r.prompt, 16) for r in trace_requests(scale_lengths(recs, scale), block_size=16)]
+    hasher = PrefixHasher(16, 16)
+    sim = [hasher.hashes(s) for s in from_records(recs, length_scale=scale).requests]
+
+    def common(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    assert [len(h) for h in bench] == [len(h) for h in sim]
+    for i in range(len(recs)):
+        for j in range(len(recs)):
+            assert common(bench[i], bench[j]) == common(sim[i], sim[j]), (i, j)
+    assert common(sim[0], sim[1]) == 2 and common(sim[0], sim[2]) == 1 and common(sim[0], sim[3]) == 0
