@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from splitserve.engine.kv_cache import BlockPool
@@ -30,8 +29,7 @@ class Scheduled(NamedTuple):  # a tuple: built for every row of every step (the 
     num_new_tokens: int
 
 
-@dataclass(frozen=True)
-class SchedulerOutput:
+class SchedulerOutput(NamedTuple):  # one per step
     scheduled: tuple[Scheduled, ...]  # decodes (one new token) first, then prefill chunks
     preempted: tuple[Sequence, ...]
 
@@ -105,13 +103,14 @@ class Scheduler:
                     admitting = False  # memory is short: admitting more would only thrash
             if admitting:
                 budget, admitting = self._admit(prio, budget, out, preempted)
-        out.sort(key=lambda s: s.num_new_tokens != 1)  # stable: one-token rows form the decode batch
+        if len(out) > 1:
+            out.sort(key=lambda s: s.num_new_tokens != 1)  # stable: one-token rows form the decode batch
         return SchedulerOutput(tuple(out), tuple(preempted))
 
     def _grow_or_preempt(self, seq: Sequence, n: int, out: list[Scheduled], preempted: list[Sequence]) -> bool:
         """Give `seq` blocks for n more tokens, preempting newer/lower-priority running
         sequences not yet scheduled this step. False if `seq` itself had to go."""
-        need = self._blocks_needed(seq, seq.num_computed_tokens + n)
+        need = -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.block_ids)
         if need > self.pool.num_available:  # rare: the set costs O(batch), once per sequence short of blocks
             scheduled = {id(s.seq) for s in out}
             while need > self.pool.num_available:
@@ -121,7 +120,7 @@ class Scheduler:
                 self._preempt(victim, preempted)
                 if victim is seq:
                     return False
-        if need:
+        if need > 0:
             seq.block_ids += self.pool.allocate(need)
         return True
 
@@ -193,9 +192,6 @@ class Scheduler:
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
-
-    def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        return self._blocks_needed_from(len(seq.block_ids), num_tokens)
 
     def _blocks_needed_from(self, have: int, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - have)

@@ -21,7 +21,9 @@ class EventLoop:
         heapq.heappush(self._heap, (t, next(self._seq), fn, args))
 
     def after(self, dt: float, fn: Callable, *args) -> None:
-        self.at(self.now + dt, fn, *args)
+        if dt < 0:
+            raise ValueError(f"an event {dt} s in the past")
+        heapq.heappush(self._heap, (self.now + dt, next(self._seq), fn, args))
 
     def run(self, until: float = float("inf")) -> None:
         heap, pop = self._heap, heapq.heappop
