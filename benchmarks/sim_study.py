@@ -1,5 +1,9 @@
-"""Where disaggregation wins: goodput per GPU at 90% attainment of TTFT 1 s / TPOT 50 ms, on a
-simulated H200 (roofline) serving Llama-3-8B, for the Mooncake conversation and synthetic traces.
+"""Where disaggregation wins: goodput per GPU at 90% attainment of a TTFT target and TPOT 50 ms, on
+a simulated H200 (roofline) serving Llama-3-8B, for the Mooncake conversation and synthetic traces.
+The issue's TTFT target is 1 s; one H200 prefills ~27K tokens of Llama-3-8B in about 1 s at these
+efficiencies, and a tenth of the conversation prompts (a sixth of the synthetic ones) are longer,
+so 90% within 1 s is out of reach for any rate without parallelism inside a prefill (the best
+attainment each configuration reached is reported); 3 s is studied as well.
 
 Per trace (its first `--requests` requests, the rate multiplied until 90% no longer meet both
 SLOs, DistServe's method), at `--gpus` GPUs:
@@ -13,7 +17,7 @@ SLOs, DistServe's method), at `--gpus` GPUs:
 
 Writes results/sim_study.json and results/sim_study.png.
 
-    python benchmarks/sim_study.py [--traces conversation synthetic] [--gpus 8] [--requests 2000]
+    python benchmarks/sim_study.py [--traces conversation synthetic] [--ttft-slo-ms 1000 3000] [--gpus 8]
 """
 
 from __future__ import annotations
@@ -37,14 +41,14 @@ from splitserve.sim.simulation import SimConfig, Simulation  # noqa: E402
 from splitserve.sim.workload import from_trace  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "mooncake"
-TTFT_MS, TPOT_MS = 1000.0, 50.0
+TPOT_MS = 50.0
 
 
 def search_one(job: tuple) -> dict:
-    trace, requests, name, cfg_kw, iters = job
+    trace, requests, name, cfg_kw, iters, ttft_ms = job
     w = from_trace(DATA / f"{trace}_trace.jsonl", requests)
     cost = RooflineCost(gpu("h200"), model_shape("llama-3-8b"))
-    base = dict(block_size=64, ttft_slo_ms=TTFT_MS, tpot_slo_ms=TPOT_MS)
+    base = dict(block_size=64, ttft_slo_ms=ttft_ms, tpot_slo_ms=TPOT_MS)
     cfg = SimConfig(**{**base, **cfg_kw})
     last: dict = {}
 
@@ -54,25 +58,32 @@ def search_one(job: tuple) -> dict:
                                          "disaggregated_share", "pool_sizes", "busy_share")}
         return s
 
-    res = search.goodput(run, start=1.0, iters=iters)
+    res = search.goodput(run, start=1.0, iters=iters, min_scale=1 / 8)
     at = last.get(res["rate_scale"], {})
-    return {"trace": trace, "name": name, "config": {k: str(v) for k, v in cfg_kw.items()}, **res,
+    return {"trace": trace, "name": name, "ttft_slo_ms": ttft_ms, "config": {k: str(v) for k, v in cfg_kw.items()}, **res,
             "at_best": {k: v for k, v in at.items() if k != "pool_sizes"},
             "pool_sizes_at_best": at.get("pool_sizes", [])[-40:]}
 
 
-def jobs(trace: str, gpus: int, requests: int, iters: int) -> list[tuple]:
+def jobs(trace: str, gpus: int, requests: int, iters: int, ttft_ms: float) -> list[tuple]:
     out = []
     for budget in (512, 1024, 2048):
-        out.append((trace, requests, f"aggregated/{budget}", dict(prefill=0, decode=gpus, max_num_batched_tokens=budget), iters))
+        out.append(dict(prefill=0, decode=gpus, max_num_batched_tokens=budget))
     for p in range(1, gpus):
-        out.append((trace, requests, f"pd/{p}:{gpus - p}", dict(prefill=p, decode=gpus - p), iters))
-    auto = AutoscaleConfig(prefill=Bounds(1, gpus), decode=Bounds(1, gpus), interval_s=2.0, ttft_slo_s=TTFT_MS / 1e3,
+        out.append(dict(prefill=p, decode=gpus - p))
+    auto = AutoscaleConfig(prefill=Bounds(1, gpus), decode=Bounds(1, gpus), interval_s=2.0, ttft_slo_s=ttft_ms / 1e3,
                            tpot_slo_s=TPOT_MS / 1e3, up_cooldown_s=6.0, down_cooldown_s=30.0, window_s=10.0,
                            rate_window_s=6.0)
-    out.append((trace, requests, "autoscaler", dict(prefill=gpus // 2, decode=gpus - gpus // 2, autoscale=auto,
-                                                    worker_start_s=10.0), iters))
-    return out
+    out.append(dict(prefill=gpus // 2, decode=gpus - gpus // 2, autoscale=auto, worker_start_s=10.0))
+    return [(trace, requests, _name(kw), kw, iters, ttft_ms) for kw in out]
+
+
+def _name(kw: dict) -> str:
+    if "autoscale" in kw:
+        return "autoscaler"
+    if kw["prefill"] == 0:
+        return f"aggregated/{kw['max_num_batched_tokens']}"
+    return f"pd/{kw['prefill']}:{kw['decode']}"
 
 
 def summarize_trace(rows: list[dict]) -> dict:
@@ -85,7 +96,9 @@ def summarize_trace(rows: list[dict]) -> dict:
     return {"aggregated": agg and agg["name"], "aggregated_goodput_per_gpu": agg and agg["goodput_rps_per_gpu"],
             "best_pd": pd and pd["name"], "best_pd_goodput_per_gpu": pd and pd["goodput_rps_per_gpu"],
             "autoscaler_goodput_per_gpu": auto and auto["goodput_rps_per_gpu"],
-            "pd_over_aggregated": pd and ratio(pd), "autoscaler_over_aggregated": auto and ratio(auto)}
+            "pd_over_aggregated": pd and ratio(pd), "autoscaler_over_aggregated": auto and ratio(auto),
+            "best_attainment_seen": {g: max((r["best_attainment_seen"] for r in rows if r["name"].startswith(g)),
+                                            default=None) for g in ("aggregated", "pd/", "autoscaler")}}
 
 
 def plot(res: dict, path: Path) -> None:
@@ -94,16 +107,15 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    traces = list(res["traces"])
-    fig, axes = plt.subplots(1, len(traces), figsize=(7 * len(traces), 4), squeeze=False)
-    for ax, t in zip(axes[0], traces):
+    keys = list(res["traces"])
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
+    for ax, t in zip(axes[0], keys):
         rows = res["traces"][t]["rows"]
         names = [r["name"] for r in rows]
         colors = ["tab:gray" if n.startswith("agg") else "tab:green" if n == "autoscaler" else "tab:blue" for n in names]
         ax.bar(range(len(rows)), [r["goodput_rps_per_gpu"] for r in rows], color=colors)
         ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=8)
-        ax.set(title=f"{t}: goodput per GPU at 90% of TTFT {TTFT_MS:g} ms / TPOT {TPOT_MS:g} ms",
-               ylabel="req/s per GPU")
+        ax.set(title=f"{t}: goodput/GPU, 90% within TTFT / TPOT {TPOT_MS:g} ms", ylabel="req/s per GPU")
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -113,21 +125,25 @@ def plot(res: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", nargs="+", default=["conversation", "synthetic"])
+    ap.add_argument("--ttft-slo-ms", type=float, nargs="+", default=[1000.0, 3000.0],
+                    help="TTFT targets to study (default: the issue's 1 s, and 3 s)")
     ap.add_argument("--gpus", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--iters", type=int, default=5, help="bisection steps after the doubling (default 5)")
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--iters", type=int, default=4, help="bisection steps after the doubling (default 4)")
     ap.add_argument("--workers", type=int, default=2, help="searches run in parallel (default 2)")
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_study.json"))
     a = ap.parse_args()
     out = Path(a.out)
-    res = {"gpu": "h200", "model": "llama-3-8b", "gpus": a.gpus, "requests": a.requests,
-           "slo": {"ttft_ms": TTFT_MS, "tpot_ms": TPOT_MS, "attainment": 0.9}, "traces": {}}
+    res = {"gpu": "h200", "model": "llama-3-8b", "gpus": a.gpus, "requests": a.requests, "block_size": 64,
+           "slo": {"tpot_ms": TPOT_MS, "attainment": 0.9, "ttft_ms": a.ttft_slo_ms}, "traces": {}}
     with ProcessPoolExecutor(a.workers) as pool:
-        for t in a.traces:
-            rows = list(pool.map(search_one, jobs(t, a.gpus, a.requests, a.iters)))
-            res["traces"][t] = {"summary": summarize_trace(rows), "rows": rows}
-            print(t, json.dumps(res["traces"][t]["summary"]), flush=True)
-            out.write_text(json.dumps(res, indent=2) + "\n")
+        for ttft in a.ttft_slo_ms:
+            for t in a.traces:
+                rows = list(pool.map(search_one, jobs(t, a.gpus, a.requests, a.iters, ttft)))
+                key = f"{t}@ttft{ttft:g}ms"
+                res["traces"][key] = {"summary": summarize_trace(rows), "rows": rows}
+                print(key, json.dumps(res["traces"][key]["summary"]), flush=True)
+                out.write_text(json.dumps(res, indent=2) + "\n")
     plot(res, out.with_suffix(".png"))
     print(f"wrote {out}")
 

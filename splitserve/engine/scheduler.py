@@ -95,7 +95,9 @@ class Scheduler:
             for seq in list(self.running) if len(classes) == 1 else [s for s in self.running if s.request.priority == prio]:
                 if seq.status is not SeqStatus.RUNNING or budget == 0:
                     continue
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                n = seq.num_tokens - seq.num_computed_tokens
+                if n > budget:
+                    n = budget
                 if self._grow_or_preempt(seq, n, out, preempted):
                     out.append(Scheduled(seq, n))
                     budget -= n

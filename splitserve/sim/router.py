@@ -69,8 +69,9 @@ class SimRouter:
         if self._clock() >= self._views_lapse:
             self._stale()
         got = self._lists.get(role)
-        if got is None:
-            got = self._lists[role] = tuple(self._view(w) for w, r in self.roles.items() if r is role)
+        if got is None:  # the views that did not change are reused as they are
+            cached, view = self._views, self._view
+            got = self._lists[role] = tuple(cached.get(w) or view(w) for w, r in self.roles.items() if r is role)
         return got
 
     def _view(self, wid: WorkerId) -> WorkerView:

@@ -14,8 +14,10 @@ from typing import Any, Callable
 Run = Callable[[float], dict[str, Any]]  # rate scale -> summary
 
 
-def goodput(run: Run, start: float = 1.0, target: float = 0.9, iters: int = 7, max_scale: float = 1e6
-            ) -> dict[str, Any]:
+def goodput(run: Run, start: float = 1.0, target: float = 0.9, iters: int = 7, max_scale: float = 1e6,
+            min_scale: float | None = None) -> dict[str, Any]:
+    """`min_scale`: give up below this rate scale (default start / 1024): some SLOs no rate meets,
+    e.g. a TTFT target shorter than the longest prompts' prefill."""
     probes: list[dict[str, Any]] = []
 
     def ok(scale: float) -> bool:
@@ -32,7 +34,7 @@ def goodput(run: Run, start: float = 1.0, target: float = 0.9, iters: int = 7, m
         hi = lo * 2
     else:  # halve until it meets
         lo, hi = 0.0, start
-        while hi / 2 >= start / 1024:
+        while hi / 2 >= (start / 1024 if min_scale is None else min_scale):
             if ok(hi / 2):
                 lo = hi / 2
                 break
@@ -42,9 +44,10 @@ def goodput(run: Run, start: float = 1.0, target: float = 0.9, iters: int = 7, m
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     best = next((p for p in probes if p["rate_scale"] == lo), None)
+    most = max((p["slo_attainment"] or 0.0 for p in probes), default=0.0)
     per_gpu = best["rate_rps"] / best["gpus"] if best and best["rate_rps"] and best["gpus"] else 0.0
     return {"target": target, "rate_scale": lo, "rate_rps": best["rate_rps"] if best else 0.0,
-            "gpus": best["gpus"] if best else None, "goodput_rps_per_gpu": per_gpu,
+            "gpus": best["gpus"] if best else None, "goodput_rps_per_gpu": per_gpu, "best_attainment_seen": most,
             "probes": sorted(probes, key=lambda p: p["rate_scale"])}
 
 
