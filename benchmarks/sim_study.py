@@ -136,9 +136,15 @@ def main() -> None:
     out = Path(a.out)
     res = {"gpu": "h200", "model": "llama-3-8b", "gpus": a.gpus, "requests": a.requests, "block_size": 64,
            "slo": {"tpot_ms": TPOT_MS, "attainment": 0.9, "ttft_ms": a.ttft_slo_ms}, "traces": {}}
+    if out.exists():  # go on from a run that stopped: what it finished stays
+        done = json.loads(out.read_text())
+        if all(done.get(k) == res[k] for k in ("gpus", "requests", "block_size")):
+            res["traces"] = done["traces"]
     with ProcessPoolExecutor(a.workers) as pool:
         for ttft in a.ttft_slo_ms:
             for t in a.traces:
+                if f"{t}@ttft{ttft:g}ms" in res["traces"]:
+                    continue
                 rows = list(pool.map(search_one, jobs(t, a.gpus, a.requests, a.iters, ttft)))
                 key = f"{t}@ttft{ttft:g}ms"
                 res["traces"][key] = {"summary": summarize_trace(rows), "rows": rows}

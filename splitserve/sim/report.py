@@ -55,6 +55,7 @@ def summarize(sim: Simulation) -> dict[str, Any]:
         "prefix_hit_rate": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
         "disaggregated_share": sum(o.disaggregated for o in ok) / len(ok) if ok else 0.0,
         "preemptions": sum(w.engine.scheduler.num_preemptions for w in workers),
+        "migrations": sum(o.migrations for o in outs),
         "busy_share": {r.value: _busy(sim, r, end) for r in Role},
         "sim_s": end,
         "wall_s": sim.wall_s,

@@ -83,6 +83,7 @@ class SimRequest:
     last_token_at: float | None = None
     tokens: int = 0
     cached_tokens: int = 0
+    migrations: int = 0  # decode placed again (its worker left before the handoff)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,7 @@ class Outcome:
     prompt_tokens: int
     cached_tokens: int
     disaggregated: bool
+    migrations: int = 0
 
 
 class Simulation:
@@ -206,7 +208,12 @@ class Simulation:
             self.loop.after(self.config.handoff_s, self._pull, sr, w, chunk.token_ids[-1])
 
     def _pull(self, sr: SimRequest, pw: SimWorker, first_token: int) -> None:
-        dw = self.pools.workers[sr.decode]
+        dw = self.pools.workers.get(sr.decode)
+        if dw is None:  # drained and stopped while the prompt was computed: placed again, as a RequestRun migrates
+            dw = self._replace_decode(sr)
+            if dw is None:
+                self._release_source(sr, pw)
+                return self._end(sr, "failed")
         self.router.pending.confirm(dw.id, sr.tickets[dw.id])
         try:
             dw.engine.add_pulled(sr.req, first_token)
@@ -217,6 +224,19 @@ class Simulation:
             return
         nbytes = sr.spec.input_len * self.cost.kv_bytes_per_token
         self.loop.after(self.cost.link.transfer_s(nbytes, pw.node == dw.node), self._landed, sr, pw, dw)
+
+    def _replace_decode(self, sr: SimRequest) -> SimWorker | None:
+        self.router.pending.done(sr.decode, sr.tickets.pop(sr.decode))
+        try:
+            pl, tickets = self.router.place(self.router.route_request(sr.req))
+        except NoCapacity:
+            return None
+        for wid, t in tickets.items():  # only the decode side is placed again
+            if wid != pl.decode:
+                self.router.pending.done(wid, t)
+        sr.decode, sr.tickets[pl.decode] = pl.decode, tickets[pl.decode]
+        sr.migrations += 1
+        return self.pools.workers[pl.decode]
 
     def _landed(self, sr: SimRequest, pw: SimWorker, dw: SimWorker) -> None:
         dw.engine.kv_ready(sr.req.request_id)
@@ -246,7 +266,7 @@ class Simulation:
         if self.autoscaler is not None and status == "ok":
             self.autoscaler.record([RequestSample(self.loop.now, ttft, tpot)])
         self.outcomes.append(Outcome(sr.spec.index, status, sr.spec.arrival_s, self.loop.now, ttft, tpot, sr.tokens,
-                                     sr.spec.input_len, sr.cached_tokens, sr.prefill is not None))
+                                     sr.spec.input_len, sr.cached_tokens, sr.prefill is not None, sr.migrations))
 
     # -- the pools over time -------------------------------------------------------------------------
     def _tick(self) -> None:

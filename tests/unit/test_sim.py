@@ -352,3 +352,23 @@ def test_the_simulated_prompts_share_exactly_the_blocks_the_bench_prompts_share(
         for j in range(len(recs)):
             assert common(bench[i], bench[j]) == common(sim[i], sim[j]), (i, j)
     assert common(sim[0], sim[1]) == 2 and common(sim[0], sim[2]) == 1 and common(sim[0], sim[3]) == 0
+
+
+def test_a_decode_worker_drained_while_its_request_prefills_hands_the_request_to_another():
+    """The pools shrink while a prompt is computed: its decode worker, idle so far, drains and
+    stops before the handoff; the request is placed again on a decode worker still there and
+    ends with every token, nothing left held."""
+    w = Workload((SimRequestSpec(0, 0.0, 30000, 5),), 16)  # its prefill outlasts the drain grace
+    sim = Simulation(SimConfig(prefill=1, decode=2), linear(), w)
+    drained = []
+
+    def drain_its_decode_worker():
+        (sr,) = sim.requests.values()
+        drained.append(sr.decode)
+        sim.pools.drain(sim.pools.workers[sr.decode])
+
+    sim.loop.at(0.01, drain_its_decode_worker)
+    sim.run()
+    (o,) = sim.outcomes
+    assert o.status == "ok" and o.output_tokens == 5 and o.migrations == 1
+    assert [x.id for x in sim.pools.stopped] == drained
