@@ -193,7 +193,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_fidelity.json"))
     a = ap.parse_args()
     out = Path(a.out)
-    work = out.parent / "sim_fidelity"
+    work = out.parent / out.stem
     work.mkdir(parents=True, exist_ok=True)
     res = {"workload": {"trace": TRACE.name, "requests": a.requests, "length_scale": a.length_scale,
                         "max_output_len": a.max_output_len, "time_scale": a.time_scale}, "runs": []}
