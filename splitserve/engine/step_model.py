@@ -32,11 +32,6 @@ class StepTimeModel:
         if self._since_fit >= self._refit_every or self.num_samples <= 8:
             self._fit()
 
-    @property
-    def last(self) -> tuple[tuple[float, ...], float] | None:
-        """The last step observed: its features (as FEATURES) and seconds."""
-        return (self._rows[-1], self._times[-1]) if self._rows else None
-
     def _fit(self) -> None:
         self._since_fit = 0
         x = torch.tensor(list(self._rows), dtype=torch.float64)

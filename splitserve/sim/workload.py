@@ -51,9 +51,6 @@ class Workload:
                                     r.tokens) for r in self.requests)
         return Workload(reqs, self.tokens_per_hash, self.name)
 
-    def head(self, n: int | None) -> "Workload":
-        return self if n is None else Workload(self.requests[:n], self.tokens_per_hash, self.name)
-
 
 def from_trace(path: str | Path, max_requests: int | None = None, tokens_per_hash: int = MOONCAKE_BLOCK_SIZE,
                length_scale: float = 1.0, max_output_len: int | None = None) -> Workload:
