@@ -29,6 +29,7 @@ from splitserve.cluster.registry import RegistrySnapshot, WorkerRecord
 from splitserve.kv_transfer import choose_transport
 from splitserve.router.pending import Pending
 from splitserve.router.policy import RouteRequest, Router, WorkerView
+from splitserve.router.view_cache import ViewCache
 from splitserve.types import PromptHashes, Request, Role, WorkerId, WorkerState, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,7 @@ class Directory:
         self.router_id = uuid.uuid4().hex  # each router replica acknowledges KV events on its own
         self._clock = clock
         self.pending = Pending(clock=clock, on_change=self._stale)
-        self._views: dict[WorkerId, WorkerView] = {}  # built once per change of a worker's facts
-        self._lists: dict[Role | None, tuple[WorkerView, ...]] = {}
-        self._views_lapse = float("inf")  # when some cached view's pending count drops by itself
+        self._views = ViewCache(lambda wid: self.view(self.records[wid]), self.pending, clock)
         self.version = -1
         self.records: dict[WorkerId, WorkerRecord] = {}
         self._stats: dict[WorkerId, WorkerStats] = {}
@@ -201,29 +200,11 @@ class Directory:
     def views(self, role: Role | None = None) -> tuple[WorkerView, ...]:
         """The workers' views (of one role), the same objects until a worker's facts change:
         the policy re-scores only the views that are new (router/policy.py Pool)."""
-        if self._clock() >= self._views_lapse:
-            self._stale()
-        got = self._lists.get(role)
-        if got is None:
-            got = self._lists[role] = tuple(self._cached_view(r) for r in self.records.values()
-                                            if role is None or r.role is role)
-        return got
-
-    def _cached_view(self, rec: WorkerRecord) -> WorkerView:
-        v = self._views.get(rec.id)
-        if v is None:
-            v = self._views[rec.id] = self.view(rec)
-            self._views_lapse = min(self._views_lapse, self.pending.lapses_at(rec.id))
-        return v
+        return self._views.pool(role, lambda: (r.id for r in self.records.values() if role is None or r.role is role))
 
     def _stale(self, wid: WorkerId | None = None) -> None:
         """A worker's facts changed (None: any worker's): its view is built again when next asked."""
-        if wid is None:
-            self._views.clear()
-            self._views_lapse = float("inf")
-        else:
-            self._views.pop(wid, None)
-        self._lists.clear()
+        self._views.stale(wid)
 
     def ready(self) -> bool:
         return any(v.healthy for v in self.views(Role.DECODE))

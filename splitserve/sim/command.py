@@ -5,6 +5,7 @@ measures this machine's engine (sim/calibrate.py) and writes the cost model JSON
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from splitserve.sim.cost.roofline import RooflineCost
 from splitserve.sim.cost.shapes import model_shape
 from splitserve.sim.pools import LAYOUTS
 from splitserve.sim.report import format_summary, plot, summarize
-from splitserve.sim.simulation import SimConfig, Simulation, replace
+from splitserve.sim.simulation import SimConfig, Simulation
 from splitserve.sim.workload import Workload, from_bench, from_trace
 from splitserve.types import ConfigError
 
@@ -161,7 +162,7 @@ def _run(a: argparse.Namespace) -> int:
             return lambda scale: run_once(cfg, cost, workload.scaled(scale))[0]
 
         if a.sweep_ratio is not None:
-            result = search.sweep_ratio(lambda p, d: runner(replace(config, prefill=p, decode=d)), a.sweep_ratio,
+            result = search.sweep_ratio(lambda p, d: runner(dataclasses.replace(config, prefill=p, decode=d)), a.sweep_ratio,
                                         target=a.attainment)
             for r in result["splits"]:
                 print(f"P{r['prefill']}:D{r['decode']}  {r['rate_rps']:.3f} req/s  "

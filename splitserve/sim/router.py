@@ -1,6 +1,6 @@
 """SimRouter: one router replica's view of the simulated pools, running the real placement
 policy (router/policy.py: filters, scorers, the PD decider) over the real KV index fed with the
-workers' KV events, the real `Pending` counts and the real `WorkerView.of`, as
+workers' KV events, the real `Pending` counts, `WorkerView.of` and `ViewCache`, as
 cluster/directory.py does on a Ray cluster — only the snapshots arrive by simulated reports
 instead of polls."""
 
@@ -8,22 +8,20 @@ from __future__ import annotations
 
 from splitserve.router.pending import Pending
 from splitserve.router.policy import Placement, RouteRequest, Router, WorkerView
+from splitserve.router.view_cache import ViewCache
 from splitserve.types import Request, Role, WorkerId, WorkerState, WorkerStats
 
 
 class SimRouter:
     def __init__(self, policy: Router, clock, block_size: int) -> None:
         self.policy, self.block_size = policy, block_size
-        self._clock = clock
         self.pending = Pending(clock=clock, on_change=self._stale)
+        self._views = ViewCache(self._view, self.pending, clock)
         self.hosts: dict[WorkerId, str] = {}
         self.roles: dict[WorkerId, Role] = {}
         self.states: dict[WorkerId, WorkerState] = {}
         self.stats: dict[WorkerId, WorkerStats] = {}
         self._seen_at: dict[WorkerId, float] = {}
-        self._views: dict[WorkerId, WorkerView] = {}
-        self._lists: dict[Role, tuple[WorkerView, ...]] = {}
-        self._views_lapse = float("inf")
         self.decisions = 0
 
     # -- the registry: what the Controller's snapshot would say -----------------------------------
@@ -66,27 +64,12 @@ class SimRouter:
         return pl, tickets
 
     def views(self, role: Role) -> tuple[WorkerView, ...]:
-        if self._clock() >= self._views_lapse:
-            self._stale()
-        got = self._lists.get(role)
-        if got is None:  # the views that did not change are reused as they are
-            cached, view = self._views, self._view
-            got = self._lists[role] = tuple(cached.get(w) or view(w) for w, r in self.roles.items() if r is role)
-        return got
+        return self._views.pool(role, lambda: (w for w, r in self.roles.items() if r is role))
 
     def _view(self, wid: WorkerId) -> WorkerView:
-        v = self._views.get(wid)
-        if v is None:
-            pending = self.pending.count(wid, self._seen_at.get(wid))
-            v = self._views[wid] = WorkerView.of(wid, self.roles[wid], self.hosts[wid], self.stats.get(wid), pending,
-                                                 True, self.states[wid] is WorkerState.DRAINING)
-            self._views_lapse = min(self._views_lapse, self.pending.lapses_at(wid))
-        return v
+        pending = self.pending.count(wid, self._seen_at.get(wid))
+        return WorkerView.of(wid, self.roles[wid], self.hosts[wid], self.stats.get(wid), pending, True,
+                             self.states[wid] is WorkerState.DRAINING)
 
     def _stale(self, wid: WorkerId | None = None) -> None:
-        if wid is None:
-            self._views.clear()
-            self._views_lapse = float("inf")
-        else:
-            self._views.pop(wid, None)
-        self._lists.clear()
+        self._views.stale(wid)

@@ -14,7 +14,6 @@ A request's life, as on a Ray cluster (docs/architecture.md), on the simulated c
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -303,7 +302,3 @@ class Simulation:
         for wid in self.router.roles:
             if self.router.pending.count(wid, float("inf")):
                 raise AssertionError(f"{wid}: pending placements left at the end")
-
-
-def replace(config: SimConfig, **changes) -> SimConfig:
-    return dataclasses.replace(config, **changes)
