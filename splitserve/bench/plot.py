@@ -32,19 +32,29 @@ def plot_cdfs(results: Sequence[RequestResult], path: str | Path, title: str = "
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise RuntimeError("the latency plot needs matplotlib: pip install matplotlib") from e
-    path = Path(path)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, (name, values) in zip(axes, latency_series(results).items()):
-        if values:
-            ys = [(i + 1) / len(values) for i in range(len(values))]
-            ax.step(values, ys, where="post")
-        else:
-            ax.text(0.5, 0.5, "no samples", ha="center", va="center", transform=ax.transAxes)
-        ax.set(title=f"{name} CDF", xlabel=f"{name} (ms)", ylabel="fraction of requests", ylim=(0, 1.02))
-        ax.grid(alpha=0.3)
+        draw_cdf(ax, name, values)
+    return save(fig, path, title)
+
+
+def draw_cdf(ax, name: str, values_ms: Sequence[float]) -> None:
+    """One latency's empirical CDF on `ax` from its sorted values in ms ("no samples" if none)."""
+    if values_ms:
+        ax.step(values_ms, [(i + 1) / len(values_ms) for i in range(len(values_ms))], where="post")
+    else:
+        ax.text(0.5, 0.5, "no samples", ha="center", va="center", transform=ax.transAxes)
+    ax.set(title=f"{name} CDF", xlabel=f"{name} (ms)", ylabel="fraction of requests", ylim=(0, 1.02))
+    ax.grid(alpha=0.3)
+
+
+def save(fig, path: str | Path, title: str = "") -> Path:
+    """Title, lay out and write `fig` as a PNG, then free it."""
+    import matplotlib.pyplot as plt
+
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return path
+    return Path(path)

@@ -120,21 +120,18 @@ def plot(s: dict[str, Any], outcomes: list[Outcome], path: str | Path, title: st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = Path(path)
+    from splitserve.bench.plot import draw_cdf, save
+
     ok = [o for o in outcomes if o.status == "ok"]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for ax, (name, vals) in zip(axes, (("TTFT", [o.ttft_s for o in ok if o.ttft_s is not None]),
                                         ("TPOT", [o.tpot_s for o in ok if o.tpot_s is not None]))):
-        vals = sorted(v * 1e3 for v in vals)
-        if vals:
-            ax.step(vals, [(i + 1) / len(vals) for i in range(len(vals))], where="post")
+        draw_cdf(ax, name, sorted(v * 1e3 for v in vals))
         slo = s["slo"][f"{name.lower()}_ms"]
         if slo:
             ax.axvline(slo, color="red", ls="--", lw=1, label=f"SLO {slo:g} ms")
             ax.legend(loc="lower right")
-        ax.set(title=f"{name} CDF", xlabel=f"{name} (ms)", ylabel="fraction of requests", ylim=(0, 1.02))
         ax.set_xscale("log")
-        ax.grid(alpha=0.3)
     ax = axes[2]
     hist = s["pool_sizes"]
     if hist:
@@ -144,9 +141,4 @@ def plot(s: dict[str, Any], outcomes: list[Outcome], path: str | Path, title: st
         ax.legend()
     ax.set(title="workers READY", xlabel="simulated s", ylabel="workers")
     ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save(fig, path, title)
