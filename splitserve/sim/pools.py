@@ -114,8 +114,7 @@ class SimPools:
 
     # -- accounting ------------------------------------------------------------------------------
     def gpu_seconds(self, until: float) -> float:
-        every = list(self.workers.values()) + self.stopped
-        return sum((w.stopped_at if w.stopped_at is not None else until) - w.started_at for w in every)
+        return sum(w.held_s(until) for w in self.all_workers())
 
     def all_workers(self) -> list[SimWorker]:
         return list(self.workers.values()) + self.stopped

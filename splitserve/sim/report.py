@@ -76,7 +76,7 @@ def summarize(sim: Simulation) -> dict[str, Any]:
 
 def _busy(sim: Simulation, role: Role, end: float) -> float | None:
     ws = [w for w in sim.pools.all_workers() if w.role is role]
-    alive = sum((w.stopped_at if w.stopped_at is not None else end) - w.started_at for w in ws)
+    alive = sum(w.held_s(end) for w in ws)
     return sum(w.busy_s for w in ws) / alive if alive > 0 else None
 
 

@@ -46,6 +46,10 @@ class SimWorker:
         self._last_report = -1.0
         self._report_due = False
 
+    def held_s(self, until: float) -> float:
+        """Seconds this worker held its device, from being asked for to its stop (or `until`)."""
+        return (self.stopped_at if self.stopped_at is not None else until) - self.started_at
+
     # -- work in -------------------------------------------------------------------------------
     def submit(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = ()) -> None:
         self.engine.add_request(req, prefill_only=prefill_only, outputs=outputs)
