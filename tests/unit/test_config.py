@@ -1,6 +1,7 @@
 """Bad configuration and bad sampling parameters fail at construction, with a message that
 names the field and what would be accepted."""
 
+import dataclasses
 import json
 import math
 import shutil
@@ -100,3 +101,20 @@ def test_gpu_memory_utilization(tiny_checkpoint):
     # on a CPU it is not consulted: kv_cache_memory_gib sizes the cache
     llm = LLM(str(tiny_checkpoint("llama")), device="cpu", gpu_memory_utilization=0.9, kv_cache_memory_gib=0.001)
     assert llm.engine.pool.num_blocks * llm.engine.kv.bytes_per_block(2, 16, 2, 8, torch.float32) <= 0.001 * gib
+
+
+@pytest.mark.parametrize("checkpoint, amx, want", [
+    ("float32", True, torch.float32),  # full precision asked for: the same tokens on any CPU
+    ("float32", False, torch.float32),
+    ("bfloat16", True, torch.bfloat16),  # a half checkpoint: bf16 where AMX makes it pay
+    ("bfloat16", False, torch.float32),
+    (None, True, torch.bfloat16),
+])
+def test_auto_dtype_on_a_cpu(tiny_checkpoint, monkeypatch, checkpoint, amx, want):
+    from splitserve.engine.model import loader
+
+    monkeypatch.setattr(loader, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = dataclasses.replace(ModelConfig.from_dir(tiny_checkpoint("llama")), torch_dtype=checkpoint)
+    assert loader.resolve_dtype("auto", cfg) is want
+    assert loader.resolve_dtype("float16", cfg) is torch.float16  # a named dtype is never second-guessed

@@ -46,8 +46,11 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
         # GPUs want the checkpoint's half type. On a CPU, bf16 pays only with AMX tiles: an
         # AVX-512-BF16 dot product retires no more flops than fp32 FMAs do, and oneDNN's bf16
         # matmuls measured ~0.6x MKL's fp32 ones on such a CPU (see model/widened_linear.py).
+        # A float32 checkpoint stays float32 everywhere: it asked for full precision, and the
+        # same checkpoint must give the same tokens whichever CPU the worker lands on.
         if not torch.cuda.is_available():
-            return torch.bfloat16 if cpu_has_amx() else torch.float32
+            half = (cfg.torch_dtype or "bfloat16") in ("bfloat16", "float16")
+            return torch.bfloat16 if half and cpu_has_amx() else torch.float32
         return DTYPES.get(cfg.torch_dtype or "bfloat16", torch.bfloat16)
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; known: auto, {', '.join(DTYPES)}")
