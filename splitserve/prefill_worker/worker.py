@@ -11,6 +11,7 @@ Ray actor.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -21,6 +22,8 @@ from splitserve.kv_transfer.base import KVHandoff, TransferHeader, TransportEndp
 from splitserve.kv_transfer.regions import kv_checksum
 from splitserve.prefill_worker.leases import LeaseTable
 from splitserve.types import ConfigError, Request, TokenChunk
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,10 @@ class PrefillWorker(KVWorker):
         self.leases = LeaseTable(lease_s)
         self._reaper: asyncio.Task | None = None
         self._prefilling: set[str] = set()  # prefill() calls in progress
+        self._releasing: dict[str, asyncio.Task] = {}  # acknowledged leases whose blocks are being freed
 
     def held(self) -> int:
-        return super().held() + len(self._prefilling) + len(self.leases)
+        return super().held() + len(self._prefilling) + len(self.leases) + len(self._releasing)
 
     def endpoint(self, transport: str | None) -> TransportEndpoint:
         """The endpoint a reader pulls this handoff through (None: this worker's first)."""
@@ -100,13 +104,26 @@ class PrefillWorker(KVWorker):
 
     async def ack(self, lease_id: str) -> bool:
         """The reader is done. True if the lease was live (its copy is good); the blocks are freed
-        either way (now, or by the reaper for a lapsed lease)."""
+        either way (soon, or by the reaper for a lapsed lease). Answered without waiting for
+        this engine: freeing takes its thread, which may be inside a prefill step of seconds,
+        and the reader's request must not wait for that to start decoding."""
         lease = self.leases.settle(lease_id)
         if lease is None:
             await self._reap()
             return False
-        await self._end(lease)
+        for t in self.transports.values():
+            t.revoke(lease.token)  # nothing reads these blocks from now on
+        rid = lease.request_id
+        self._releasing[rid] = asyncio.get_running_loop().create_task(self._release(rid))
         return True
+
+    async def _release(self, request_id: str) -> None:
+        try:
+            await self.loop.call(self.engine.release_detached, request_id)
+        except Exception:  # the engine has stopped: the worker is replaced, its memory with it
+            log.warning("could not free the blocks of a finished handoff", exc_info=True)
+        finally:
+            self._releasing.pop(request_id, None)
 
     async def renew(self, lease_id: str) -> bool:
         return self.leases.renew(lease_id)
@@ -135,7 +152,8 @@ class PrefillWorker(KVWorker):
         lease covers, which nothing would ever free; a transport letting more tokens read than
         there are leases); returns the counts for the caller's checks."""
         def check() -> dict:
-            unleased = set(self.engine.detached_requests()) - self.leases.request_ids() - self._prefilling
+            unleased = (set(self.engine.detached_requests()) - self.leases.request_ids() - self._prefilling
+                        - set(self._releasing))
             if unleased:
                 raise AssertionError(f"blocks detached with no lease for requests {sorted(unleased)}")
             return self.engine.block_counts()

@@ -360,3 +360,25 @@ def test_blocks_are_freed_only_after_a_released_transfer_stopped_even_when_cance
     finally:
         dec.transports["tcp"] = real
     assert freed and slow.stopped_at is not None and min(freed) >= slow.stopped_at
+
+
+def test_an_ack_is_answered_while_the_prefill_engine_is_busy(workers):
+    """The reader's acknowledgment does not wait for the prefill engine's thread (a long prefill
+    step would hold back the request's first decode step); the blocks are freed once that
+    thread is free, and the worker counts them as held until then."""
+    pre, dec, _ = workers
+
+    async def go():
+        _, r = await handed_off(pre, "ack-while-busy")
+        busy = threading.Event()
+        blocker = asyncio.ensure_future(pre.loop.call(busy.wait))  # the engine thread, occupied
+        try:
+            assert await asyncio.wait_for(pre.ack(r.handoff.lease_id), 10) is True
+            assert pre.engine.detached_requests() == ["ack-while-busy"] and pre.held() == 1
+        finally:
+            busy.set()
+        await blocker
+        await no_leaks(pre, dec)
+        assert pre.held() == 0
+
+    asyncio.run(go())
