@@ -20,6 +20,14 @@ The simulator's numbers come from measurements that are not the compared run:
     streams' share of the cores grows with the batch).
   * the 2 cores the workers share: `--host-cores 2` (a step slows while more workers step).
 
+A second simulation of each run takes its step-time model from the served engines themselves:
+each worker's online fit (engine/step_model.py, the same five-term form) as the router exports
+it on /metrics — read after the probes for the probe corrections, and after the trace for the
+trace (averaged over a role's workers; prefill and decode pools each their own, via
+`--calibrated-prefill`). That fit comes from the measured run's own steps, so it cannot drift
+away from them; what the simulator must still get right is everything else (queueing,
+batching, chunking, the prefix cache, the handoff). Both are reported.
+
 Writes results/sim_fidelity.json (+ PNG). About 15 minutes.
 
     python benchmarks/sim_fidelity.py [--requests 80] [--time-scale 6] [--only aggregated 1p1d 2p1d]
@@ -31,8 +39,10 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,9 +98,11 @@ def probe_args(out_len: int, concurrency: int = 1) -> list[str]:
     return ["--dataset", "random", *PROBE, "--output-len", str(out_len), str(out_len), "--num-requests", str(n)]
 
 
-def simulate(out: Path, cost: Path, p: int, d: int, *args: str) -> dict:
+def simulate(out: Path, cost: Path | tuple[Path, Path], p: int, d: int, *args: str) -> dict:
     pools = ["--aggregated", "1"] if p == 0 else ["--prefill", str(p), "--decode", str(d)]
-    run(CLI + ["simulate", "--calibrated", str(cost), *pools, "--layout", "mixed", "--gpus-per-node", "64",
+    costs = ["--calibrated", str(cost)] if isinstance(cost, Path) else \
+        ["--calibrated-prefill", str(cost[0]), "--calibrated", str(cost[1])]
+    run(CLI + ["simulate", *costs, *pools, "--layout", "mixed", "--gpus-per-node", "64",
                "--host-cores", "2", "--no-admission", "--no-plot", "--out", str(out), *args],
         stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
@@ -118,7 +130,7 @@ def overheads(real: dict, sim: dict) -> dict[str, float]:
 
 def with_overheads(cost: Path, extra: dict, out: Path) -> Path:
     d = json.loads(cost.read_text())
-    for c in ("c0", "c1", "c2", "c3", "c4"):
+    for c in TERMS:
         d[c] *= extra["slowdown"]
     d["c2"] += extra["per_seq_s"]
     d["source"] += (f"; x {extra['slowdown']:.2f} and + {extra['per_seq_s'] * 1e3:.2f} ms per decode sequence "
@@ -127,23 +139,39 @@ def with_overheads(cost: Path, extra: dict, out: Path) -> Path:
     return out
 
 
-def measure(a, name: str, out_dir: Path) -> dict:
-    p, d = DEPLOYMENTS[name]
-    # calibrated right before its run: this VM's speed drifts over tens of minutes
-    cost = calibrated(out_dir / f"{name}_calibration.json", 2 if p == 0 else 1, a.calibration_budget_s)
-    sim_probe = {(c, n): simulate(out_dir / f"{name}_sim_probe{c}x{n}.json", cost, p, d, "--dataset", "random", *PROBE,
-                                  "--num-requests", str(6 if c == 1 else c), "--rate", "0.1" if c == 1 else "1e6",
-                                  "--output-len", str(n), str(n)) for c, n in PROBES}
-    with serving(a, name, out_dir):
-        bench(a, out_dir / f"{name}_warmup.json", *probe_args(4), "--concurrency", "1")
-        real_probe = {(c, n): bench(a, out_dir / f"{name}_probe{c}x{n}.json", *probe_args(n, c), "--concurrency", str(c))
-                      for c, n in PROBES}
-        real = bench(a, out_dir / f"{name}_real.json", "--dataset", "mooncake", *trace_args(a), "--time-scale",
-                     str(a.time_scale), "--drain-timeout", "600")
-    extra = overheads(real_probe, sim_probe)
-    tuned = with_overheads(cost, extra, out_dir / f"{name}_cost.json")
-    sim = simulate(out_dir / f"{name}_sim.json", tuned, p, d, *trace_args(a), "--rate-scale", str(1 / a.time_scale),
-                   "--ingress-ms", str(extra["ingress_s"] * 1e3), "--handoff-ms", str(extra["handoff_s"] * 1e3))
+TERMS = ("c0", "c1", "c2", "c3", "c4")  # the order of engine/step_model.FEATURES
+FIT_LINE = re.compile(r'^splitserve_worker_step_time_coefficient\{role="(\w+)",term="(\w+)",worker="([^"]+)"\} (\S+)$')
+
+
+def served_fits(a) -> dict[str, list[float]]:
+    """Each role's online step-time fit, averaged over its workers, from the router's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{a.port}/metrics", timeout=30).read().decode()
+    by: dict[tuple[str, str], dict[str, float]] = {}
+    for line in text.splitlines():
+        m = FIT_LINE.match(line)
+        if m:
+            by.setdefault((m[1], m[3]), {})[m[2]] = float(m[4])
+    roles: dict[str, list[list[float]]] = {}
+    for (role, _), terms in by.items():
+        roles.setdefault(role, []).append(list(terms.values()))
+    return {role: [sum(col) / len(col) for col in zip(*fits)] for role, fits in roles.items()}
+
+
+def served_cost(base: Path, fits: dict[str, list[float]], when: str, out_dir: Path, name: str) -> Path | tuple[Path, Path]:
+    """The calibration's KV facts with a served role's online fit for its coefficients; a
+    (prefill, decode) pair where the deployment has both pools."""
+    def one(role: str) -> Path:
+        d = json.loads(base.read_text())
+        d.update(zip(TERMS, fits[role]))
+        d["source"] = f"the served {role} workers' online step-time fit, read from /metrics after the {when}"
+        path = out_dir / f"{name}_served_{role}_{when}.json"
+        path.write_text(json.dumps(d, indent=2) + "\n")
+        return path
+
+    return (one("prefill"), one("decode")) if "prefill" in fits else one("decode")
+
+
+def compare(real: dict, sim: dict) -> dict:
     rows = {}
     for metric, real_v, sim_v in (
             ("ttft_p50_ms", real["ttft_ms"]["p50"], sim["ttft_ms"]["p50"]),
@@ -152,8 +180,44 @@ def measure(a, name: str, out_dir: Path) -> dict:
             ("tpot_p90_ms", real["tpot_ms"]["p90"], sim["tpot_ms"]["p90"]),
             ("output_tok_s", real["output_token_throughput"], sim["output_tokens_per_s"])):
         rows[metric] = {"measured": real_v, "simulated": sim_v, "error": (sim_v - real_v) / real_v}
+    return rows
+
+
+def simulate_corrected(a, name: str, out_dir: Path, tag: str, cost_probe, cost_trace, real_probe: dict) -> tuple[dict, dict]:
+    """Simulate the probes on `cost_probe`, derive the corrections, and simulate the trace on
+    `cost_trace` with them: (the trace's summary, the corrections)."""
+    p, d = DEPLOYMENTS[name]
+    sim_probe = {(c, n): simulate(out_dir / f"{name}_{tag}_sim_probe{c}x{n}.json", cost_probe, p, d, "--dataset",
+                                  "random", *PROBE, "--num-requests", str(6 if c == 1 else c),
+                                  "--rate", "0.1" if c == 1 else "1e6", "--output-len", str(n), str(n))
+                 for c, n in PROBES}
+    extra = overheads(real_probe, sim_probe)
+    tuned = (tuple(with_overheads(x, extra, x.with_name(x.stem + "_tuned.json")) for x in cost_trace)
+             if isinstance(cost_trace, tuple) else with_overheads(cost_trace, extra, out_dir / f"{name}_{tag}_cost.json"))
+    sim = simulate(out_dir / f"{name}_{tag}_sim.json", tuned, p, d, *trace_args(a), "--rate-scale", str(1 / a.time_scale),
+                   "--ingress-ms", str(extra["ingress_s"] * 1e3), "--handoff-ms", str(extra["handoff_s"] * 1e3))
+    return sim, extra
+
+
+def measure(a, name: str, out_dir: Path) -> dict:
+    p, d = DEPLOYMENTS[name]
+    # calibrated right before its run: this VM's speed drifts over tens of minutes
+    cost = calibrated(out_dir / f"{name}_calibration.json", 2 if p == 0 else 1, a.calibration_budget_s)
+    with serving(a, name, out_dir):
+        bench(a, out_dir / f"{name}_warmup.json", *probe_args(4), "--concurrency", "1")
+        real_probe = {(c, n): bench(a, out_dir / f"{name}_probe{c}x{n}.json", *probe_args(n, c), "--concurrency", str(c))
+                      for c, n in PROBES}
+        fit_probe = served_fits(a)
+        real = bench(a, out_dir / f"{name}_real.json", "--dataset", "mooncake", *trace_args(a), "--time-scale",
+                     str(a.time_scale), "--drain-timeout", "600")
+        fit_trace = served_fits(a)
+    sim, extra = simulate_corrected(a, name, out_dir, "calibrated", cost, cost, real_probe)
+    served = (served_cost(cost, fit_probe, "probes", out_dir, name), served_cost(cost, fit_trace, "trace", out_dir, name))
+    sim_served, extra_served = simulate_corrected(a, name, out_dir, "served", *served, real_probe)
     return {"deployment": name, "prefill": p, "decode": d, "calibration": json.loads(cost.read_text()),
-            "overheads": extra, "compare": rows,
+            "overheads": extra, "compare": compare(real, sim),
+            "served_fit": {"after_probes": fit_probe, "after_trace": fit_trace, "overheads": extra_served,
+                           "compare": compare(real, sim_served)},
             "measured_completed": real["completed"], "measured_errors": real["errors"],
             "simulated_completed": sim["completed"], "prefix_hit_rate_sim": sim["prefix_hit_rate"],
             "sim_wall_s": sim["wall_s"]}
@@ -170,8 +234,10 @@ def plot(res: dict, path: Path) -> None:
     for ax, m in zip(axes, metrics):
         names = [r["deployment"] for r in res["runs"]]
         xs = range(len(names))
-        ax.bar([x - 0.2 for x in xs], [r["compare"][m]["measured"] for r in res["runs"]], 0.4, label="measured")
-        ax.bar([x + 0.2 for x in xs], [r["compare"][m]["simulated"] for r in res["runs"]], 0.4, label="simulated")
+        ax.bar([x - 0.27 for x in xs], [r["compare"][m]["measured"] for r in res["runs"]], 0.27, label="measured")
+        ax.bar(list(xs), [r["compare"][m]["simulated"] for r in res["runs"]], 0.27, label="simulated (calibrated)")
+        ax.bar([x + 0.27 for x in xs], [r["served_fit"]["compare"][m]["simulated"] for r in res["runs"]], 0.27,
+               label="simulated (served fit)")
         ax.set_xticks(list(xs), names)
         ax.set_title(m)
         ax.grid(alpha=0.3, axis="y")
@@ -200,9 +266,12 @@ def main() -> None:
     for name in a.only:
         res["runs"].append(measure(a, name, work))
         out.write_text(json.dumps(res, indent=2) + "\n")
-        for m, row in res["runs"][-1]["compare"].items():
-            print(f"{name:10s} {m:14s} measured {row['measured']:9.1f}  simulated {row['simulated']:9.1f}  "
-                  f"error {row['error']:+.1%}", flush=True)
+        r = res["runs"][-1]
+        for m, row in r["compare"].items():
+            served = r["served_fit"]["compare"][m]
+            print(f"{name:10s} {m:14s} measured {row['measured']:9.1f}  simulated {row['simulated']:9.1f} "
+                  f"({row['error']:+.1%}), on the served fit {served['simulated']:9.1f} ({served['error']:+.1%})",
+                  flush=True)
     plot(res, out.with_suffix(".png"))
     print(f"wrote {out}")
 

@@ -43,6 +43,8 @@ class EngineConfig:
     seed: int = 0
     kv_shared_memory: bool = False  # KV storage in a /dev/shm file, readable by same-host peers
     host_kv_blocks: int = 0  # a host-memory KV tier of this many blocks below the device pool (0: none)
+    tensor_parallel_size: int = 1  # ranks (processes) one engine's model is split over (parallel/)
+    expert_parallel: bool = False  # a mixture of experts under TP: whole experts per rank, not slices of each
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -50,14 +52,17 @@ class EngineConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
-        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "tensor_parallel_size"):
             positive(name)
+        if self.tensor_parallel_size > 1 and self.host_kv_blocks:
+            raise ConfigError("host_kv_blocks is not supported with tensor_parallel_size > 1 yet")
         h = self.host_kv_blocks
         if not isinstance(h, int) or isinstance(h, bool) or h < 0:
             raise ConfigError(f"host_kv_blocks must be a non-negative integer, got {h!r}")
         if h and not self.enable_prefix_caching:
             raise ConfigError("host_kv_blocks needs enable_prefix_caching: the tier holds cached prefixes")
-        for name in ("enable_prefix_caching", "cuda_graphs", "fused_kernels", "kv_shared_memory"):
+        for name in ("enable_prefix_caching", "cuda_graphs", "fused_kernels", "kv_shared_memory", "expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.block_size & (self.block_size - 1):

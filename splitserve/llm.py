@@ -55,6 +55,17 @@ class LLM:
         self.tokenizer = Tokenizer(model)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Free what the engine holds beyond this process (its other tensor-parallel ranks, a
+        shared-memory KV file)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)

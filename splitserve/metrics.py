@@ -38,6 +38,15 @@ class Metrics:
         self.kv_usage = Gauge(PREFIX + "worker_kv_usage_ratio", "KV blocks in use / total", ["role", "worker"],
                               registry=r)
         self.queue = Gauge(PREFIX + "worker_queue_length", "Requests waiting", ["role", "worker"], registry=r)
+        self.step_time = Gauge(PREFIX + "worker_step_time_coefficient",
+                               "A worker's online step-time fit: seconds per unit of each term (engine/step_model.py)",
+                               ["role", "worker", "term"], registry=r)
+        self.expert_tokens = Gauge(PREFIX + "worker_expert_tokens",
+                                   "A mixture-of-experts worker: tokens routed to each expert, over all layers",
+                                   ["role", "worker", "expert"], registry=r)
+        self.expert_imbalance = Gauge(PREFIX + "worker_expert_imbalance",
+                                      "A mixture-of-experts worker: its busiest expert's tokens / the mean",
+                                      ["role", "worker"], registry=r)
         self.pool_size = Gauge(PREFIX + "pool_size", "Workers per role", ["role"], registry=r)
         self.autoscaler_target = Gauge(PREFIX + "autoscaler_target", "The autoscaler's target pool size", ["role"],
                                        registry=r)

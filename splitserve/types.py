@@ -212,14 +212,16 @@ class WorkerStats:
     prefix_query_tokens_total: int
     prefix_hit_tokens_total: int
     steps_total: int
-    # Fitted step time: seconds ≈ c0 + c1·prefill tokens + c2·decode seqs + c3·decode context tokens
-    step_time_coeffs: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+    # Fitted step time (engine/step_model.py): seconds ≈ c0 + c1·prefill tokens + c2·decode seqs
+    # + c3·decode context tokens + c4·prefill attention pairs
+    step_time_coeffs: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0)
     pending_prefill_tokens: int = 0  # prompt tokens admitted or queued but not yet computed
     decode_context_tokens: int = 0  # context the running decodes read each step
     token_budget: int = 2048  # max_num_batched_tokens
     prefill_tokens_total: int = 0  # prompt tokens computed (prefill chunks), ever
     host_hit_tokens_total: int = 0  # of the prefix hits, tokens loaded back from the host KV tier
     kv_host_blocks_cached: int = 0  # blocks the host tier holds now
+    expert_tokens_total: tuple[int, ...] = ()  # a mixture of experts: tokens each expert took, over all layers
 
     @property
     def kv_usage(self) -> float:

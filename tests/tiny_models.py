@@ -2,7 +2,8 @@
 
 Each shape exercises what its family adds: Llama (GQA, llama3 rope scaling, sharded
 safetensors), Qwen2 (q/k/v bias, tied embeddings), Qwen3 (q/k RMSNorm, explicit head_dim),
-Mistral. Weights are drawn with a larger spread than HF's default init so that greedy choices
+Mistral, and the mixtures of experts Mixtral, Qwen2-MoE (shared expert, a dense layer) and
+Qwen3-MoE. Weights are drawn with a larger spread than HF's default init so that greedy choices
 are decisive rather than near-ties between almost uniform logits.
 """
 
@@ -42,6 +43,21 @@ SHAPES: dict[str, dict] = {
                   attention_bias=False),
     "mistral": dict(BASE, architectures=["MistralForCausalLM"], model_type="mistral", num_attention_heads=4,
                     num_key_value_heads=4, tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None),
+    # mixture-of-experts: 4 experts, top 2, renormalised
+    "mixtral": dict(BASE, architectures=["MixtralForCausalLM"], model_type="mixtral", num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                    tie_word_embeddings=False, rope_theta=1000000.0, sliding_window=None),
+    # a gated shared expert beside 4 routed ones (top 2, not renormalised); layer 1 stays dense
+    "qwen2_moe": dict(BASE, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1,
+                      mlp_only_layers=[1], tie_word_embeddings=False, rope_theta=1000000.0,
+                      use_sliding_window=False, sliding_window=4096),
+    # q/k norm, one KV head (replicated under tensor parallelism), 8 experts, top 2, renormalised
+    "qwen3_moe": dict(BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      tie_word_embeddings=False, rope_theta=1000000.0, attention_bias=False),
 }
 
 

@@ -18,6 +18,7 @@ from typing import Iterable
 from splitserve.engine.kv_cache.block_pool import BlockPool, BlockStored, KVEvent
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence, SeqStatus
+from splitserve.engine.step_shape import StepShape, shape_of
 from splitserve.types import ConfigError, FinishReason, PhaseTimes, Request, Tier, TokenChunk, WorkerStats
 
 Sampled = tuple[Sequence, int, object]  # (sequence, next token, its logprob or None)
@@ -53,11 +54,16 @@ class EngineCore:
         """A sequence for `req` (checked, with its sampling state) continuing after `outputs`."""
         raise NotImplementedError
 
-    def _observe(self, sched: SchedulerOutput, seconds: float) -> None:
-        """One step ran in `seconds` (the Engine's step-time fit learns from it)."""
+    def _observe(self, shape: StepShape, seconds: float) -> None:
+        """A step of this shape ran in `seconds`, scheduling included (the Engine's step-time
+        fit learns from it)."""
 
     @property
     def step_time_coeffs(self) -> tuple[float, ...]:
+        return ()
+
+    def expert_tokens(self) -> tuple[int, ...]:
+        """A mixture-of-experts model: tokens routed to each expert so far (summed over layers)."""
         return ()
 
     def _before_pull(self) -> None:
@@ -163,13 +169,13 @@ class EngineCore:
 
     # -- one iteration -------------------------------------------------------------------------
     def step(self) -> list[TokenChunk]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        t0 = time.perf_counter()
-        sampled = self._forward(sched)
-        chunks = self._complete(sched, sampled)
-        self._observe(sched, time.perf_counter() - t0)
+        shape = shape_of(sched)  # before the step advances what it counts
+        chunks = self._complete(sched, self._forward(sched))
+        self._observe(shape, time.perf_counter() - t0)
         return chunks
 
     def _complete(self, sched: SchedulerOutput, sampled: list[Sampled]) -> list[TokenChunk]:
@@ -238,6 +244,7 @@ class EngineCore:
             pending_prefill_tokens=sum(max(0, s.num_tokens - s.num_computed_tokens - 1) for s in self._seqs.values()),
             decode_context_tokens=sum(s.num_computed_tokens for s in self.scheduler.running),
             token_budget=self.token_budget,
+            expert_tokens_total=self.expert_tokens(),
         )
 
     def block_counts(self) -> dict[str, int]:

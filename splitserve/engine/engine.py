@@ -26,17 +26,27 @@ from splitserve.engine.kernels.norm_rope_cpu import available as cpu_kernels
 from splitserve.engine.kv_cache.tensors import SHM_PREFIX, sweep_stale_shm
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import cpu_has_amx, load_model, resolve_dtype
+from splitserve.engine.model.moe import SparseMoE
 from splitserve.engine.model.widened_linear import widen_linears
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, SamplingState, make_generator
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_model import StepTimeModel
+from splitserve.engine.step_shape import StepShape
+from splitserve.parallel.group import TPGroup
+from splitserve.parallel.launch import start_local_group, stop_local_group
+from splitserve.parallel.shard import Shard
+from splitserve.parallel.shard import check as check_tp
 from splitserve.types import ConfigError, Request, SamplingParams, as_token_ids
 
 
 class Engine(EngineCore):
-    def __init__(self, config: EngineConfig) -> None:
+    """`tp`: this process's rank of a tensor-parallel group (parallel/); None with
+    tensor_parallel_size > 1: this engine is rank 0 and starts the other ranks as local
+    processes. Rank 0 runs everything; the others only the forward passes (`follow`)."""
+
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
@@ -44,13 +54,22 @@ class Engine(EngineCore):
         self.dtype = resolve_dtype(config.dtype, mc)
         max_model_len = _max_model_len(config, mc)
         torch.manual_seed(config.seed)
-        model = load_model(Path(config.model), mc, self.dtype, max_model_len, self.device)
-        num_blocks = config.num_kv_blocks or _blocks_for_memory(config, mc, self.dtype, self.device)
+        size = config.tensor_parallel_size
+        check_tp(mc, size, config.expert_parallel)  # before any rank is started
+        self._followers: list = []
+        if tp is None and size > 1:
+            tp, self._followers = start_local_group(config)
+        self.tp = tp or TPGroup()
+        shard = Shard.of(mc, self.tp.rank, size, config.expert_parallel) if size > 1 else None
+        model = load_model(Path(config.model), mc, self.dtype, max_model_len, self.device, self.tp, shard)
+        kv_heads = mc.num_kv_heads if shard is None else len(shard.kv_heads)
+        # every rank's pool has rank 0's block count: its block ids index them all
+        num_blocks = self.tp.broadcast(config.num_kv_blocks or _blocks_for_memory(config, mc, self.dtype, self.device))
         shm = None
         if config.kv_shared_memory:
             sweep_stale_shm(SHM_PREFIX)  # files of workers that died without cleaning up
             shm = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
-        self.kv = KVCacheTensors.allocate(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
+        self.kv = KVCacheTensors.allocate(mc.num_layers, num_blocks, config.block_size, kv_heads,
                                           mc.head_dim, self.dtype, self.device, shm_path=shm)
         host = HostTier(config.host_kv_blocks, self.kv.storage) if config.host_kv_blocks else None
         super().__init__(block_size=config.block_size, num_blocks=num_blocks, max_num_seqs=config.max_num_seqs,
@@ -68,12 +87,16 @@ class Engine(EngineCore):
             widen_linears(model)  # prefill matmuls at fp32 speed, same bf16 result (model/widened_linear.py)
         backend = get_backend(config.attention_backend, self.dtype, self.device, block_size=config.block_size,
                               head_dim=mc.head_dim)
-        self.runner = ModelRunner(model, self.kv, backend, config.block_size, self.device)
-        if config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton":
+        self.runner = ModelRunner(model, self.kv, backend, config.block_size, self.device, self.tp)
+        # a graph cannot capture the experts' dispatch (which experts a batch needs is read back),
+        # nor a gloo collective
+        if (config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton" and mc.moe is None
+                and size == 1):
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len,
                                               functools.partial(cuda_graph_capture, pool=torch.cuda.graph_pool_handle()))
         self.sampler = Sampler()
         self.step_model = StepTimeModel()
+        self._moe_layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
 
     def warmup(self, prompt_lens: tuple[int, ...] = (16, 64, 256), max_tokens: int = 4) -> None:
         """Run synthetic requests through the real path before serving, one at a time and then
@@ -120,14 +143,16 @@ class Engine(EngineCore):
         out = self.sampler(result.logits, [s.sampling for s in result.sample_seqs])
         return list(zip(result.sample_seqs, out.token_ids, out.logprobs))
 
-    def _observe(self, sched: SchedulerOutput, seconds: float) -> None:
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
-        self.step_model.observe(sched.num_tokens - len(decodes), len(decodes),
-                                sum(s.seq.num_computed_tokens for s in decodes), seconds)
+    def _observe(self, shape: StepShape, seconds: float) -> None:
+        self.step_model.observe(shape, seconds)
 
     @property
     def step_time_coeffs(self) -> tuple[float, ...]:
         return self.step_model.coeffs
+
+    def expert_tokens(self) -> tuple[int, ...]:
+        counts = [m.expert_tokens for m in self._moe_layers]
+        return tuple(torch.stack(counts).sum(0).tolist()) if counts else ()
 
     def _before_pull(self) -> None:
         if self.device.type == "cuda":
@@ -136,8 +161,12 @@ class Engine(EngineCore):
             torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
-        """Release what outlives the process otherwise (a shared-memory KV file)."""
+        """Release what outlives the process otherwise (a shared-memory KV file; the ranks it
+        started)."""
         self.kv.close()
+        if self._followers:
+            stop_local_group(self.tp, self._followers)
+            self._followers = []
 
 
 def _device(name: str) -> torch.device:

@@ -1,5 +1,9 @@
 """Turns a scheduled step into one forward pass: flat token ids, positions, KV slots, the
-attention batch, and logits for exactly the sequences whose next token is due."""
+attention batch, and logits for exactly the sequences whose next token is due.
+
+Under tensor parallelism rank 0 flattens the step (`FlatStep`: plain ids, no sequences) and
+sends it to the other ranks, and every rank runs the same forward pass on its shard
+(`run_flat`; parallel/follower.py is the other ranks' loop)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,18 @@ from splitserve.engine.kv_cache import KVCacheTensors
 from splitserve.engine.model.llama import LlamaModel
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
+from splitserve.parallel.group import TPGroup
+
+
+@dataclass(frozen=True)
+class FlatStep:
+    """One forward pass, as every rank of a tensor-parallel engine runs it."""
+
+    ids: list[int]
+    pos: list[int]
+    slots: list[int]
+    slices: list[SeqSlice]
+    sample_rows: list[int]  # rows whose next token is due
 
 
 @dataclass(frozen=True)
@@ -23,8 +39,9 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCacheTensors, backend: AttentionBackend, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, tp: TPGroup | None = None) -> None:
         self.model = model
+        self.tp = tp or TPGroup()
         self.kv = kv
         self.kv_layers = kv.layers
         self.backend = backend
@@ -52,25 +69,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> StepResult:
-        ids, pos, slots, slices, sample_rows, sample_seqs = self._flatten(sched)
+        step, sample_seqs = self._flatten(sched)
+        if self.tp.size > 1:
+            self.tp.broadcast(step)
+        logits = self.run_flat(step)
+        return StepResult(logits, tuple(sample_seqs)) if logits is not None else StepResult(None, ())
+
+    @torch.inference_mode()
+    def run_flat(self, step: FlatStep) -> torch.Tensor | None:
+        """The forward pass; the sampled rows' logits (on every rank), None if none is due."""
         batch = AttentionBatch(
-            num_tokens=len(ids),
-            slot_mapping=self._tensor(slots),
-            decodes=tuple(s for s in slices if s.q_len == 1),
-            prefills=tuple(s for s in slices if s.q_len != 1),
+            num_tokens=len(step.ids),
+            slot_mapping=self._tensor(step.slots),
+            decodes=tuple(s for s in step.slices if s.q_len == 1),
+            prefills=tuple(s for s in step.slices if s.q_len != 1),
             block_size=self.block_size,
         )
         meta = self.backend.prepare(batch)
-        ids_t, pos_t = self._tensor(ids), self._tensor(pos)
+        ids_t, pos_t = self._tensor(step.ids), self._tensor(step.pos)
         hidden = None
         if self.graphs is not None and not batch.prefills:
             hidden = self.graphs.run(ids_t, pos_t, meta)
         if hidden is None:
             hidden = self.model(ids_t, pos_t, self.kv_layers, self.backend, meta)
-        if not sample_rows:
-            return StepResult(None, ())
-        logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
-        return StepResult(logits, tuple(sample_seqs))
+        if not step.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[self._tensor(step.sample_rows)])
 
     def _tensor(self, xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.int64, device=self.device)
@@ -96,4 +120,4 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
-        return ids, pos, slots, slices, sample_rows, sample_seqs
+        return FlatStep(ids, pos, slots, slices, sample_rows), sample_seqs

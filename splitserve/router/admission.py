@@ -4,8 +4,10 @@ meet its latency targets, instead of letting every request miss them.
 The ingress asks the backend for a `Plan` (which worker computes the prompt, which decodes,
 how much of the prompt the first one has cached, and both workers' load), then asks here.
 From each worker's fitted step-time model (`WorkerStats.step_time_coeffs`: seconds ≈
-c0 + c1·prefill tokens + c2·decode seqs + c3·decode context tokens) and its load, predict:
+c0 + c1·prefill tokens + c2·decode seqs + c3·decode context tokens + c4·prefill attention
+pairs) and its load, predict:
   TTFT ≈ c1·(prompt tokens pending ahead + this prompt's uncached tokens)
+         + c4·(this prompt's attention pairs: new tokens × (cached + half the new ones))
          + steps to get through them (token budget per step) × a step's decode cost
          (on the worker that computes the prompt: the first token comes from it, before any
          KV moves)
@@ -95,11 +97,14 @@ _RATIO_BOUNDS = (0.5, 8.0)  # a calibration factor beyond these says the model i
 
 def predict(stats: WorkerStats, prompt_tokens: int, cached_tokens: int) -> tuple[float, float]:
     """(TTFT, TPOT) in seconds on a worker with this load, before calibration."""
-    c0, c1, c2, c3 = (tuple(stats.step_time_coeffs) + (0.0,) * 4)[:4]
-    tokens = stats.pending_prefill_tokens + max(1, prompt_tokens - cached_tokens)
+    c0, c1, c2, c3, c4 = (tuple(stats.step_time_coeffs) + (0.0,) * 5)[:5]
+    new = max(1, prompt_tokens - cached_tokens)
+    tokens = stats.pending_prefill_tokens + new
     steps = -(-tokens // max(1, stats.token_budget))
     step_cost = c0 + c2 * stats.num_running + c3 * stats.decode_context_tokens
-    ttft = c1 * tokens + steps * step_cost
+    # its own prompt's attention (each new token attends to what precedes it); the queue's
+    # prompts are not known token by token, so theirs is left out
+    ttft = c1 * tokens + c4 * new * (cached_tokens + (new + 1) / 2) + steps * step_cost
     tpot = c0 + c2 * (stats.num_running + 1) + c3 * (stats.decode_context_tokens + prompt_tokens)
     return ttft, tpot
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from splitserve.detokenizer import RequestText
+from splitserve.engine.step_model import FEATURES as STEP_TERMS
 from splitserve.metrics import Metrics
 from splitserve.router.admission import Admission, Decision, Plan
 from splitserve.router.backend import Backend
@@ -257,6 +258,13 @@ class Frontend:
         for w in self.backend.worker_views():
             m.kv_usage.labels(role=w.role, worker=w.worker_id).set(w.kv_usage)
             m.queue.labels(role=w.role, worker=w.worker_id).set(w.num_waiting)
+            for term, c in zip(STEP_TERMS, w.step_time_coeffs):
+                m.step_time.labels(role=w.role, worker=w.worker_id, term=term).set(c)
+            if w.expert_tokens:
+                for e, n in enumerate(w.expert_tokens):
+                    m.expert_tokens.labels(role=w.role, worker=w.worker_id, expert=str(e)).set(n)
+                mean = sum(w.expert_tokens) / len(w.expert_tokens)
+                m.expert_imbalance.labels(role=w.role, worker=w.worker_id).set(max(w.expert_tokens) / mean if mean else 0)
             roles[w.role] = roles.get(w.role, 0) + (1 if w.healthy else 0)
         for role, n in roles.items():
             m.pool_size.labels(role=role).set(n)

@@ -47,6 +47,8 @@ class WorkerView:
     free_blocks: int = 1 << 30
     healthy: bool = True
     draining: bool = False
+    step_time_coeffs: tuple[float, ...] = ()  # its engine's online step-time fit (WorkerStats)
+    expert_tokens: tuple[int, ...] = ()  # a mixture of experts: tokens each expert took
 
     @property
     def up(self) -> bool:
@@ -60,7 +62,8 @@ class WorkerView:
         if stats is None:
             return WorkerView(wid, role, host, pending, healthy=healthy, draining=draining)
         return WorkerView(wid, role, host, stats.num_waiting + pending, stats.num_running, stats.kv_usage,
-                          stats.kv_blocks_free + stats.kv_blocks_cached, healthy, draining)
+                          stats.kv_blocks_free + stats.kv_blocks_cached, healthy, draining, stats.step_time_coeffs,
+                          stats.expert_tokens_total)
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ import random
 import time
 
 from splitserve.config import EngineConfig
-from splitserve.sim.cost.fit import nonneg_least_squares
+from splitserve.engine.least_squares import nonneg_least_squares
 from splitserve.sim.cost.linear import LinearCost
-from splitserve.sim.engine import shape_of
+from splitserve.engine.step_shape import shape_of
 from splitserve.types import Request, SamplingParams
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.sim import search
+from splitserve.sim.cost import ByRole
 from splitserve.sim.cost.hardware import gpu
 from splitserve.sim.cost.linear import LinearCost
 from splitserve.sim.cost.profiled import profiled_cost
@@ -44,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="roofline model shape: llama-3-8b, llama-3-70b, qwen2.5-7b, qwen2.5-72b or a config.json "
                         "(with --calibrate: the checkpoint directory to measure)")
     c.add_argument("--calibrated", default=None, metavar="FILE", help="a cost model JSON from --calibrate")
+    c.add_argument("--calibrated-prefill", default=None, metavar="FILE",
+                   help="the prefill pool's own cost model JSON (default: --calibrated's)")
     c.add_argument("--profiled", default=None, metavar="FILE", help="a benchmarks/gpu/bench_gpu.py JSON (with --gpu)")
     c.add_argument("--compute-efficiency", type=float, default=0.6, help="roofline: of peak FLOP/s (default 0.6)")
     c.add_argument("--memory-efficiency", type=float, default=0.8, help="roofline: of HBM bandwidth (default 0.8)")
@@ -106,7 +109,10 @@ def workload_of(a: argparse.Namespace) -> Workload:
 
 def cost_of(a: argparse.Namespace):
     if a.calibrated is not None:
-        return LinearCost.load(a.calibrated)
+        cost = LinearCost.load(a.calibrated)
+        return cost if a.calibrated_prefill is None else ByRole(LinearCost.load(a.calibrated_prefill), cost)
+    if a.calibrated_prefill is not None:
+        raise ConfigError("--calibrated-prefill goes with --calibrated (the decode pool's)")
     if a.gpu is None:
         raise ConfigError("give a cost model: --gpu NAME (roofline, with --model), --calibrated FILE or --profiled FILE")
     roof = RooflineCost(gpu(a.gpu), model_shape(a.model), a.compute_efficiency, a.memory_efficiency,

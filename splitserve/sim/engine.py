@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from splitserve.engine.core import EngineCore, Sampled
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
-from splitserve.sim.cost import CostModel, StepShape
+from splitserve.engine.step_shape import shape_of
+from splitserve.sim.cost import CostModel
 from splitserve.types import Request, SamplingParams, TokenChunk
 
 TOKEN = 1  # the id every simulated sample draws
@@ -58,20 +59,3 @@ class SimEngine(EngineCore):
     def _forward(self, sched: SchedulerOutput) -> list[Sampled]:
         # the rows whose scheduled tokens reach the end of the sequence sample (as ModelRunner's)
         return [(seq, TOKEN, None) for seq, n in sched.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
-
-
-def shape_of(sched: SchedulerOutput) -> StepShape:
-    pt = pc = ds = dc = sampled = 0
-    attended = 0.0
-    for seq, n in sched.scheduled:
-        ctx = seq.num_computed_tokens
-        if ctx + n == seq.num_tokens:
-            sampled += 1
-        if n == 1:
-            ds += 1
-            dc += ctx
-        else:
-            pt += n
-            pc += ctx + n
-            attended += n * (ctx + (n + 1) / 2)
-    return StepShape(pt, attended, pc, ds, dc, sampled)

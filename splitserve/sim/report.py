@@ -67,6 +67,8 @@ def summarize(sim: Simulation) -> dict[str, Any]:
         "autoscale": sim.pool_sizes,
         "config": _plain(dataclasses.asdict(c)),
         "cost_model": _plain(sim.cost.describe()),
+        **({"prefill_cost_model": _plain(sim.costs.prefill.describe())} if sim.costs.prefill is not sim.costs.decode
+           else {}),
         "workload": {"name": sim.workload.name, "requests": len(sim.workload.requests),
                      "duration_s": sim.workload.duration_s,
                      "rate_rps": len(sim.workload.requests) / sim.workload.duration_s

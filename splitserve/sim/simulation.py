@@ -21,7 +21,7 @@ from splitserve.autoscale import AutoscaleConfig, Autoscaler, RequestSample
 from splitserve.engine.kv_cache import OutOfBlocks
 from splitserve.router.admission import Admission, AdmissionConfig, Decision, Plan
 from splitserve.router.policy import NoCapacity, make_router
-from splitserve.sim.cost import CostModel
+from splitserve.sim.cost import ByRole, CostModel
 from splitserve.sim.engine import SimEngine
 from splitserve.sim.events import EventLoop
 from splitserve.sim.pools import SimPools
@@ -103,8 +103,10 @@ class Outcome:
 
 
 class Simulation:
-    def __init__(self, config: SimConfig, cost: CostModel, workload: Workload) -> None:
-        self.config, self.cost, self.workload = config, cost, workload
+    def __init__(self, config: SimConfig, cost: CostModel | ByRole, workload: Workload) -> None:
+        self.config, self.workload = config, workload
+        self.costs = ByRole.of(cost)
+        self.cost = self.costs.decode  # KV bytes and links
         self.loop = EventLoop()
         policy = make_router(config.policy, disagg_min_tokens=config.disagg_min_tokens)
         self.router = SimRouter(policy, lambda: self.loop.now, config.block_size)
@@ -151,7 +153,7 @@ class Simulation:
 
     def _make_worker(self, wid: WorkerId, role: Role, node: str, slot: int) -> SimWorker:
         c = self.config
-        engine = SimEngine(self.cost, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+        engine = SimEngine(self.costs.of_role(role), block_size=c.block_size, max_num_seqs=c.max_num_seqs,
                            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len)
         host = None
         if c.host_cores is not None:

@@ -8,7 +8,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 
-SHAPES = ["llama", "qwen2", "qwen3", "mistral"]
+SHAPES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"]
 MAX_NEW = 16
 TIE_MARGIN = 1e-4
 

@@ -14,6 +14,12 @@ from splitserve import LLM, SamplingParams
 
 from tests.unit.test_engine_parity import MAX_NEW, SHAPES, reference  # noqa: F401  (a fixture)
 
+# Dense shapes only. A mixture of experts routes each token to its top-k experts, a discrete
+# choice: where two experts' router scores are within bf16's rounding, the expert taken — and so
+# the logits — differ by far more than bf16 moves a logit, so this rule does not apply (measured:
+# one qwen3_moe prompt of 16 differs by a margin of 4.2 against a tie of 0.21, with the fused
+# kernels and without). Mixtures of experts are held to Hugging Face in fp32 (test_engine_parity).
+DENSE = [s for s in SHAPES if "moe" not in s and s != "mixtral"]
 
 
 def first_difference(hf32, hf16, prompt, ours, ref):
@@ -39,7 +45,7 @@ def hf_greedy(hf, prompt):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", DENSE)
 def test_bf16_greedy_is_fp32_up_to_bf16_near_ties(tiny_checkpoint, reference, shape, capsys):
     from transformers import AutoModelForCausalLM
 

@@ -10,6 +10,7 @@ import torch
 
 openai = pytest.importorskip("openai")
 
+from splitserve.engine.step_model import FEATURES  # noqa: E402
 from splitserve.config import EngineConfig  # noqa: E402
 from splitserve.router.backend import LocalBackend  # noqa: E402
 from splitserve.router.http import OpenAIServer  # noqa: E402
@@ -210,6 +211,12 @@ def test_metrics_endpoint_counts_requests(server):
         assert n in text, n
     count = [ln for ln in text.splitlines() if ln.startswith("splitserve_time_to_first_token_seconds_count")][0]
     assert float(count.split()[-1]) >= 1
+    # the engine's online step-time fit, one gauge per term, equal to what its stats report
+    fit = {ln.split('term="')[1].split('"')[0]: float(ln.split()[-1]) for ln in text.splitlines()
+           if ln.startswith("splitserve_worker_step_time_coefficient{")}
+    coeffs = server.backend.loop.latest_stats.step_time_coeffs
+    assert list(fit) == list(FEATURES) and list(fit.values()) == pytest.approx(list(coeffs), rel=1e-6)
+    assert fit["const"] > 0
 
 
 def test_overload_gets_429_with_retry_after(tiny_checkpoint):

@@ -1,8 +1,10 @@
 """What the engine needs to know about a Hugging Face checkpoint, read once from config.json.
 
 Llama 2/3 (incl. `rope_scaling` type `llama3`), Qwen2/2.5 (q/k/v bias, tied embeddings),
-Qwen3 (q/k RMSNorm, explicit `head_dim`) and Mistral share one decoder; this file turns their
-configs into one `ModelConfig` so the model code has no per-architecture branches beyond flags.
+Qwen3 (q/k RMSNorm, explicit `head_dim`) and Mistral share one decoder; so do the
+mixture-of-experts models Mixtral, Qwen2-MoE (with a gated shared expert) and Qwen3-MoE, whose
+feed-forward is a `MoEConfig`. This file turns their configs into one `ModelConfig` so the
+model code has no per-architecture branches beyond flags.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "MixtralForCausalLM": (False, False),
+    "Qwen2MoeForCausalLM": (True, False),
+    "Qwen3MoeForCausalLM": (False, True),
 }
+_MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,30 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse feed-forward: each token goes to its `top_k` of `num_experts` experts, weighted
+    by the router's softmax (renormalised over the chosen when `renormalize`), plus a shared
+    expert gated by a sigmoid where the architecture has one (Qwen2-MoE)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    renormalize: bool
+    shared_expert_intermediate_size: int = 0  # 0: none
+    # the top-k weights multiply the expert outputs in fp32 (Mixtral) or in the activation
+    # dtype (Qwen): rounding, so that bf16 matches Hugging Face too
+    weights_in_fp32: bool = False
+    dense_layers: tuple[int, ...] = ()  # layers whose feed-forward is a plain MLP instead
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts {self.num_experts}")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
 
 @dataclass(frozen=True)
@@ -58,6 +88,7 @@ class ModelConfig:
     # sampling parameters generation_config.json recommends: what a request that omits them gets
     # (as vLLM serves them); greedy checkpoints (do_sample: false) recommend none
     sampling_defaults: tuple[tuple[str, float], ...] = ()
+    moe: MoEConfig | None = None  # None: every layer's feed-forward is a dense MLP
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -116,6 +147,7 @@ class ModelConfig:
             eos_token_ids=eos,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             sampling_defaults=_sampling_defaults(gen or {}),
+            moe=_moe(arch, cfg),
         )
 
 
@@ -128,6 +160,27 @@ def _architecture(cfg: dict[str, Any]) -> str:
         f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
+
+
+def _moe(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
+    if arch not in _MOE:
+        return None
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"unsupported expert activation {cfg.get('hidden_act')!r}; supported: silu")
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                         expert_intermediate_size=cfg["intermediate_size"], renormalize=True, weights_in_fp32=True)
+    # hub configs say num_experts; transformers 5 writes some as num_local_experts
+    n = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    only_mlp = set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only_mlp or n == 0 or (i + 1) % step)
+    return MoEConfig(num_experts=n, top_k=cfg["num_experts_per_tok"],
+                     expert_intermediate_size=cfg["moe_intermediate_size"],
+                     renormalize=bool(cfg.get("norm_topk_prob", False)),
+                     shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+                     if arch == "Qwen2MoeForCausalLM" else 0,
+                     dense_layers=dense)
 
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

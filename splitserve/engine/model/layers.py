@@ -1,4 +1,4 @@
-"""Building blocks of the Llama-family decoder: RMSNorm and rotary embeddings.
+"""Building blocks of the Llama-family decoder: RMSNorm, rotary embeddings, the SwiGLU MLP.
 
 The arithmetic follows Hugging Face's order of operations (fp32 variance, cast back before the
 weight; cos/sin computed in fp32 and cast to the activation dtype) so that greedy tokens match
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.model.config import RopeConfig
@@ -79,3 +80,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return x * cos + swapped * signed_sin
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral) over a flat, paged batch.
+"""The Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, and with a sparse
+feed-forward (model/moe.py) Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat, paged batch.
 
 Input is one flat run of new tokens from many sequences (decodes first, then prefill chunks);
 attention reads and writes the paged KV cache through an `AttentionBackend`. q/k/v and gate/up
@@ -10,12 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.attention.backend import AttentionBackend
 from splitserve.engine.model.config import ModelConfig
-from splitserve.engine.model.layers import RMSNorm, RotaryEmbedding, apply_rope
+from splitserve.engine.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
+from splitserve.engine.model.moe import SparseMoE
+from splitserve.parallel.group import TPGroup
+from splitserve.parallel.shard import Shard
 
 
 class Attention(nn.Module):
@@ -44,30 +47,24 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(n, c.q_size))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Attention and feed-forward, each added to the residual stream. Under tensor parallelism
+    each computes this rank's partial sum (row-parallel o_proj / down_proj) and the all-reduce
+    here completes it: the one place a layer talks to the other ranks."""
+
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup, shard: Shard | None) -> None:
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        sparse = cfg.moe is not None and cfg.moe.is_sparse(index)
+        self.mlp = SparseMoE(cfg, shard) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.fused_rms_norm = None  # a fused kernel, set by LlamaModel.use_triton_kernels / use_cpu_kernels
 
     def forward(self, x, cos, sin, kv, backend, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, backend, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.tp.all_reduce(self.self_attn(self.input_layernorm(x), cos, sin, kv, backend, meta))
+        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
     def forward_fused(self, residual, delta, cos, sin, kv, backend, meta):
         """The same arithmetic with each residual add fused into the RMSNorm after it (one
@@ -79,19 +76,27 @@ class DecoderLayer(nn.Module):
             h = rms_norm(residual, n1.weight, n1.eps)
         else:
             h, residual = rms_norm(delta, n1.weight, n1.eps, residual=residual)
-        h, residual = rms_norm(self.self_attn(h, cos, sin, kv, backend, meta), n2.weight, n2.eps, residual=residual)
-        return residual, self.mlp(h)
+        attn = self.tp.all_reduce(self.self_attn(h, cos, sin, kv, backend, meta))
+        h, residual = rms_norm(attn, n2.weight, n2.eps, residual=residual)
+        return residual, self.tp.all_reduce(self.mlp(h))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    """`cfg`: the shapes this rank holds (parallel/shard.local_config; the model's own at
+    tensor_parallel_size 1). `shard`: which vocab rows and experts, None for all."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None,
+                 shard: Shard | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.tp = tp or TPGroup()
+        self.shard = shard
+        rows = cfg.vocab_size if shard is None else len(shard.vocab)
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.tp, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
 
     @property
     def fused(self) -> bool:
@@ -134,7 +139,7 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         meta: Any,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         if self.fused:
             delta = None
@@ -145,6 +150,18 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, kv, backend, meta)
         return x
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shard is None:
+            return self.embed_tokens(ids)
+        # vocab-parallel: this rank's rows, zeros for the others' ids, summed over the ranks
+        local = ids - self.shard.vocab.start
+        held = (local >= 0) & (local < len(self.shard.vocab))
+        x = self.embed_tokens(local.clamp(0, len(self.shard.vocab) - 1)) * held[:, None].to(self.embed_tokens.weight.dtype)
+        return self.tp.all_reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head, only for the rows that need a next token."""
-        return self.lm_head(self.norm(hidden)).float()
+        logits = self.lm_head(self.norm(hidden))
+        if self.shard is not None:  # each rank's vocab rows, gathered (the padding dropped)
+            logits = self.tp.all_gather(logits, dim=-1)[:, : self.cfg.vocab_size]
+        return logits.float()

@@ -1,8 +1,11 @@
 """Load a Llama-family model from a local Hugging Face directory (safetensors, sharded or not).
 
 HF parameter names are mapped onto our fused layout: q/k/v into `qkv_proj`, gate/up into
-`gate_up_proj`. Every parameter of the model must be filled exactly once; anything missing is
-an error naming it, not a silently random weight.
+`gate_up_proj` (the shared expert's too), and a mixture-of-experts layer's experts into two
+stacked tensors — from either the per-expert layout of hub checkpoints (Mixtral's
+`block_sparse_moe.experts.N.w1/w2/w3`, Qwen-MoE's `mlp.experts.N.gate_proj/up_proj/down_proj`)
+or the stacked one transformers 5 writes. Every element of every parameter must be filled;
+anything missing is an error naming it, not a silently random weight.
 """
 
 from __future__ import annotations
@@ -16,20 +19,27 @@ from safetensors import safe_open
 
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.llama import LlamaModel
+from splitserve.engine.model.moe import SparseMoE
+from splitserve.parallel.group import TPGroup
+from splitserve.parallel.shard import Shard, local_config, narrow
 from splitserve.types import ConfigError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# HF suffix -> (our suffix, shard index within a fused tensor, shard count)
+# HF projection -> (our fused projection, its shard within it)
 _FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+# an expert's projection -> (our stacked tensor, its half of the rows: 0 gate, 1 up, None all)
+_EXPERT_PART = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
+                "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
 _IGNORED = ("rotary_emb.inv_freq",)
 
 
@@ -69,19 +79,26 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
-               device: str | torch.device = "cpu") -> LlamaModel:
+               device: str | torch.device = "cpu", tp: TPGroup | None = None, shard: Shard | None = None
+               ) -> LlamaModel:
+    """The model, or under tensor parallelism this rank's `shard` of it (reading only the
+    checkpoint's parts it holds into its parameters)."""
     model_dir = Path(model_dir)
+    local = cfg if shard is None else local_config(cfg, shard)
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions)
+        model = LlamaModel(local, max_positions, tp, shard)
     model = model.to_empty(device=device)
     model.rotary.__init__(cfg.rope, cfg.head_dim, max_positions)  # buffers are computed, not loaded
     model.rotary.to(device)
+    for m in model.modules():  # counters are state, not weights: start at zero
+        if isinstance(m, SparseMoE):
+            m.expert_tokens.zero_()
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                _copy_param(name, f.get_tensor(name), params, cfg, filled)
+                _copy_param(name, f.get_tensor(name), params, cfg, filled, shard)
     if cfg.tie_word_embeddings:
         filled.pop("lm_head.weight", None)
         model.tie_weights()
@@ -90,55 +107,73 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
     return model.to(dtype).eval()
 
 
-def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
+Region = tuple[int | None, int | None]  # (expert or None, shard of a fused tensor's rows or None)
+
+
+def _target(name: str, cfg: ModelConfig) -> tuple[str, Region] | None:
+    """Our parameter a checkpoint tensor fills, and which part of it."""
     if name.endswith(_IGNORED):
         return None
     if name.startswith("model."):
         m = _LAYER.fullmatch(name)
         if m is None:
-            return name[len("model."):], None
+            return name[len("model."):], (None, None)
         idx, rest = m.groups()
+        rest = rest.replace("block_sparse_moe.", "mlp.", 1)  # Mixtral's name for its sparse block
+        e = _EXPERT.fullmatch(rest)
+        if e is not None:
+            ours, shard = _EXPERT_PART[e[2]]
+            return f"layers.{idx}.mlp.experts.{ours}", (int(e[1]), shard)
         stem, _, kind = rest.rpartition(".")
-        if stem in _FUSED:
-            ours, shard = _FUSED[stem]
-            return f"layers.{idx}.{ours}.{kind}", shard
-        return f"layers.{idx}.{rest}", None
+        head, _, proj = stem.rpartition(".")
+        if proj in _FUSED:
+            ours, shard = _FUSED[proj]
+            return f"layers.{idx}.{head}.{ours}.{kind}", (None, shard)
+        return f"layers.{idx}.{rest}", (None, None)
     if name == "lm_head.weight":
-        return None if cfg.tie_word_embeddings else (name, None)
+        return None if cfg.tie_word_embeddings else (name, (None, None))
     return None
 
 
-def _shard_offsets(pname: str, cfg: ModelConfig) -> list[int]:
+def _region(pname: str, param: torch.Tensor, region: Region, cfg: ModelConfig) -> torch.Tensor:
+    """The part of `param` (a rank's, shaped by its local `cfg`) that `region` names."""
+    expert, shard = region
+    dst = param.data if expert is None else param.data[expert]
+    if shard is None:
+        return dst
     if "qkv_proj" in pname:
-        return [0, cfg.q_size, cfg.q_size + cfg.kv_size, cfg.q_size + 2 * cfg.kv_size]
-    return [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
+        offs = [0, cfg.q_size, cfg.q_size + cfg.kv_size, cfg.q_size + 2 * cfg.kv_size]
+    else:  # gate_up: two halves
+        half = dst.shape[0] // 2
+        offs = [0, half, 2 * half]
+    return dst[offs[shard]: offs[shard + 1]]
 
 
-def _copy_param(name: str, tensor: torch.Tensor, params: dict, cfg: ModelConfig, filled: dict[str, int]) -> None:
+def _copy_param(name: str, tensor: torch.Tensor, params: dict, cfg: ModelConfig, filled: dict[str, int],
+                shard: Shard | None = None) -> None:
     target = _target(name, cfg)
     if target is None:
         return
-    pname, shard = target
+    pname, (expert, piece) = target
     if pname not in params:
         raise ConfigError(f"checkpoint tensor {name!r} has no place in the model (mapped to {pname!r})")
-    param = params[pname]
-    dst = param.data
+    local = cfg
     if shard is not None:
-        offs = _shard_offsets(pname, cfg)
-        dst = dst[offs[shard]: offs[shard + 1]]
+        tensor = narrow(pname, tensor, cfg, shard, piece, expert)
+        if tensor is None:  # an expert another rank holds
+            return
+        local = local_config(cfg, shard)
+        expert = None if expert is None else expert - shard.experts.start
+    dst = _region(pname, params[pname], (expert, piece), local)
     if tuple(dst.shape) != tuple(tensor.shape):
         raise ConfigError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
     with torch.no_grad():
         dst.copy_(tensor)
-    filled[pname] = filled.get(pname, 0) + 1
+    filled[pname] = filled.get(pname, 0) + dst.numel()
 
 
 def _check_complete(params: dict, filled: dict[str, int], cfg: ModelConfig) -> None:
-    missing = []
-    for pname in params:
-        need = 3 if "qkv_proj" in pname else 2 if "gate_up_proj" in pname else 1
-        if filled.get(pname, 0) != need:
-            missing.append(pname)
+    missing = [pname for pname, p in params.items() if filled.get(pname, 0) != p.numel()]
     if missing:
         raise ConfigError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                           + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))

@@ -2,8 +2,9 @@
 how fast KV moves between workers. Chosen by name (`make_cost`):
 
     linear     the engine's own step-time form, c0 + c1·prefill tokens + c2·decode seqs +
-               c3·decode context tokens, with coefficients measured on a machine
-               (`splitserve simulate --calibrate`, linear.py) or fitted to a GPU bench JSON
+               c3·decode context tokens + c4·prefill attention pairs, with coefficients
+               measured on a machine (`splitserve simulate --calibrate`, linear.py), taken from
+               served workers' online fits (their /metrics), or fitted to a GPU bench JSON
                (profiled.py)
     roofline   a GPU type's data sheet × a model shape, with stated efficiency factors
                (roofline.py)
@@ -15,20 +16,10 @@ admission and the autoscaler read: what a real worker's online fit would converg
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
-from splitserve.types import ConfigError
-
-
-class StepShape(NamedTuple):  # a tuple: one per simulated step
-    """What one scheduled step computes (from a SchedulerOutput)."""
-
-    prefill_tokens: int = 0  # tokens of prefill chunks
-    prefill_attended: float = 0.0  # Σ chunk tokens × (context before it + half the chunk): causal attention pairs
-    prefill_context: int = 0  # Σ (context + chunk) over chunks: the KV those chunks read
-    decode_seqs: int = 0
-    decode_context: int = 0  # Σ context of the decoding sequences (the KV decode reads)
-    sampled: int = 0  # rows that go through the LM head
+from splitserve.engine.step_shape import StepShape
+from splitserve.types import ConfigError, Role
 
 
 @dataclass(frozen=True)
@@ -65,10 +56,27 @@ class CostModel(Protocol):
         """KV blocks of `block_size` tokens one worker holds."""
         ...
 
-    def coeffs(self) -> tuple[float, float, float, float]:
-        """(c0, c1, c2, c3) of the engine's linear step-time form, as a worker reports them."""
+    def coeffs(self) -> tuple[float, float, float, float, float]:
+        """(c0, c1, c2, c3, c4) of the engine's linear step-time form (engine/step_model.py),
+        as a worker reports them."""
         ...
 
     def describe(self) -> dict:
         """Everything the model assumes, for the result JSON."""
         ...
+
+
+@dataclass(frozen=True)
+class ByRole:
+    """A cost model per pool, where the two sides were measured apart (a served deployment's
+    prefill and decode workers each fit their own steps). KV size and links: the decode side's."""
+
+    prefill: CostModel
+    decode: CostModel
+
+    @staticmethod
+    def of(cost: "CostModel | ByRole") -> "ByRole":
+        return cost if isinstance(cost, ByRole) else ByRole(cost, cost)
+
+    def of_role(self, role: Role) -> CostModel:
+        return self.prefill if role is Role.PREFILL else self.decode

@@ -1,8 +1,9 @@
 """The engine's own step-time form with fixed coefficients (engine/step_model.py fits the same
-four online): c0 + c1·prefill tokens + c2·decode sequences + c3·decode context tokens, plus
-c4·(prefill attention pairs), which the online fit lacks and a long prompt needs. Its
-numbers come from a measured machine — `splitserve simulate --calibrate` (calibrate.py) — or
-from a GPU bench JSON (profiled.py); it is saved and read as JSON."""
+five online): c0 + c1·prefill tokens + c2·decode sequences + c3·decode context tokens +
+c4·(prefill attention pairs: what makes a long prompt superlinear). Its numbers come from a
+measured machine — `splitserve simulate --calibrate` (calibrate.py) or served workers' online
+fits (`from_online_fit`) — or from a GPU bench JSON (profiled.py); it is saved and read as
+JSON."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from splitserve.sim.cost import Link, StepShape
+from splitserve.engine.step_shape import StepShape
+from splitserve.sim.cost import Link
 from splitserve.types import ConfigError
 
 
@@ -41,8 +43,8 @@ class LinearCost:
     def kv_blocks(self, block_size: int) -> int:
         return self.num_kv_blocks * self.block_size // block_size
 
-    def coeffs(self) -> tuple[float, float, float, float]:
-        return (self.c0, self.c1, self.c2, self.c3)
+    def coeffs(self) -> tuple[float, float, float, float, float]:
+        return (self.c0, self.c1, self.c2, self.c3, self.c4)
 
     def describe(self) -> dict:
         return asdict(self)

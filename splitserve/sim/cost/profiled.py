@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from splitserve.sim.cost.fit import nonneg_least_squares
+from splitserve.engine.least_squares import nonneg_least_squares
 from splitserve.sim.cost.linear import LinearCost
 from splitserve.sim.cost.roofline import RooflineCost
 from splitserve.types import ConfigError

@@ -19,7 +19,8 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass
 
-from splitserve.sim.cost import Link, StepShape
+from splitserve.engine.step_shape import StepShape
+from splitserve.sim.cost import Link
 from splitserve.sim.cost.hardware import GPUSpec
 from splitserve.sim.cost.shapes import ModelShape
 from splitserve.types import ConfigError
@@ -78,17 +79,18 @@ class RooflineCost:
         memory = weights + kv * (s.decode_context + s.prefill_context + s.decode_seqs)
         return (compute if compute > memory else memory) + self.step_overhead_s
 
-    def coeffs(self) -> tuple[float, float, float, float]:
+    def coeffs(self) -> tuple[float, float, float, float, float]:
         """The roofline made linear the way the engine's fit sees a real GPU: a weight-bound
-        step floor, compute per prefill token, and the decode reads per sequence and per
-        context token."""
+        step floor, compute per prefill token, the decode reads per sequence and per context
+        token, and the compute per prefill attention pair."""
         m, g = self.model, self.gpu
         flop_s, byte_s = g.bf16_flops * self.compute_efficiency, g.hbm_bandwidth * self.memory_efficiency
         c0 = m.weight_bytes / byte_s + self.step_overhead_s
         c1 = 2 * m.matmul_params / flop_s
         c2 = (2 * m.vocab * m.hidden) / flop_s + m.kv_bytes_per_token / byte_s
-        c3 = max(m.kv_bytes_per_token / byte_s, 4 * m.num_layers * m.num_heads * m.head_dim / flop_s)
-        return (c0, c1, c2, c3)
+        pair = 4 * m.num_layers * m.num_heads * m.head_dim / flop_s
+        c3 = max(m.kv_bytes_per_token / byte_s, pair)
+        return (c0, c1, c2, c3, pair)
 
     def describe(self) -> dict:
         d = asdict(self)

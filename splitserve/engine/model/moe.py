@@ -1,0 +1,80 @@
+"""The sparse feed-forward of mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE):
+route each token to its top-k experts, run each expert once over the tokens sent to it
+(dispatch), and sum the weighted results back per token (combine), plus a gated shared expert
+where the architecture has one.
+
+The arithmetic follows Hugging Face's order — router softmax in fp32, experts visited in
+ascending order, each expert's rows ordered by (top-k slot, token), results added in with
+`index_add_` — so that greedy tokens match transformers exactly. Each layer counts the tokens
+its experts took (`expert_tokens`): the load imbalance an operator watches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.layers import MLP
+from splitserve.parallel.shard import Shard
+
+
+class Experts(nn.Module):
+    """The SwiGLU experts this rank holds, `held` (global indices: all of them, or a contiguous
+    share under expert parallelism), as two stacked weights (the layout transformers 5 loads):
+    gate_up [E, 2·I, H] and down [E, H, I] (I: this rank's columns of each)."""
+
+    def __init__(self, held: range, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.held, self.inter = held, inter
+        self.gate_up_proj = nn.Parameter(torch.empty(len(held), 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(len(held), hidden, inter))
+
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        """Dispatch each token to its experts held here and combine their weighted outputs; the
+        ranks' outputs sum to the layer's (the DecoderLayer's all-reduce)."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(top_idx).tolist():  # ascending
+            if e not in self.held:
+                continue
+            slot, tok = torch.where((top_idx == e).T)  # rows by (slot, token), as HF orders them
+            i = e - self.held.start
+            gate, up = F.linear(x[tok], self.gate_up_proj[i]).split([self.inter, self.inter], dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[i]) * top_w[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: Shard | None = None) -> None:
+        super().__init__()
+        m = cfg.moe
+        assert m is not None
+        self.moe = m
+        self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)  # the router, on every rank
+        held = range(m.num_experts) if shard is None else shard.experts
+        self.experts = Experts(held, cfg.hidden_size, m.expert_intermediate_size)
+        self.shared_expert = None
+        self.shared_expert_gate = None
+        if m.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg.hidden_size, m.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.register_buffer("expert_tokens", torch.zeros(m.num_experts, dtype=torch.int64), persistent=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices [n, k], weights [n, k]) of each token's experts."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_w, top_idx = torch.topk(probs, self.moe.top_k, dim=-1)
+        if self.moe.renormalize:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return top_idx, (top_w if self.moe.weights_in_fp32 else top_w.to(logits.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_idx, top_w = self.route(x)
+        self.expert_tokens += torch.bincount(top_idx.flatten(), minlength=self.moe.num_experts)
+        out = self.experts(x, top_idx, top_w)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,129 @@
+"""Which part of each weight one tensor-parallel rank holds (Megatron-style):
+
+  column-parallel (output rows split): q/k/v (by attention head; a KV head is replicated on the
+      T / num_kv_heads ranks whose query heads read it when there are fewer KV heads than
+      ranks), gate/up, the vocab rows of the embedding and the LM head (padded to a multiple
+      of T, the padding rows zero)
+  row-parallel (input columns split, outputs all-reduced): o_proj, down_proj; a row-parallel
+      bias is held by rank 0 alone, so that the sum adds it once
+  experts: either each rank holds every expert's column/row shard (`expert_parallel` off), or
+      each holds whole experts, num_experts / T of them (on); the router, norms and the shared
+      expert's gate are replicated; the shared expert is split as a dense MLP is.
+
+A rank's model is the ordinary model built on `local_config` — the shard's head, KV head,
+intermediate and expert counts — plus the all-reduces; the loader cuts each checkpoint tensor
+with `narrow`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.model.config import ModelConfig
+from splitserve.types import ConfigError
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    size: int
+    heads: range  # query heads held (global indices)
+    kv_heads: range  # KV heads held
+    vocab: range  # vocab rows held (the padded range: may run past the vocab)
+    experts: range  # whole experts held (all of them unless expert_parallel)
+    expert_parallel: bool = False
+
+    @staticmethod
+    def of(cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False) -> "Shard":
+        check(cfg, size, expert_parallel)
+        h, kv = cfg.num_heads // size, cfg.num_kv_heads
+        kv_heads = (range(rank * kv // size, (rank + 1) * kv // size) if kv >= size
+                    else range(rank * kv // size, rank * kv // size + 1))
+        v = -(-cfg.vocab_size // size)
+        e = cfg.moe.num_experts if cfg.moe is not None else 0
+        experts = range(rank * e // size, (rank + 1) * e // size) if expert_parallel else range(e)
+        return Shard(rank, size, range(rank * h, (rank + 1) * h), kv_heads, range(rank * v, (rank + 1) * v),
+                     experts, expert_parallel)
+
+    def split(self, n: int) -> slice:
+        """This rank's part of a dimension of `n` split evenly (intermediate columns)."""
+        return slice(self.rank * n // self.size, (self.rank + 1) * n // self.size)
+
+
+def check(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
+    """Refuse, naming the reason, a tensor-parallel size the model's shapes do not divide by."""
+    if size < 1:
+        raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
+    need = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size}
+    if cfg.moe is not None:
+        if expert_parallel:
+            need["num_experts"] = cfg.moe.num_experts
+        else:
+            need["moe_intermediate_size"] = cfg.moe.expert_intermediate_size
+        if cfg.moe.shared_expert_intermediate_size:
+            need["shared_expert_intermediate_size"] = cfg.moe.shared_expert_intermediate_size
+    for name, n in need.items():
+        if n % size:
+            raise ConfigError(f"tensor_parallel_size {size} does not divide {name} {n}")
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:
+        raise ConfigError(f"tensor_parallel_size {size} and num_key_value_heads {kv}: one must divide the other")
+
+
+def local_config(cfg: ModelConfig, s: Shard) -> ModelConfig:
+    """The shapes one rank's model is built with."""
+    moe = cfg.moe
+    if moe is not None:
+        moe = dataclasses.replace(
+            moe, expert_intermediate_size=moe.expert_intermediate_size // (1 if s.expert_parallel else s.size),
+            shared_expert_intermediate_size=moe.shared_expert_intermediate_size // s.size)
+    return dataclasses.replace(cfg, num_heads=len(s.heads), num_kv_heads=len(s.kv_heads),
+                               intermediate_size=cfg.intermediate_size // s.size, moe=moe)
+
+
+def narrow(pname: str, t: torch.Tensor, cfg: ModelConfig, s: Shard, piece: int | None = None,
+           expert: int | None = None) -> torch.Tensor | None:
+    """This rank's part of checkpoint tensor `t`, bound for our parameter `pname` (its q/k/v or
+    gate/up `piece`; a stacked experts tensor, or one `expert`'s); None: this rank holds none
+    of it (an expert elsewhere)."""
+    if s.size == 1:
+        return t
+    d = cfg.head_dim
+    if ".experts." in pname:
+        return _narrow_experts(pname, t, s, expert)
+    if "qkv_proj" in pname:
+        heads = s.heads if piece == 0 else s.kv_heads
+        return t[heads.start * d: heads.stop * d]
+    if "o_proj" in pname:
+        if pname.endswith("bias"):
+            return t if s.rank == 0 else torch.zeros_like(t)
+        return t[:, s.heads.start * d: s.heads.stop * d]
+    if "gate_up_proj" in pname:  # one piece (gate or up) of a dense or shared-expert MLP
+        return t[s.split(t.shape[0])]
+    if "down_proj" in pname:
+        return t[:, s.split(t.shape[1])]
+    if pname in ("embed_tokens.weight", "lm_head.weight"):
+        return _vocab_rows(t, s)
+    return t  # norms, the router, the shared expert's gate: every rank holds them whole
+
+
+def _narrow_experts(pname: str, t: torch.Tensor, s: Shard, expert: int | None) -> torch.Tensor | None:
+    stacked = expert is None  # [E, ...] as transformers 5 writes it, else one expert's [out, in]
+    if s.expert_parallel:
+        if stacked:
+            return t[s.experts.start: s.experts.stop]
+        return t if expert in s.experts else None
+    if "gate_up_proj" in pname:
+        if stacked:  # [E, 2I, H]: this rank's columns of the gate half and of the up half
+            gate, up = t.chunk(2, dim=1)
+            return torch.cat((gate[:, s.split(gate.shape[1])], up[:, s.split(up.shape[1])]), dim=1)
+        return t[s.split(t.shape[0])]
+    return t[..., s.split(t.shape[-1])]  # down: [E, H, I] or [H, I]
+
+
+def _vocab_rows(t: torch.Tensor, s: Shard) -> torch.Tensor:
+    rows = t[s.vocab.start: min(s.vocab.stop, t.shape[0])]
+    pad = len(s.vocab) - rows.shape[0]
+    return torch.cat((rows, rows.new_zeros(pad, *rows.shape[1:]))) if pad > 0 else rows

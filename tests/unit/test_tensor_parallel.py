@@ -1,0 +1,95 @@
+"""Tensor parallelism on CPU: an engine over 2 rank processes (gloo), each holding half of every
+layer — query and KV heads (KV heads replicated where there are fewer than ranks), MLP and
+expert columns or whole experts, vocab rows — gives Hugging Face's greedy tokens (tie rule as
+in test_engine_parity), and losing a rank fails the engine with an error instead of hanging."""
+
+import time
+
+import pytest
+import torch
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.model.config import ModelConfig
+from splitserve.parallel.shard import Shard
+from splitserve.types import ConfigError
+from tests.unit.test_engine_parity import drained, reference, run_and_compare  # noqa: F401  (a fixture)
+
+
+@pytest.mark.parametrize("shape, expert_parallel", [
+    ("llama", False),  # GQA: 8 query heads, 2 KV heads -> 4 + 1 per rank
+    ("mixtral", False),  # every expert's columns split
+    ("qwen2_moe", False),  # and the shared expert's; a dense layer beside the sparse one
+    ("qwen3_moe", True),  # whole experts per rank; one KV head, replicated on both ranks
+])
+def test_tp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, expert_parallel):
+    with LLM(str(tiny_checkpoint(shape)), num_kv_blocks=96, max_num_batched_tokens=64, tensor_parallel_size=2,
+             expert_parallel=expert_parallel) as llm:
+        full = llm.engine.model_config
+        assert llm.engine.tp.size == 2 and llm.engine.runner.model.cfg.num_heads == full.num_heads // 2
+        run_and_compare(llm, reference, shape)  # chunked prefill (64 tokens a step) and prefix hits included
+        drained(llm)
+        if llm.engine.model_config.moe is not None:
+            routed = llm.engine.stats().expert_tokens_total
+            assert len(routed) == llm.engine.model_config.moe.num_experts and min(routed) > 0
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_stacked_experts_load_as_the_per_expert_layout_does(tiny_checkpoint, tmp_path, expert_parallel):
+    """Hub checkpoints hold one tensor per expert projection; transformers 5 can write them
+    stacked ([E, 2I, H] gate+up, [E, H, I] down). Both give the same parameters, whole and on
+    each rank's shard."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from splitserve.engine.model.loader import load_model
+
+    src = tiny_checkpoint("qwen2_moe")
+    cfg = ModelConfig.from_dir(src)
+    stacked = tmp_path / "stacked"
+    shutil.copytree(src, stacked)
+    weights = load_file(str(stacked / "model.safetensors"))
+    out = {k: v for k, v in weights.items() if ".mlp.experts." not in k}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        if f"{p}0.gate_proj.weight" not in weights:
+            continue  # the dense layer
+        e = range(cfg.moe.num_experts)
+        out[p + "gate_up_proj"] = torch.stack([torch.cat((weights[f"{p}{i}.gate_proj.weight"],
+                                                          weights[f"{p}{i}.up_proj.weight"])) for i in e])
+        out[p + "down_proj"] = torch.stack([weights[f"{p}{i}.down_proj.weight"] for i in e])
+    save_file(out, str(stacked / "model.safetensors"))
+    for shard in [None] + [Shard.of(cfg, r, 2, expert_parallel) for r in range(2)]:
+        a = load_model(src, cfg, torch.float32, 64, shard=shard).state_dict()
+        b = load_model(stacked, cfg, torch.float32, 64, shard=shard).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), shard
+
+
+def test_kv_heads_are_split_or_replicated_by_which_query_heads_read_them(tiny_checkpoint):
+    llama = ModelConfig.from_dir(tiny_checkpoint("llama"))  # 8 heads, 2 KV heads
+    assert [(s.heads, s.kv_heads) for s in (Shard.of(llama, r, 2) for r in range(2))] == \
+        [(range(0, 4), range(0, 1)), (range(4, 8), range(1, 2))]
+    four = [Shard.of(llama, r, 4) for r in range(4)]  # 2 query heads each; KV head h // 4 of 8 / 2
+    assert [s.kv_heads for s in four] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    assert [s.vocab for s in four] == [range(0, 96), range(96, 192), range(192, 288), range(288, 384)]
+    qwen3_moe = ModelConfig.from_dir(tiny_checkpoint("qwen3_moe"))
+    assert [Shard.of(qwen3_moe, r, 2, expert_parallel=True).experts for r in range(2)] == [range(0, 4), range(4, 8)]
+
+
+def test_a_size_the_shapes_do_not_divide_is_refused_before_any_rank_starts(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="tensor_parallel_size 3 does not divide num_attention_heads 8"):
+        LLM(str(tiny_checkpoint("llama")), num_kv_blocks=16, tensor_parallel_size=3)
+
+
+def test_losing_a_rank_fails_the_engine_with_an_error_not_a_hang(tiny_checkpoint):
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(str(tiny_checkpoint("llama")), num_kv_blocks=32, tensor_parallel_size=2) as llm:
+        assert len(llm.generate([[5, 6, 7]], sp)[0].outputs[0].token_ids) == 4
+        rank1 = llm.engine._followers[0]
+        rank1.kill()
+        rank1.join(10)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):
+            llm.generate([[8, 9, 10]], sp)
+        assert time.monotonic() - started < 60  # the group's timeout at most, not forever
+        assert llm.engine.pool.num_in_use == 0  # the failed request's blocks went back
