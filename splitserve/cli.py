@@ -139,6 +139,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host-kv-blocks", type=int, default=0,
                    help="a host-memory KV tier of this many blocks below each worker's KV cache: evicted "
                         "prefix blocks are kept there and loaded back on a hit (default: none)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many rank processes (gloo on a CPU, NCCL on GPUs); "
+                        "in-process serving (--prefill 0 --decode 0) for now (default: %(default)s)")
     p.add_argument("--max-inflight", type=int, default=256, help="admission: requests in flight at most")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="admission: default TTFT target")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="admission: default TPOT target")

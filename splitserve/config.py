@@ -96,7 +96,7 @@ class EngineConfig:
 POOL_KEYS = ("prefill", "decode")
 TRANSPORTS = ("auto", "shm", "tcp", "nixl")
 ENGINE_FLAG_KEYS = ("dtype", "device", "attention_backend", "kv_cache_memory_gib", "gpu_memory_utilization",
-                    "host_kv_blocks")
+                    "host_kv_blocks", "tensor_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,10 @@ class DeployConfig:
             object.__setattr__(self, "autoscale", self._autoscale_config())
         if not isinstance(self.engine, dict) or "model" in self.engine:
             raise ConfigError("engine: must be a mapping of engine settings (the model is set by model:)")
-        EngineConfig.from_dict({"model": self.model, **self.engine})  # every engine key checked now
+        ecfg = EngineConfig.from_dict({"model": self.model, **self.engine})  # every engine key checked now
+        if ecfg.tensor_parallel_size > 1:
+            raise ConfigError("tensor_parallel_size > 1 is served in-process so far (serve --prefill 0 --decode 0): "
+                              "prefill and decode pools need every rank's KV handed over, which is not built yet")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "DeployConfig":

@@ -14,6 +14,9 @@ the JSON.
             tokens + causal attention FLOPs) / time / peak; triton vs torch SDPA (vs flash_attn)
   fused_ablation  decode (batch 64 × 2K) and a 2K prefill with the fused residual+RMSNorm and
             rotary kernels vs the torch ops: whether they matter
+  tp        the same model split over T = 2 and 4 GPUs (splitserve/parallel: NCCL, one process
+            per rank): decode step at batch 16 / 64 × 2K context and a 2K prefill; skipped with
+            fewer GPUs than T (one H200 is the usual loan), run on CPU over gloo at T = 2 in --smoke
 
 Every measurement is guarded: an error is recorded in the JSON and the run goes on, and a
 section is skipped once --budget-s is spent, so one shot always leaves a result.
@@ -131,16 +134,9 @@ class Bench:
     # -- the model ----------------------------------------------------------------------------
     def build_model(self) -> None:
         torch = self.torch
-        from splitserve.engine.model.config import ModelConfig, RopeConfig
         from splitserve.engine.model.llama import LlamaModel
 
-        s = self.shape
-        self.cfg = ModelConfig(
-            architecture="LlamaForCausalLM", vocab_size=s["vocab"], hidden_size=s["hidden"],
-            intermediate_size=s["inter"], num_layers=s["layers"], num_heads=s["heads"], num_kv_heads=s["kv_heads"],
-            head_dim=s["head_dim"], rms_norm_eps=1e-5, max_position_embeddings=8192 + 64,
-            rope=RopeConfig(theta=500000.0), qkv_bias=False, o_bias=False, qk_norm=False, tie_word_embeddings=False,
-            sliding_window=None, bos_token_id=None, eos_token_ids=(), torch_dtype="bfloat16")
+        self.cfg = model_config(self.shape)
         t = time.perf_counter()
         torch.manual_seed(0)
         with torch.device(self.device):
@@ -560,13 +556,139 @@ def _gather_sdpa_decode(torch, q, k_cache, v_cache, tables, ctx, scale):
     return torch.nn.functional.scaled_dot_product_attention(qg, k, v, scale=scale)
 
 
+def model_config(s: dict):
+    from splitserve.engine.model.config import ModelConfig, RopeConfig
+
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=s["vocab"], hidden_size=s["hidden"],
+        intermediate_size=s["inter"], num_layers=s["layers"], num_heads=s["heads"], num_kv_heads=s["kv_heads"],
+        head_dim=s["head_dim"], rms_norm_eps=1e-5, max_position_embeddings=8192 + 64,
+        rope=RopeConfig(theta=500000.0), qkv_bias=False, o_bias=False, qk_norm=False, tie_word_embeddings=False,
+        sliding_window=None, bos_token_id=None, eos_token_ids=(), torch_dtype="bfloat16")
+
+
+def tp_section(bench: Bench) -> None:
+    """Decode and prefill of the model split over T ranks, one process each (rank 0 reports)."""
+    import multiprocessing as mp
+
+    torch = bench.torch
+    gpus = 0 if bench.smoke else torch.cuda.device_count()
+    sizes = [2] if bench.smoke else [t for t in (2, 4) if gpus >= t]
+    if not sizes:
+        bench.result["tp"] = {"skipped": f"{gpus} GPU(s) here: tensor parallelism needs 2 or more"}
+        return
+    from splitserve.parallel.launch import free_address
+
+    rows = bench.result["tp"] = []
+    ctx = mp.get_context("spawn")
+    for size in sizes:
+        if bench.time_left() < 60:
+            rows.append({"tp": size, "skipped": "budget"})
+            continue
+        q = ctx.Queue()
+        address = free_address()
+        procs = [ctx.Process(target=_tp_rank, args=(r, size, address, bench.smoke, q)) for r in range(size)]
+        for p in procs:
+            p.start()
+        try:
+            got = q.get(timeout=max(60.0, bench.time_left()))
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+        if isinstance(got, str):
+            bench.result["errors"].append({"where": f"tp.{size}", "error": got})
+            rows.append({"tp": size, "skipped": "error"})
+            continue
+        rows.append(got)
+        print(f"tp={size}: " + ", ".join(f"decode b{r['batch']} {r['step_ms']:.2f} ms" for r in got["decode"])
+              + f", prefill {got['prefill']['tokens']} tokens {got['prefill']['seconds'] * 1e3:.1f} ms", flush=True)
+
+
+def _tp_rank(rank: int, size: int, address: str, smoke: bool, q) -> None:
+    """One rank: its shard of the model (random weights), its KV heads' pool, the timed steps."""
+    import torch
+
+    from splitserve.engine.attention.backend import AttentionBatch, SeqSlice, get_backend
+    from splitserve.engine.model.llama import LlamaModel
+    from splitserve.parallel.group import DistGroup, GroupSpec
+    from splitserve.parallel.shard import Shard, local_config
+
+    try:
+        device = torch.device("cpu") if smoke else torch.device(f"cuda:{rank}")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dtype = torch.float32 if smoke else torch.bfloat16
+        cfg = model_config(SMOKE if smoke else LLAMA3_8B)
+        tp = DistGroup(GroupSpec(rank, size, address, "gloo" if smoke else "nccl", 300.0))
+        shard = Shard.of(cfg, rank, size)
+        local = local_config(cfg, shard)
+        torch.manual_seed(rank)
+        with torch.device(device):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                model = LlamaModel(local, cfg.max_position_embeddings, tp, shard).eval()
+            finally:
+                torch.set_default_dtype(prev)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+        bs, context = 16, (16 if smoke else 2048)
+        batches = (1, 2) if smoke else (16, 64)
+        prompt = 32 if smoke else 2048
+        per_seq = -(-(context + 1) // bs)
+        blocks = max(batches) * per_seq + -(-prompt // bs)
+        kv = torch.zeros((cfg.num_layers, 2, blocks, bs, local.num_kv_heads, cfg.head_dim), dtype=dtype, device=device)
+        layers = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)]
+        be = get_backend("torch" if smoke else "triton", dtype, device, block_size=bs, head_dim=cfg.head_dim)
+
+        def timed(fn, iters: int) -> float:
+            for _ in range(2):
+                fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return (time.perf_counter() - t) / iters
+
+        def run(num_seqs: int, ctx_len: int, q_len: int, first_block: int):
+            slices, slots = [], []
+            for s in range(num_seqs):
+                ids_ = tuple(range(first_block + s * per_seq, first_block + s * per_seq + -(-ctx_len // bs)))
+                slices.append(SeqSlice(q_start=s * q_len, q_len=q_len, ctx_len=ctx_len, block_ids=ids_))
+                slots += [ids_[p // bs] * bs + p % bs for p in range(ctx_len - q_len, ctx_len)]
+            batch = AttentionBatch(num_tokens=num_seqs * q_len, slot_mapping=torch.tensor(slots, device=device),
+                                   decodes=tuple(slices) if q_len == 1 else (),
+                                   prefills=() if q_len == 1 else tuple(slices), block_size=bs)
+            meta = be.prepare(batch)
+            ids = torch.randint(0, cfg.vocab_size, (num_seqs * q_len,), device=device)
+            pos = torch.tensor([p for _ in range(num_seqs) for p in range(ctx_len - q_len, ctx_len)], device=device)
+            return lambda: model.compute_logits(model(ids, pos, layers, be, meta)[-num_seqs:])
+
+        with torch.inference_mode():
+            decode = [{"batch": b, "context": context, "step_ms": 1e3 * timed(run(b, context + 1, 1, 0), 3 if smoke else 10)}
+                      for b in batches]
+            prefill = {"tokens": prompt, "seconds": timed(run(1, prompt, prompt, max(batches) * per_seq), 2 if smoke else 5)}
+        if rank == 0:
+            q.put({"tp": size, "decode": decode, "prefill": prefill, "kv_heads_per_rank": local.num_kv_heads})
+        tp.close()
+    except Exception:  # the parent records it and goes on
+        if rank == 0:
+            q.put(traceback.format_exc(limit=6))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/gpu_bench.json or results/gpu_bench.json)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, if the GPU name is not known")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    ap.add_argument("--sections", default="kernels,decode,prefill,fused_ablation,host_tier")
+    ap.add_argument("--sections", default="kernels,decode,prefill,fused_ablation,host_tier,tp")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -587,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("decode", "prefill", "fused_ablation", "host_tier"):
             if name in sections and hasattr(bench, "kv_storage"):
                 bench.guarded(name, getattr(bench, name))
+    if "tp" in sections:
+        bench.guarded("tp", lambda: tp_section(bench))
     bench.result["summary"] = bench.summary()
     bench.result["wall_s"] = round(time.monotonic() - t0, 1)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,10 @@ def test_gpu_bench_smoke(tmp_path):
     modes = {(r["backend"], r["mode"]) for r in res["decode"]}
     assert modes == {("triton", "graph"), ("triton", "eager"), ("torch", "eager")}
     assert len(res["decode"]) == 2 * 2 * 3 and all(r["step_ms"] > 0 and r["bytes_read"] > 0 for r in res["decode"])
+    (tp,) = res["tp"]  # the model over 2 ranks (gloo here, NCCL on GPUs), each with 1 of the 2 KV heads
+    assert tp["tp"] == 2 and tp["kv_heads_per_rank"] == 1
+    assert [r["batch"] for r in tp["decode"]] == [1, 2] and all(r["step_ms"] > 0 for r in tp["decode"])
+    assert tp["prefill"]["seconds"] > 0
     assert {(r["tokens"], r["backend"]) for r in res["prefill"]} == {(16, "triton"), (16, "torch"),
                                                                       (32, "triton"), (32, "torch")}
     assert res["copy"]["gb_per_s"] > 0

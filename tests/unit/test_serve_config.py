@@ -70,7 +70,8 @@ def test_the_app_config_reads_serve_run_strings_and_refuses_bad_values(tiny_chec
                        ({"policy": "random"}, "unknown policy"), ({"transport": "pigeon"}, "unknown transport"),
                        ({"decode_resources": {"CPU": 1}}, "set by splitserve itself"),
                        ({"prefill_resources": {"prefill_node": -1}}, "positive amount"),
-                       ({"engine": {"block_size": 3}}, "block_size"), ({"probe_timeout_s": 0}, "probe_timeout_s")]:
+                       ({"engine": {"block_size": 3}}, "block_size"), ({"probe_timeout_s": 0}, "probe_timeout_s"),
+                       ({"tensor_parallel_size": 2}, "served in-process so far")]:
         with pytest.raises(ConfigError, match=match):
             DeployConfig.from_options({"model": model, **bad})
 

@@ -93,3 +93,26 @@ def test_losing_a_rank_fails_the_engine_with_an_error_not_a_hang(tiny_checkpoint
             llm.generate([[8, 9, 10]], sp)
         assert time.monotonic() - started < 60  # the group's timeout at most, not forever
         assert llm.engine.pool.num_in_use == 0  # the failed request's blocks went back
+
+
+def test_expert_load_and_its_imbalance_are_exported_per_worker():
+    from splitserve.metrics import Metrics
+    from splitserve.router.frontend import Frontend
+    from splitserve.router.policy import WorkerView
+
+    class Views:  # a backend as far as the gauges read it
+        sampling_defaults = ()
+
+        def worker_views(self):
+            return [WorkerView("w1", "decode", "h", expert_tokens=(3, 1, 0, 4)), WorkerView("w2", "prefill", "h")]
+
+        def autoscale_report(self):
+            return None
+
+    front = Frontend(Views(), Metrics())
+    front.export_worker_gauges()
+    text = front.metrics.exposition().decode()
+    got = {ln.split("{")[1].split("}")[0]: float(ln.split()[-1]) for ln in text.splitlines()
+           if ln.startswith("splitserve_worker_expert_")}
+    assert got['expert="3",role="decode",worker="w1"'] == 4 and got['role="decode",worker="w1"'] == 2.0  # 4 / mean 2
+    assert not any('worker="w2"' in k for k in got)  # a dense worker exports none
