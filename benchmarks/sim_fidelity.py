@@ -28,9 +28,13 @@ trace (averaged over a role's workers; prefill and decode pools each their own, 
 away from them; what the simulator must still get right is everything else (queueing,
 batching, chunking, the prefix cache, the handoff). Both are reported.
 
-Writes results/sim_fidelity.json (+ PNG). About 15 minutes.
+The served fits are simulated without `--host-cores`: those steps were timed while the workers
+shared the cores, so the slowdown is in them already.
 
-    python benchmarks/sim_fidelity.py [--requests 80] [--time-scale 6] [--only aggregated 1p1d 2p1d]
+Writes results/sim_fidelity.json (+ PNG). About 25 minutes; `--resimulate` redoes only the
+simulations, from the measurements saved beside it (a minute).
+
+    python benchmarks/sim_fidelity.py [--requests 80] [--time-scale 6] [--only aggregated 1p1d 2p1d] [--resimulate]
 """
 
 from __future__ import annotations
@@ -98,12 +102,15 @@ def probe_args(out_len: int, concurrency: int = 1) -> list[str]:
     return ["--dataset", "random", *PROBE, "--output-len", str(out_len), str(out_len), "--num-requests", str(n)]
 
 
-def simulate(out: Path, cost: Path | tuple[Path, Path], p: int, d: int, *args: str) -> dict:
+def simulate(out: Path, cost: Path | tuple[Path, Path], p: int, d: int, *args: str, shared_cores: bool = True) -> dict:
+    """`shared_cores`: model the 2 cores the workers share (a step slows while more step) — for
+    a cost measured in isolation; a served fit already measured its steps slowed so."""
     pools = ["--aggregated", "1"] if p == 0 else ["--prefill", str(p), "--decode", str(d)]
     costs = ["--calibrated", str(cost)] if isinstance(cost, Path) else \
         ["--calibrated-prefill", str(cost[0]), "--calibrated", str(cost[1])]
+    cores = ["--host-cores", "2"] if shared_cores else []
     run(CLI + ["simulate", *costs, *pools, "--layout", "mixed", "--gpus-per-node", "64",
-               "--host-cores", "2", "--no-admission", "--no-plot", "--out", str(out), *args],
+               *cores, "--no-admission", "--no-plot", "--out", str(out), *args],
         stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -183,23 +190,51 @@ def compare(real: dict, sim: dict) -> dict:
     return rows
 
 
-def simulate_corrected(a, name: str, out_dir: Path, tag: str, cost_probe, cost_trace, real_probe: dict) -> tuple[dict, dict]:
+def simulate_corrected(a, name: str, out_dir: Path, tag: str, cost_probe, cost_trace, real_probe: dict,
+                       shared_cores: bool) -> tuple[dict, dict]:
     """Simulate the probes on `cost_probe`, derive the corrections, and simulate the trace on
     `cost_trace` with them: (the trace's summary, the corrections)."""
     p, d = DEPLOYMENTS[name]
     sim_probe = {(c, n): simulate(out_dir / f"{name}_{tag}_sim_probe{c}x{n}.json", cost_probe, p, d, "--dataset",
                                   "random", *PROBE, "--num-requests", str(6 if c == 1 else c),
-                                  "--rate", "0.1" if c == 1 else "1e6", "--output-len", str(n), str(n))
+                                  "--rate", "0.1" if c == 1 else "1e6", "--output-len", str(n), str(n),
+                                  shared_cores=shared_cores)
                  for c, n in PROBES}
     extra = overheads(real_probe, sim_probe)
     tuned = (tuple(with_overheads(x, extra, x.with_name(x.stem + "_tuned.json")) for x in cost_trace)
              if isinstance(cost_trace, tuple) else with_overheads(cost_trace, extra, out_dir / f"{name}_{tag}_cost.json"))
     sim = simulate(out_dir / f"{name}_{tag}_sim.json", tuned, p, d, *trace_args(a), "--rate-scale", str(1 / a.time_scale),
-                   "--ingress-ms", str(extra["ingress_s"] * 1e3), "--handoff-ms", str(extra["handoff_s"] * 1e3))
+                   "--ingress-ms", str(extra["ingress_s"] * 1e3), "--handoff-ms", str(extra["handoff_s"] * 1e3),
+                   shared_cores=shared_cores)
     return sim, extra
 
 
-def measure(a, name: str, out_dir: Path) -> dict:
+def measure(a, name: str, out_dir: Path, before: dict | None) -> dict:
+    """Measure `name` and simulate it; with `before` (this deployment's entry of an earlier
+    result) only simulate again, from that run's saved measurements."""
+    p, d = DEPLOYMENTS[name]
+    if before is not None:
+        cost = out_dir / f"{name}_calibration.json"
+        real_probe = {(c, n): json.loads((out_dir / f"{name}_probe{c}x{n}.json").read_text())["summary"]
+                      for c, n in PROBES}
+        real = json.loads((out_dir / f"{name}_real.json").read_text())["summary"]
+        fit_probe, fit_trace = before["served_fit"]["after_probes"], before["served_fit"]["after_trace"]
+    else:
+        cost, real_probe, real, fit_probe, fit_trace = measure_served(a, name, out_dir)
+    sim, extra = simulate_corrected(a, name, out_dir, "calibrated", cost, cost, real_probe, shared_cores=True)
+    served = (served_cost(cost, fit_probe, "probes", out_dir, name), served_cost(cost, fit_trace, "trace", out_dir, name))
+    sim_served, extra_served = simulate_corrected(a, name, out_dir, "served", *served, real_probe, shared_cores=False)
+    return {"deployment": name, "prefill": p, "decode": d, "calibration": json.loads(cost.read_text()),
+            "overheads": extra, "compare": compare(real, sim),
+            "served_fit": {"after_probes": fit_probe, "after_trace": fit_trace, "overheads": extra_served,
+                           "compare": compare(real, sim_served)},
+            "measured_completed": real["completed"], "measured_errors": real["errors"],
+            "simulated_completed": sim["completed"], "prefix_hit_rate_sim": sim["prefix_hit_rate"],
+            "sim_wall_s": sim["wall_s"]}
+
+
+def measure_served(a, name: str, out_dir: Path):
+    """The real run: calibrate, serve, probe, read the fits, replay the trace, read them again."""
     p, d = DEPLOYMENTS[name]
     # calibrated right before its run: this VM's speed drifts over tens of minutes
     cost = calibrated(out_dir / f"{name}_calibration.json", 2 if p == 0 else 1, a.calibration_budget_s)
@@ -211,16 +246,7 @@ def measure(a, name: str, out_dir: Path) -> dict:
         real = bench(a, out_dir / f"{name}_real.json", "--dataset", "mooncake", *trace_args(a), "--time-scale",
                      str(a.time_scale), "--drain-timeout", "600")
         fit_trace = served_fits(a)
-    sim, extra = simulate_corrected(a, name, out_dir, "calibrated", cost, cost, real_probe)
-    served = (served_cost(cost, fit_probe, "probes", out_dir, name), served_cost(cost, fit_trace, "trace", out_dir, name))
-    sim_served, extra_served = simulate_corrected(a, name, out_dir, "served", *served, real_probe)
-    return {"deployment": name, "prefill": p, "decode": d, "calibration": json.loads(cost.read_text()),
-            "overheads": extra, "compare": compare(real, sim),
-            "served_fit": {"after_probes": fit_probe, "after_trace": fit_trace, "overheads": extra_served,
-                           "compare": compare(real, sim_served)},
-            "measured_completed": real["completed"], "measured_errors": real["errors"],
-            "simulated_completed": sim["completed"], "prefix_hit_rate_sim": sim["prefix_hit_rate"],
-            "sim_wall_s": sim["wall_s"]}
+    return cost, real_probe, real, fit_probe, fit_trace
 
 
 def plot(res: dict, path: Path) -> None:
@@ -257,14 +283,17 @@ def main() -> None:
     ap.add_argument("--calibration-budget-s", type=float, default=60.0)
     ap.add_argument("--port", type=int, default=8350)
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_fidelity.json"))
+    ap.add_argument("--resimulate", action="store_true",
+                    help="measure nothing: simulate --out's runs again from their saved measurements")
     a = ap.parse_args()
     out = Path(a.out)
     work = out.parent / out.stem
     work.mkdir(parents=True, exist_ok=True)
+    before = {r["deployment"]: r for r in json.loads(out.read_text())["runs"]} if a.resimulate else {}
     res = {"workload": {"trace": TRACE.name, "requests": a.requests, "length_scale": a.length_scale,
                         "max_output_len": a.max_output_len, "time_scale": a.time_scale}, "runs": []}
     for name in a.only:
-        res["runs"].append(measure(a, name, work))
+        res["runs"].append(measure(a, name, work, before.get(name) if a.resimulate else None))
         out.write_text(json.dumps(res, indent=2) + "\n")
         r = res["runs"][-1]
         for m, row in r["compare"].items():
