@@ -68,7 +68,8 @@ def pool_fit(stats) -> StepFit:
     fits = [s.step_time_coeffs for s in stats if s.steps_total > 0 and any(s.step_time_coeffs)]
     if not fits:
         return StepFit(0.0, 0.0, 0.0, 0.0)
-    return StepFit.of(tuple(_mean([max(0.0, f[i]) for f in fits]) for i in range(4)))
+    fits = [tuple(f) + (0.0,) * (5 - len(f)) for f in fits]
+    return StepFit.of(tuple(_mean([max(0.0, f[i]) for f in fits]) for i in range(5)))
 
 
 def _mean(values: list[float]) -> float:

@@ -182,7 +182,7 @@ class AutoscalePolicy:
 
     def _prefill_capacity(self, sig: PrefillSignals) -> float | None:
         pool = self._pools[Role.PREFILL]
-        if sig.fit.per_prefill_token > 0:
+        if sig.fit.knows_prefill:
             pool.fit = sig.fit
         if pool.fit is not None:
             return pool.fit.prefill_tokens_per_s(self.config.chunk_tokens)

@@ -11,20 +11,28 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class StepFit:
     """A worker's online step-time fit (engine/step_model.py): seconds per step =
-    base + per_prefill_token · tokens + per_decode_seq · seqs + per_context_token · context."""
+    base + per_prefill_token · tokens + per_decode_seq · seqs + per_context_token · context
+    + per_attention_pair · (causal attention pairs of the prefill chunks)."""
 
     base: float
     per_prefill_token: float
     per_decode_seq: float
     per_context_token: float
+    per_attention_pair: float = 0.0
 
     @classmethod
     def of(cls, coeffs: tuple[float, ...]) -> "StepFit":
-        return cls(*coeffs[:4])
+        return cls(*(tuple(coeffs[:5]) + (0.0,) * (5 - len(coeffs[:5]))))
+
+    @property
+    def knows_prefill(self) -> bool:
+        return self.per_prefill_token > 0 or self.per_attention_pair > 0
 
     def prefill_tokens_per_s(self, chunk_tokens: int) -> float:
-        """Prefill throughput of one worker running chunks of `chunk_tokens`."""
-        step = self.base + chunk_tokens * self.per_prefill_token
+        """Prefill throughput of one worker running chunks of `chunk_tokens` (each attending to
+        itself: the attention of a chunk over a longer context is more, so this is an upper bound)."""
+        step = (self.base + chunk_tokens * self.per_prefill_token
+                + chunk_tokens * (chunk_tokens + 1) / 2 * self.per_attention_pair)
         return chunk_tokens / step if step > 0 else float("inf")
 
 

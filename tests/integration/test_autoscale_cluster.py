@@ -61,7 +61,11 @@ def under_load(c):
 
     text = c.run(metrics())
     assert 'splitserve_autoscaler_target{role="prefill"} 2.0' in text
-    assert 'splitserve_autoscaler_decisions_total{reason="hold",role="decode"}' in text
+    # decode stays at one worker: its decisions hold, or sit at the pool's minimum (4-token
+    # outputs leave it idle between requests, so it would want none) — never a growth reason
+    decode = {ln.split('reason="')[1].split('"')[0] for ln in text.splitlines()
+              if ln.startswith("splitserve_autoscaler_decisions_total{") and 'role="decode"' in ln}
+    assert decode and decode <= {"hold", "bound"}, decode
 
 
 @pytest.mark.slow

@@ -122,3 +122,15 @@ def test_a_pool_still_starting_its_new_workers_is_not_shrunk():
     held = pol.decide(Signals(idle.at, dataclasses.replace(idle.prefill, starting=1), idle.decode))
     assert held.prefill == grown.prefill and held.prefill_reason is Reason.STARTING
     assert pol.decide(signals(20, (grown.prefill, 1), 0.01, 100, 10)).prefill < grown.prefill  # landed: it shrinks
+
+
+def test_a_fit_whose_prefill_cost_is_all_attention_still_sizes_prefill():
+    """The online fit may put a long prompt's cost in its attention term (c4) rather than per
+    token (c1): the prefill capacity must count it, not read the worker as infinitely fast."""
+    from splitserve.autoscale.signals import StepFit
+
+    per_token = StepFit.of((0.01, 1e-4, 0.0, 0.0))
+    attention = StepFit.of((0.01, 0.0, 0.0, 0.0, 2e-7))  # 1024 tokens: 0.01 + 524800 * 2e-7 s
+    assert not StepFit.of((0.01, 0.0, 0.0, 0.0)).knows_prefill and attention.knows_prefill
+    assert attention.prefill_tokens_per_s(1024) == pytest.approx(1024 / (0.01 + 1024 * 1025 / 2 * 2e-7))
+    assert per_token.prefill_tokens_per_s(1024) == pytest.approx(1024 / (0.01 + 0.1024))
