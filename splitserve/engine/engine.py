@@ -60,6 +60,15 @@ class Engine(EngineCore):
         if tp is None and size > 1:
             tp, self._followers = start_local_group(config)
         self.tp = tp or TPGroup()
+        try:
+            self._build(config, mc, max_model_len)
+        except BaseException:  # the ranks it started must not outlive a failed start
+            if self._followers:
+                stop_local_group(self.tp, self._followers)
+            raise
+
+    def _build(self, config: EngineConfig, mc: ModelConfig, max_model_len: int) -> None:
+        size = config.tensor_parallel_size
         shard = Shard.of(mc, self.tp.rank, size, config.expert_parallel) if size > 1 else None
         model = load_model(Path(config.model), mc, self.dtype, max_model_len, self.device, self.tp, shard)
         kv_heads = mc.num_kv_heads if shard is None else len(shard.kv_heads)

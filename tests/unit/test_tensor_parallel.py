@@ -116,3 +116,19 @@ def test_expert_load_and_its_imbalance_are_exported_per_worker():
            if ln.startswith("splitserve_worker_expert_")}
     assert got['expert="3",role="decode",worker="w1"'] == 4 and got['role="decode",worker="w1"'] == 2.0  # 4 / mean 2
     assert not any('worker="w2"' in k for k in got)  # a dense worker exports none
+
+
+def test_a_failed_start_leaves_no_rank_behind(tiny_checkpoint, tmp_path):
+    import multiprocessing
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint("qwen2"), broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, str(broken / "model.safetensors"))
+    with pytest.raises(ConfigError, match="missing weights for: layers.1.mlp.down_proj.weight"):
+        LLM(str(broken), num_kv_blocks=16, tensor_parallel_size=2)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("splitserve-tp-rank")]
