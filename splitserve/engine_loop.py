@@ -144,8 +144,13 @@ class EngineLoop:
                 failures = 0
             except Exception as e:  # deliver, don't die: every waiter learns what happened
                 failures += 1
-                if failures >= self.max_step_failures:
+                if getattr(self.engine, "tp", None) is not None and self.engine.tp.size > 1:
+                    # a rank failed mid-step: the others wait in a collective of that step, so the
+                    # next step's would meet theirs out of order — the group is done at once
+                    self.failure = f"a step of its tensor-parallel group failed with {type(e).__name__}"
+                elif failures >= self.max_step_failures:
                     self.failure = f"{failures} engine steps in a row failed, the last with {type(e).__name__}"
+                if self.failure is not None:
                     e = EngineFailed(f"this engine has stopped: {self.failure}")
                 for rid, q in list(self._queues.items()):
                     if self.failure is not None or not self.engine.is_pulling(rid):  # a pull was not in that step

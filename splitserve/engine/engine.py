@@ -58,6 +58,8 @@ class Engine(EngineCore):
         check_tp(mc, size, config.expert_parallel)  # before any rank is started
         self._followers: list = []
         if tp is None and size > 1:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # rank 0's GPU; rank r takes GPU r
             tp, self._followers = start_local_group(config)
         self.tp = tp or TPGroup()
         try:
@@ -73,7 +75,10 @@ class Engine(EngineCore):
         model = load_model(Path(config.model), mc, self.dtype, max_model_len, self.device, self.tp, shard)
         kv_heads = mc.num_kv_heads if shard is None else len(shard.kv_heads)
         # every rank's pool has rank 0's block count: its block ids index them all
-        num_blocks = self.tp.broadcast(config.num_kv_blocks or _blocks_for_memory(config, mc, self.dtype, self.device))
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None and self.tp.rank == 0:
+            num_blocks = _blocks_for_memory(config, mc, self.dtype, self.device, kv_heads)
+        num_blocks = self.tp.broadcast(num_blocks)
         shm = None
         if config.kv_shared_memory:
             sweep_stale_shm(SHM_PREFIX)  # files of workers that died without cleaning up
@@ -124,6 +129,8 @@ class Engine(EngineCore):
                 self.step()
         self.pool.reset_prefix_cache()
         self.pool.drain_events()
+        for m in self._moe_layers:  # the expert load is the users' requests'
+            m.expert_tokens.zero_()
         if self.host is not None:
             self.host.reset()
             self.host.drain_events()
@@ -192,8 +199,10 @@ def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
     return config.max_model_len
 
 
-def _blocks_for_memory(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
-    per_block = KVCacheTensors.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+def _blocks_for_memory(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
+                       kv_heads: int) -> int:
+    """Blocks of this rank's `kv_heads` that fit its memory budget."""
+    per_block = KVCacheTensors.bytes_per_block(mc.num_layers, config.block_size, kv_heads, mc.head_dim, dtype)
     if config.gpu_memory_utilization is not None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = kv_budget_bytes(total, free, config.gpu_memory_utilization)

@@ -24,9 +24,11 @@ class KVSlice:
     dst_heads: range  # local indices in the destination rank's cache (same length)
 
 
-def plan(cfg: ModelConfig, src_size: int, dst_size: int) -> tuple[KVSlice, ...]:
-    src = [Shard.of(cfg, r, src_size) for r in range(src_size)]
-    dst = [Shard.of(cfg, r, dst_size) for r in range(dst_size)]
+def plan(cfg: ModelConfig, src_size: int, dst_size: int, src_expert_parallel: bool = False,
+         dst_expert_parallel: bool = False) -> tuple[KVSlice, ...]:
+    """Each side as its engine shards it (`expert_parallel` changes which sizes it accepts)."""
+    src = [Shard.of(cfg, r, src_size, src_expert_parallel) for r in range(src_size)]
+    dst = [Shard.of(cfg, r, dst_size, dst_expert_parallel) for r in range(dst_size)]
     out: list[KVSlice] = []
     for d in dst:
         run: list[int] = []  # [src rank, first global head, length] of the run being built

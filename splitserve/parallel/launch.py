@@ -22,7 +22,7 @@ def start_local_group(config, timeout_s: float = 60.0) -> tuple[DistGroup, list]
     """Start ranks 1..T-1 of `config`'s engine and join them as rank 0."""
     size = config.tensor_parallel_size
     address = free_address()
-    backend = "nccl" if config.device.startswith("cuda") else "gloo"
+    backend = "nccl" if _on_cuda(config) else "gloo"
     ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch or thread state
     procs = [ctx.Process(target=_rank_main, args=(config, GroupSpec(r, size, address, backend, timeout_s)),
                          name=f"splitserve-tp-rank{r}", daemon=True) for r in range(1, size)]
@@ -48,7 +48,15 @@ def stop_local_group(tp: TPGroup, procs: list, timeout_s: float = 10.0) -> None:
     tp.close()
 
 
+def _on_cuda(config) -> bool:
+    import torch
+
+    return config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+
+
 def _rank_main(config, spec: GroupSpec) -> None:
+    import dataclasses
+
     import torch
 
     from splitserve.engine.engine import Engine
@@ -56,6 +64,9 @@ def _rank_main(config, spec: GroupSpec) -> None:
 
     # the host's cores shared among the ranks (rank 0 keeps its own setting)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
+    if _on_cuda(config):  # rank r on GPU r (rank 0, the caller, on GPU 0): NCCL wants one each
+        torch.cuda.set_device(spec.rank)
+        config = dataclasses.replace(config, device=f"cuda:{spec.rank}")
     tp = DistGroup(spec)
     engine = Engine(config, tp)
     try:

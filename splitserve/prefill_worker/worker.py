@@ -111,10 +111,12 @@ class PrefillWorker(KVWorker):
         if lease is None:
             await self._reap()
             return False
+        rid = lease.request_id
+        # registered at once (check_invariants counts these blocks as being freed); the task
+        # runs only after the revokes below, at this coroutine's return
+        self._releasing[rid] = asyncio.get_running_loop().create_task(self._release(rid))
         for t in self.transports.values():
             t.revoke(lease.token)  # nothing reads these blocks from now on
-        rid = lease.request_id
-        self._releasing[rid] = asyncio.get_running_loop().create_task(self._release(rid))
         return True
 
     async def _release(self, request_id: str) -> None:

@@ -11,7 +11,7 @@ import torch
 from splitserve import LLM, SamplingParams
 from splitserve.engine.model.config import ModelConfig
 from splitserve.parallel.shard import Shard
-from splitserve.types import ConfigError
+from splitserve.types import ConfigError, Request
 from tests.unit.test_engine_parity import drained, reference, run_and_compare  # noqa: F401  (a fixture)
 
 
@@ -132,3 +132,31 @@ def test_a_failed_start_leaves_no_rank_behind(tiny_checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="missing weights for: layers.1.mlp.down_proj.weight"):
         LLM(str(broken), num_kv_blocks=16, tensor_parallel_size=2)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("splitserve-tp-rank")]
+
+
+def test_a_serving_loop_stops_its_engine_at_the_first_step_a_rank_fails(tiny_checkpoint):
+    """Under tensor parallelism a failed step leaves the other ranks inside one of its
+    collectives: no step after it can line up with theirs, so the loop does not retry (it would
+    wait out the group's timeout each time) — the engine stops, and its worker is replaced."""
+    import asyncio
+
+    from splitserve.config import EngineConfig
+    from splitserve.engine_loop import EngineLoop
+
+    loop = EngineLoop.start(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=32, tensor_parallel_size=2))
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def go():
+        rank1 = loop.engine._followers[0]
+        rank1.kill()
+        rank1.join(10)
+        q = await loop.submit(Request("after-rank-loss", (5, 6, 7), sp))
+        return await asyncio.wait_for(q.get(), 60)
+
+    try:
+        item = asyncio.run(go())
+        assert isinstance(item, Exception) and "this engine has stopped" in str(item)
+        assert loop.failure == "a step of its tensor-parallel group failed with RuntimeError"  # at once, no retries
+    finally:
+        loop.close()
+        loop.engine.close()
