@@ -98,7 +98,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                _copy_param(name, f.get_tensor(name), params, cfg, filled, shard)
+                _copy_param(name, f.get_tensor(name), params, cfg, local, filled, shard)
     if cfg.tie_word_embeddings:
         filled.pop("lm_head.weight", None)
         model.tie_weights()
@@ -149,20 +149,19 @@ def _region(pname: str, param: torch.Tensor, region: Region, cfg: ModelConfig) -
     return dst[offs[shard]: offs[shard + 1]]
 
 
-def _copy_param(name: str, tensor: torch.Tensor, params: dict, cfg: ModelConfig, filled: dict[str, int],
-                shard: Shard | None = None) -> None:
+def _copy_param(name: str, tensor: torch.Tensor, params: dict, cfg: ModelConfig, local: ModelConfig,
+                filled: dict[str, int], shard: Shard | None = None) -> None:
+    """`local`: the shapes of the model being filled (`cfg`'s, or `shard`'s local_config)."""
     target = _target(name, cfg)
     if target is None:
         return
     pname, (expert, piece) = target
     if pname not in params:
         raise ConfigError(f"checkpoint tensor {name!r} has no place in the model (mapped to {pname!r})")
-    local = cfg
     if shard is not None:
         tensor = narrow(pname, tensor, cfg, shard, piece, expert)
         if tensor is None:  # an expert another rank holds
             return
-        local = local_config(cfg, shard)
         expert = None if expert is None else expert - shard.experts.start
     dst = _region(pname, params[pname], (expert, piece), local)
     if tuple(dst.shape) != tuple(tensor.shape):
