@@ -140,8 +140,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="a host-memory KV tier of this many blocks below each worker's KV cache: evicted "
                         "prefix blocks are kept there and loaded back on a hit (default: none)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="split the model over this many rank processes (gloo on a CPU, NCCL on GPUs); "
-                        "in-process serving (--prefill 0 --decode 0) for now (default: %(default)s)")
+                   help="split the model over this many rank processes (gloo on a CPU, NCCL on GPUs); on a "
+                        "cluster: both pools' size unless --prefill-tp / --decode-tp say (default: %(default)s)")
+    p.add_argument("--prefill-tp", type=int, default=None,
+                   help="tensor-parallel ranks per prefill worker, one placement group on one node each")
+    p.add_argument("--decode-tp", type=int, default=None, help="tensor-parallel ranks per decode worker")
     p.add_argument("--max-inflight", type=int, default=256, help="admission: requests in flight at most")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="admission: default TTFT target")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="admission: default TPOT target")

@@ -109,6 +109,8 @@ class DeployConfig:
     served_model_name: str | None = None
     prefill: int = 1
     decode: int = 1
+    prefill_tp: int = 1  # tensor-parallel ranks per prefill worker (one placement group, one node)
+    decode_tp: int = 1
     prefill_resources: dict = dataclasses.field(default_factory=dict)  # extra Ray resources per worker
     decode_resources: dict = dataclasses.field(default_factory=dict)
     transport: str = "auto"
@@ -165,7 +167,8 @@ class DeployConfig:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}")
 
         for name, low in (("prefill", 0), ("decode", 1), ("disagg_min_tokens", 0), ("max_inflight", 1),
-                          ("ingress_replicas", 1), ("migration_limit", 0)):
+                          ("ingress_replicas", 1), ("migration_limit", 0),
+                          ("prefill_tp", 1), ("decode_tp", 1)):
             integer(name, low)
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
@@ -193,8 +196,13 @@ class DeployConfig:
             raise ConfigError("engine: must be a mapping of engine settings (the model is set by model:)")
         ecfg = EngineConfig.from_dict({"model": self.model, **self.engine})  # every engine key checked now
         if ecfg.tensor_parallel_size > 1:
-            raise ConfigError("tensor_parallel_size > 1 is served in-process so far (serve --prefill 0 --decode 0): "
-                              "prefill and decode pools need every rank's KV handed over, which is not built yet")
+            raise ConfigError("tensor_parallel_size is set per pool on a cluster: prefill_tp and decode_tp "
+                              "(serve --prefill-tp / --decode-tp)")
+        for role in POOL_KEYS:
+            EngineConfig.from_dict({"model": self.model, **self.engine, "tensor_parallel_size": self.tp(role)})
+        if self.prefill and max(self.prefill_tp, self.decode_tp) > 1:
+            raise ConfigError("tensor-parallel pools are served aggregated so far (prefill 0): the per-rank KV "
+                              "handoff between prefill and decode groups is not built yet")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "DeployConfig":
@@ -230,6 +238,10 @@ class DeployConfig:
 
     def resources(self, role: str) -> dict:
         return dict(getattr(self, f"{role}_resources"))
+
+    def tp(self, role: str) -> int:
+        """Tensor-parallel ranks per worker of pool `role`."""
+        return getattr(self, f"{role}_tp")
 
 
 def _as_value(value: Any, key: str) -> Any:

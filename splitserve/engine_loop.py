@@ -47,10 +47,11 @@ class EngineLoop:
         self.latest_stats = engine.stats()
 
     @classmethod
-    def start(cls, config: EngineConfig) -> "EngineLoop":
+    def start(cls, config: EngineConfig, **engine_kw: Any) -> "EngineLoop":
         """An engine for `config`, warmed up (no cold first request, and a first step-time fit
-        for admission) and on its loop: how every server-side engine starts."""
-        engine = Engine(config)
+        for admission) and on its loop: how every server-side engine starts. `engine_kw`: the
+        Engine's (its ranks' launcher)."""
+        engine = Engine(config, **engine_kw)
         engine.warmup()
         return cls(engine)
 
@@ -90,8 +91,18 @@ class EngineLoop:
 
     def check_running(self) -> None:
         """Raises EngineFailed once the engine has stopped."""
-        if self.failure is not None:
+        if self.stopped() is not None:
             raise EngineFailed(f"this engine has stopped: {self.failure}")
+
+    def stopped(self) -> str | None:
+        """Why this engine has stopped, or None. A rank of its tensor-parallel group that exited
+        stops it now, even while idle: its next step would only fail inside a collective."""
+        ranks = getattr(self.engine, "ranks", None)  # a tensor-parallel engine's followers
+        if self.failure is None and ranks is not None and (lost := ranks.lost()) is not None:
+            self.failure = lost
+            if self._wake is not None:
+                self._wake.set()  # the serving loop sees it and ends
+        return self.failure
 
     @property
     def num_active(self) -> int:

@@ -66,7 +66,10 @@ def deploy_options(args: argparse.Namespace, model: str) -> dict:
             "disagg_min_tokens", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
             "ingress_replicas", "no_admission", "migration_limit", "decode_inactivity_timeout_s", "prefill_timeout_s",
             "autoscale", "api_keys", "redis_url")
-    return {"model": model, "engine": _engine_options(args), **{k: getattr(args, k) for k in keys}}
+    engine = _engine_options(args)
+    tp = engine.pop("tensor_parallel_size", 1)  # on a cluster each pool has its own
+    pools_tp = {f"{r}_tp": getattr(args, f"{r}_tp", None) or tp for r in ("prefill", "decode")}
+    return {"model": model, "engine": engine, **pools_tp, **{k: getattr(args, k) for k in keys}}
 
 
 def _serve_on_ray(args: argparse.Namespace, model: str) -> int:

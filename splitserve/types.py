@@ -279,6 +279,16 @@ class Role(str, enum.Enum):
         return self.value
 
 
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank of a tensor-parallel worker runs (rank 0 is the worker itself)."""
+
+    rank: int
+    node_id: str
+    node_ip: str
+    pid: int
+
+
 class WorkerId(str):
     """A worker's stable id: its role and a random suffix, e.g. `prefill-3f9a1c2e`. Never
     reused, so a replacement is a new worker to every router (its cache starts empty).

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import ray
 
+from splitserve.cluster.tp_ranks import bundles, placement, start_ray_group
 from splitserve.config import DeployConfig, EngineConfig
 from splitserve.decode_worker.worker import DecodeWorker
 from splitserve.prefill_worker.worker import PrefillWorker
@@ -36,7 +37,8 @@ def actor_class(worker_cls: type):
     class Shell(worker_cls):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             ip, node = _where()
-            super().__init__(*args, host=ip, node_id=node, **kwargs)
+            # a tensor-parallel engine's other ranks: actors of this one's placement group
+            super().__init__(*args, host=ip, node_id=node, start_ranks=start_ray_group, **kwargs)
 
     Shell.__name__ = Shell.__qualname__ = f"{worker_cls.__name__}Actor"  # what Ray's logs and errors call it
     return ray.remote(Shell)
@@ -105,7 +107,11 @@ def worker_placement(cfg: DeployConfig, role: Role, transports: list[str], share
     if not offered:
         raise ConfigError("the shm transport shares CPU KV caches only; GPU workers need tcp or nixl "
                           "(transport auto picks them), or run them on the CPU (device cpu)")
-    overrides: dict[str, Any] = {"kv_shared_memory": "shm" in offered}
+    tp = cfg.tp(role.value)
+    if tp > 1 and 0 < share < 1:
+        raise ConfigError(f"{role.value}_tp {tp}: each tensor-parallel rank needs a GPU of its own, and there are "
+                          f"fewer GPUs than ranks")
+    overrides: dict[str, Any] = {"kv_shared_memory": "shm" in offered, "tensor_parallel_size": tp}
     if device.startswith("cuda:"):
         overrides["device"] = "cuda"
     engine = EngineConfig.from_dict({"model": cfg.model, **cfg.engine, **overrides})
@@ -115,16 +121,31 @@ def worker_placement(cfg: DeployConfig, role: Role, transports: list[str], share
     return Placement(engine, offered, options)
 
 
-def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float):
+class Spawned(NamedTuple):
+    handle: Any  # the worker actor (rank 0)
+    group: Any  # a tensor-parallel worker's placement group (None for one rank): removed with it
+
+
+def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float) -> Spawned:
     """A new worker actor (it loads its model in the background; `describe` answers when done).
-    Not detached: its owner, the Controller, takes it along if it goes."""
+    Not detached: its owner, the Controller, takes it along if it goes. A tensor-parallel worker
+    is a placement group of one bundle per rank on one node (STRICT_PACK), the actor in bundle
+    0; it starts the other ranks itself (cluster/tp_ranks.py)."""
     p = worker_placement(cfg, wid.role, transports, share)
     opts = {**p.resources, "max_restarts": 0}
+    group = None
+    if p.engine.tensor_parallel_size > 1:
+        from ray.util.placement_group import placement_group
+
+        group = placement_group(bundles(p.engine.tensor_parallel_size, p.resources["num_cpus"],
+                                        p.resources["num_gpus"], p.resources.get("resources", {})),
+                                strategy="STRICT_PACK")
+        opts["scheduling_strategy"] = placement(group, 0)  # the actor asks what bundle 0 holds
     actor = actor_class(worker_class(cfg, wid.role)).options(**opts)
     kv = {"transport_options": {"tcp": {"secret": cfg.kv_secret}}}  # the app's KV secret: readers prove it
     if wid.role is Role.PREFILL:
-        return actor.remote(p.engine, p.transports, lease_s=cfg.lease_s, **kv)
-    return actor.remote(p.engine, p.transports, on_transfer_failure=cfg.on_transfer_failure, **kv)
+        return Spawned(actor.remote(p.engine, p.transports, lease_s=cfg.lease_s, **kv), group)
+    return Spawned(actor.remote(p.engine, p.transports, on_transfer_failure=cfg.on_transfer_failure, **kv), group)
 
 
-__all__ = ["actor_class", "worker_class", "spawn", "worker_placement", "gpu_share", "resolve_transports"]
+__all__ = ["actor_class", "worker_class", "spawn", "Spawned", "worker_placement", "gpu_share", "resolve_transports"]

@@ -35,10 +35,18 @@ def status(address: str, name: str, namespace: str) -> ClusterStatus:
     return ray.get(_controller(address, name, namespace).status.remote())
 
 
+def _ranks(ips: tuple[str, ...]) -> str:
+    """A tensor-parallel worker's ranks by node: "2: 127.0.0.2 ×2"."""
+    if not ips:
+        return "-"
+    nodes = dict.fromkeys(ips)
+    return f"{len(ips)}: " + ", ".join(f"{ip} ×{ips.count(ip)}" for ip in nodes)
+
+
 def status_table(st: ClusterStatus) -> str:
-    head = ("ID", "ROLE", "STATE", "NODE", "WAITING", "RUNNING", "KV USAGE")
+    head = ("ID", "ROLE", "STATE", "NODE", "WAITING", "RUNNING", "KV USAGE", "TP RANKS")
     rows = [(w.id, w.role, w.state, w.node_ip or "-", str(w.num_waiting), str(w.num_running),
-             f"{100 * w.kv_usage:.1f}%") for w in st.workers]
+             f"{100 * w.kv_usage:.1f}%", _ranks(w.ranks)) for w in st.workers]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = [f"targets: prefill {st.targets['prefill']}, decode {st.targets['decode']}"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]

@@ -59,6 +59,7 @@ class WorkerStatus:
     num_running: int
     kv_usage: float
     reason: str = ""
+    ranks: tuple[str, ...] = ()  # a tensor-parallel worker: every rank's node IP, rank 0 first
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class Controller:
         self._orphaned_at: float | None = None
         self._describing: dict[WorkerId, asyncio.Task] = {}
         self._probes: dict[WorkerId, asyncio.Task] = {}
+        self._groups: dict[WorkerId, object] = {}  # tensor-parallel workers' placement groups
         self._loop: asyncio.Task | None = None
         self._autoscaling: asyncio.Task | None = None
         self._closed = False
@@ -251,14 +253,16 @@ class Controller:
     def _spawn(self, role: Role) -> None:
         wid = WorkerId.new(role)
         try:
+            ranks = sum(n * self.cfg.tp(r.value) for r, n in self.targets.items())  # one device each
             share = gpu_share(str(self.cfg.engine.get("device", "auto")), ray.cluster_resources().get("GPU", 0.0),
-                              sum(self.targets.values()), joined=self._joined,
-                              growing=self.autoscaler is not None)
-            handle = spawn(self.cfg, wid, self._kinds, share)
+                              ranks, joined=self._joined, growing=self.autoscaler is not None)
+            spawned = spawn(self.cfg, wid, self._kinds, share)
         except ConfigError as e:
             self.errors[role] = str(e)
             return
-        self.registry.add(wid, handle)
+        if spawned.group is not None:
+            self._groups[wid] = spawned.group
+        self.registry.add(wid, spawned.handle)
 
     async def _register(self, rec: WorkerRecord) -> None:
         try:
@@ -333,6 +337,9 @@ class Controller:
             ray.kill(handle, no_restart=True)
         except Exception:
             pass
+        group = self._groups.pop(wid, None)
+        if group is not None:  # its other ranks go with it, and its reservation
+            ray.util.remove_placement_group(group)
 
     async def _stop_all(self) -> None:
         self._closed = True
@@ -350,7 +357,13 @@ class Controller:
         s = r.load.stats if r.load else None
         return WorkerStatus(str(r.id), r.role.value, r.state.value, r.node_ip, r.info.node_id if r.info else "",
                             s.num_waiting if s else 0, s.num_running if s else 0,
-                            round(s.kv_usage, 4) if s else 0.0, r.reason)
+                            round(s.kv_usage, 4) if s else 0.0, r.reason, _rank_ips(r))
+
+
+def _rank_ips(r: WorkerRecord) -> tuple[str, ...]:
+    if r.info is None or not r.info.ranks:
+        return ()
+    return (r.node_ip, *(p.node_ip for p in r.info.ranks))
 
 
 def _decision_json(d) -> dict:

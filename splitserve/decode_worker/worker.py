@@ -34,10 +34,11 @@ S = HandoffState
 
 class DecodeWorker(KVWorker):
     def __init__(self, config: EngineConfig, transports: Sequence[str], on_transfer_failure: str = "recompute",
-                 transport_options: dict | None = None, host: str | None = None, node_id: str = "") -> None:
+                 transport_options: dict | None = None, host: str | None = None, node_id: str = "",
+                 start_ranks=None) -> None:
         if on_transfer_failure not in POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {POLICIES}, got {on_transfer_failure!r}")
-        super().__init__(config, transports, transport_options, host, node_id)
+        super().__init__(config, transports, transport_options, host, node_id, start_ranks)
         self._streams = 0  # generate() calls in progress: a draining worker waits for them
         self.transfers_by_transport: dict[str, int] = {}
         self.policy = on_transfer_failure

@@ -35,7 +35,7 @@ from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_model import StepTimeModel
 from splitserve.engine.step_shape import StepShape
 from splitserve.parallel.group import TPGroup
-from splitserve.parallel.launch import start_local_group, stop_local_group
+from splitserve.parallel.launch import Ranks, start_local_group
 from splitserve.parallel.shard import Shard
 from splitserve.parallel.shard import check as check_tp
 from splitserve.types import ConfigError, Request, SamplingParams, as_token_ids
@@ -43,10 +43,11 @@ from splitserve.types import ConfigError, Request, SamplingParams, as_token_ids
 
 class Engine(EngineCore):
     """`tp`: this process's rank of a tensor-parallel group (parallel/); None with
-    tensor_parallel_size > 1: this engine is rank 0 and starts the other ranks as local
-    processes. Rank 0 runs everything; the others only the forward passes (`follow`)."""
+    tensor_parallel_size > 1: this engine is rank 0 and starts the other ranks with
+    `start_ranks` (parallel/launch.py; local processes unless told otherwise). Rank 0 runs
+    everything; the others only the forward passes (`follow`)."""
 
-    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None, start_ranks=start_local_group) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
@@ -56,17 +57,16 @@ class Engine(EngineCore):
         torch.manual_seed(config.seed)
         size = config.tensor_parallel_size
         check_tp(mc, size, config.expert_parallel)  # before any rank is started
-        self._followers: list = []
+        self.ranks: Ranks | None = None  # the followers this engine started (rank 0 only)
         if tp is None and size > 1:
             if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)  # rank 0's GPU; rank r takes GPU r
-            tp, self._followers = start_local_group(config)
+                torch.cuda.set_device(self.device)  # rank 0's GPU
+            tp, self.ranks = start_ranks(config)
         self.tp = tp or TPGroup()
         try:
             self._build(config, mc, max_model_len)
         except BaseException:  # the ranks it started must not outlive a failed start
-            if self._followers:
-                stop_local_group(self.tp, self._followers)
+            self._stop_ranks()
             raise
 
     def _build(self, config: EngineConfig, mc: ModelConfig, max_model_len: int) -> None:
@@ -180,9 +180,12 @@ class Engine(EngineCore):
         """Release what outlives the process otherwise (a shared-memory KV file; the ranks it
         started)."""
         self.kv.close()
-        if self._followers:
-            stop_local_group(self.tp, self._followers)
-            self._followers = []
+        self._stop_ranks()
+
+    def _stop_ranks(self) -> None:
+        if self.ranks is not None:
+            self.ranks, ranks = None, self.ranks
+            ranks.stop(self.tp)
 
 
 def _device(name: str) -> torch.device:

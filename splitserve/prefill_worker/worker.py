@@ -37,9 +37,10 @@ class PrefillWorker(KVWorker):
     serves_kv = True
 
     def __init__(self, config: EngineConfig, transports: Sequence[str], lease_s: float = 30.0,
-                 host: str | None = None, transport_options: dict | None = None, node_id: str = "") -> None:
+                 host: str | None = None, transport_options: dict | None = None, node_id: str = "",
+                 start_ranks=None) -> None:
         # Every transport this worker offers; the router picks one per handoff (by locality).
-        super().__init__(config, transports, transport_options, host, node_id)
+        super().__init__(config, transports, transport_options, host, node_id, start_ranks)
         self.leases = LeaseTable(lease_s)
         self._reaper: asyncio.Task | None = None
         self._prefilling: set[str] = set()  # prefill() calls in progress

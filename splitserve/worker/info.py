@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from splitserve.types import RankPlace
+
 if TYPE_CHECKING:  # kv_transfer brings torch; the registry and the router stay without it
     from splitserve.kv_transfer.base import TransportEndpoint
 
@@ -18,6 +20,7 @@ class WorkerInfo:
     node_ip: str
     pid: int
     endpoints: tuple[TransportEndpoint, ...]
+    ranks: tuple[RankPlace, ...] = ()  # a tensor-parallel worker's ranks 1..T-1 (rank 0 is this one)
 
     @property
     def transports(self) -> tuple[str, ...]:

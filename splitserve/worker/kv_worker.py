@@ -27,8 +27,9 @@ class KVWorker:
     serves_kv = False  # a prefill worker's peers read its cache; a decode worker only receives
 
     def __init__(self, config: EngineConfig, transports: Sequence[str], transport_options: dict | None = None,
-                 host: str | None = None, node_id: str = "") -> None:
-        self.loop = EngineLoop.start(config)
+                 host: str | None = None, node_id: str = "", start_ranks=None) -> None:
+        # start_ranks: how a tensor-parallel engine starts its other ranks (parallel/launch.py)
+        self.loop = EngineLoop.start(config, **({"start_ranks": start_ranks} if start_ranks else {}))
         self.engine = self.loop.engine
         self.layout = layout_of(self.engine)
         self.host = host or socket.gethostname()
@@ -43,7 +44,8 @@ class KVWorker:
         self.outboxes = RouterOutboxes()  # touched on the engine thread only
 
     def describe(self) -> WorkerInfo:
-        return WorkerInfo(self.node_id, self.host, os.getpid(), tuple(self.endpoints.values()))
+        ranks = self.engine.ranks.places() if self.engine.ranks is not None else ()
+        return WorkerInfo(self.node_id, self.host, os.getpid(), tuple(self.endpoints.values()), ranks)
 
     async def stats(self) -> WorkerStats:
         return await self.loop.call(self.engine.stats)
@@ -55,7 +57,7 @@ class KVWorker:
 
     async def load(self) -> WorkerLoad:
         # The stats the engine thread left after its last step: a probe never waits on a step.
-        return WorkerLoad(self.loop.latest_stats, self.held(), self.loop.failure)
+        return WorkerLoad(self.loop.latest_stats, self.held(), self.loop.stopped())
 
     async def snapshot(self, ack: int | None = None, router: str = "") -> Snapshot:
         """Load and the KV events `router` has not acknowledged (`ack`: the last `seq` it

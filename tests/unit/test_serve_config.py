@@ -71,7 +71,9 @@ def test_the_app_config_reads_serve_run_strings_and_refuses_bad_values(tiny_chec
                        ({"decode_resources": {"CPU": 1}}, "set by splitserve itself"),
                        ({"prefill_resources": {"prefill_node": -1}}, "positive amount"),
                        ({"engine": {"block_size": 3}}, "block_size"), ({"probe_timeout_s": 0}, "probe_timeout_s"),
-                       ({"tensor_parallel_size": 2}, "served in-process so far")]:
+                       ({"tensor_parallel_size": 2}, "set per pool on a cluster: prefill_tp and decode_tp"),
+                       ({"decode_tp": 0}, "decode_tp must be an integer >= 1"),
+                       ({"prefill_tp": 2, "host_kv_blocks": 8}, "host_kv_blocks is not supported")]:
         with pytest.raises(ConfigError, match=match):
             DeployConfig.from_options({"model": model, **bad})
 
@@ -92,6 +94,10 @@ def test_autoscale_flag_and_config_key_reach_the_app_config(tmp_path, tiny_check
     assert cfg(["serve", "--autoscale"]).autoscale.decode == Bounds(1, 4)
     a = cfg(["serve", "--autoscale", "{prefill: {min: 1, max: 3}, interval_s: 5}", "--ttft-slo-ms", "800"]).autoscale
     assert (a.prefill, a.interval_s, a.ttft_slo_s) == (Bounds(1, 3), 5, 0.8)
+    both = cfg(["serve", "--tensor-parallel-size", "2"])  # on a cluster: each pool's size
+    assert (both.prefill_tp, both.decode_tp, both.engine.get("tensor_parallel_size")) == (2, 2, None)
+    own = cfg(["serve", "--tensor-parallel-size", "2", "--decode-tp", "4"])
+    assert (own.prefill_tp, own.decode_tp) == (2, 4)
     f = tmp_path / "serve.yaml"
     f.write_text("autoscale: {decode: {min: 2, max: 6}, down_cooldown_s: 300}\n")
     a = cfg(["serve", "--config", str(f)]).autoscale

@@ -85,9 +85,11 @@ def test_losing_a_rank_fails_the_engine_with_an_error_not_a_hang(tiny_checkpoint
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with LLM(str(tiny_checkpoint("llama")), num_kv_blocks=32, tensor_parallel_size=2) as llm:
         assert len(llm.generate([[5, 6, 7]], sp)[0].outputs[0].token_ids) == 4
-        rank1 = llm.engine._followers[0]
+        assert llm.engine.ranks.lost() is None
+        rank1 = llm.engine.ranks.procs[0]
         rank1.kill()
         rank1.join(10)
+        assert llm.engine.ranks.lost() == "tensor-parallel rank 1 exited"  # seen while idle, before any step
         started = time.monotonic()
         with pytest.raises(RuntimeError):
             llm.generate([[8, 9, 10]], sp)
@@ -134,6 +136,19 @@ def test_a_failed_start_leaves_no_rank_behind(tiny_checkpoint, tmp_path):
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("splitserve-tp-rank")]
 
 
+class UnwatchedRanks:
+    """The ranks, with their loss unseen until a step meets it (a wrapper: the step path)."""
+
+    def __init__(self, ranks) -> None:
+        self.ranks = ranks
+
+    def lost(self):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self.ranks, name)
+
+
 def test_a_serving_loop_stops_its_engine_at_the_first_step_a_rank_fails(tiny_checkpoint):
     """Under tensor parallelism a failed step leaves the other ranks inside one of its
     collectives: no step after it can line up with theirs, so the loop does not retry (it would
@@ -145,9 +160,11 @@ def test_a_serving_loop_stops_its_engine_at_the_first_step_a_rank_fails(tiny_che
 
     loop = EngineLoop.start(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=32, tensor_parallel_size=2))
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    watched = loop.engine.ranks
+    loop.engine.ranks = UnwatchedRanks(watched)
 
     async def go():
-        rank1 = loop.engine._followers[0]
+        rank1 = watched.procs[0]
         rank1.kill()
         rank1.join(10)
         q = await loop.submit(Request("after-rank-loss", (5, 6, 7), sp))
@@ -157,6 +174,29 @@ def test_a_serving_loop_stops_its_engine_at_the_first_step_a_rank_fails(tiny_che
         item = asyncio.run(go())
         assert isinstance(item, Exception) and "this engine has stopped" in str(item)
         assert loop.failure == "a step of its tensor-parallel group failed with RuntimeError"  # at once, no retries
+    finally:
+        loop.close()
+        loop.engine.close()
+
+
+def test_an_idle_serving_loop_stops_when_a_rank_exits(tiny_checkpoint):
+    """No step has to meet the loss: a health probe (`stopped`) sees the rank gone, and nothing
+    more is admitted."""
+    import asyncio
+
+    from splitserve.config import EngineConfig
+    from splitserve.engine_loop import EngineFailed, EngineLoop
+
+    loop = EngineLoop.start(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=32, tensor_parallel_size=2))
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        assert loop.stopped() is None
+        rank1 = loop.engine.ranks.procs[0]
+        rank1.kill()
+        rank1.join(10)
+        assert loop.stopped() == "tensor-parallel rank 1 exited"
+        with pytest.raises(EngineFailed, match="tensor-parallel rank 1 exited"):
+            asyncio.run(loop.submit(Request("after-rank-loss", (5, 6, 7), sp)))
     finally:
         loop.close()
         loop.engine.close()

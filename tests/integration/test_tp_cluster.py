@@ -1,0 +1,90 @@
+"""Tensor-parallel workers on the local Ray cluster: a worker of T ranks is one placement group
+(STRICT_PACK) on its pool's node, the actor as rank 0 and ranks 1..T-1 as actors it starts;
+the router and the Controller see one worker. Its greedy tokens equal the single engine's,
+`status` shows the ranks' nodes, and killing one rank process under load takes the group out
+of placement (its streams migrate, or end with our explicit error), removes its placement
+group and brings up a new group."""
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from splitserve import LLM
+from splitserve.cluster import Cluster
+from splitserve.cluster.admin import status_table
+from tests.chaos.harness import (Load, assert_nothing_held, assert_outcomes, migration_report, params, prompts,
+                                 reference)
+from tests.conftest import DECODE_IP
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return str(tiny_checkpoint("llama"))
+
+
+def groups_of(c):
+    return ray.get(c.controller.status.remote())
+
+
+def tp_decode_cluster(model, name, decode=1, **kw):
+    return Cluster.start(model=model, name=name, prefill=0, decode=decode, decode_tp=2, num_kv_blocks=256, **kw)
+
+
+def test_a_tp2_decode_worker_is_one_worker_with_its_ranks_on_its_node(ray_session, model):
+    ps, sps = prompts(16), params(16, False, 12)
+    ref = reference(model, ps, sps)
+    with tp_decode_cluster(model, "tp-status", decode_resources={"decode_node": 1}) as c:
+        outs = c.generate([list(p) for p in ps], sps)
+        assert [tuple(o.outputs[0].token_ids) for o in outs] == ref
+        st = groups_of(c)
+        live = [w for w in st.workers if w.state == "ready"]
+        assert len(live) == 1 and live[0].ranks == (DECODE_IP, DECODE_IP), live  # one worker, two ranks
+        assert f"2: {DECODE_IP} ×2" in status_table(st)
+        assert_drained(c)
+
+
+def assert_drained(c):
+    for s in c.check_invariants():
+        assert s["in_use"] == 0 and s["free"] + s["cached"] == s["total"], s
+
+
+def rank_pids(worker) -> list[int]:
+    return [p.pid for p in ray.get(worker.describe.remote()).ranks]
+
+
+def test_killing_one_rank_under_load_replaces_the_group(ray_session, model):
+    n = 24
+    ps, sps = prompts(n), params(n, False, 48)
+    ref = reference(model, ps, sps)
+    # two groups of two ranks: more CPUs than one test node has, so wherever they fit
+    with tp_decode_cluster(model, "tp-chaos", decode=2, decode_inactivity_timeout_s=1.5) as c:
+        before = {w.id for w in groups_of(c).workers if w.state == "ready"}
+        load = Load(c, ps, sps)
+        load.wait_progress(2)
+        busiest = max(c.decodes, key=lambda w: ray.get(w.load.remote()).stats.num_running)
+        os.kill(rank_pids(busiest)[0], signal.SIGKILL)  # rank 1 of the group serving the most streams
+        outcomes = load.result()
+        r = migration_report(c)
+        print(f"\nTP rank killed: {sum(o.error is not None for o in outcomes)} of {n} streams ended with the "
+              f"explicit error, {r['migrated']} migrated")
+        assert_outcomes(outcomes, ref, min_exact=n // 2)
+        assert r["migrated"] >= 1
+        deadline = time.time() + 120
+        while True:  # the broken group is dead, a new one READY with both ranks
+            st = groups_of(c)
+            dead = [w for w in st.workers if w.id in before and w.state == "dead"]
+            fresh = [w for w in st.workers if w.id not in before and w.state == "ready"]
+            if dead and fresh:
+                break
+            assert time.time() < deadline, st.workers
+            time.sleep(0.5)
+        assert len(dead) == 1 and "tensor-parallel" in dead[0].reason, dead
+        assert len(fresh[0].ranks) == 2 and len(set(fresh[0].ranks)) == 1  # both ranks on one node
+        removed = [g for g in ray.util.placement_group_table().values() if g["state"] == "REMOVED"]
+        assert removed, "the broken group's placement group was not removed"
+        assert_nothing_held(c, load)
