@@ -200,9 +200,9 @@ class DeployConfig:
                               "(serve --prefill-tp / --decode-tp)")
         for role in POOL_KEYS:
             EngineConfig.from_dict({"model": self.model, **self.engine, "tensor_parallel_size": self.tp(role)})
-        if self.prefill and max(self.prefill_tp, self.decode_tp) > 1:
-            raise ConfigError("tensor-parallel pools are served aggregated so far (prefill 0): the per-rank KV "
-                              "handoff between prefill and decode groups is not built yet")
+        if self.transport == "nixl" and self.prefill and max(self.prefill_tp, self.decode_tp) > 1:
+            raise ConfigError("the KV handoff between tensor-parallel groups moves over shm or tcp (transport auto "
+                              "picks them for such a pair), not nixl yet")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "DeployConfig":

@@ -118,7 +118,9 @@ class RequestRun:
 
     async def _prefill(self, worker):
         """Its PrefillResult, or None when the worker failed (it leaves placement)."""
-        ref = worker.handle.prefill.remote(self.req, self.route.transport, tuple(self.delivered))
+        reader = self.route.decode.info
+        readers = 1 + len(reader.ranks) if reader is not None else 1  # its tensor-parallel size
+        ref = worker.handle.prefill.remote(self.req, self.route.transport, tuple(self.delivered), readers)
         try:
             result = await asyncio.wait_for(_awaitable(ref), self.o.prefill_timeout_s)
         except asyncio.CancelledError:  # the caller left: stop the prefill (and its lease) now

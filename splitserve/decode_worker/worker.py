@@ -23,8 +23,12 @@ from splitserve.config import EngineConfig
 from splitserve.decode_worker.handoff import FINAL, Handoff, HandoffState
 from splitserve.engine.kv_cache import OutOfBlocks
 from splitserve.kv_transfer.base import KVHandoff, TransferError, TransferState
+from splitserve.kv_transfer.head_slices import sliced_kind
 from splitserve.kv_transfer.verify import check_header, verify_landed
-from splitserve.types import FinishReason, PhaseTimes, Request, TokenChunk
+from splitserve.parallel import kv_slices
+from splitserve.parallel.rank_calls import on_all_ranks
+from splitserve.worker import rank_kv
+from splitserve.types import ConfigError, FinishReason, PhaseTimes, Request, TokenChunk
 from splitserve.worker.kv_worker import KVWorker
 
 log = logging.getLogger(__name__)
@@ -152,18 +156,43 @@ class DecodeWorker(KVWorker):
     async def _pull(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
         """Read, then settle the lease, then verify. Raises TransferError; never leaves a
         transfer writing into blocks the engine may hand to someone else."""
+        sliced = bool(h.ranks) and (len(h.ranks) > 1 or self.engine.tp.size > 1)
         try:
-            check_header(h, self.layout)
-            await self._read(h, dst, prefill, ho)
+            check_header(h, self.layout, heads_may_differ=sliced)
+            if sliced:  # each rank here pulls its KV heads from the source ranks holding them, and checks them
+                await self._read_sliced(h, dst)
+            elif self.engine.tp.size > 1:
+                raise TransferError("header", "this decode worker is tensor-parallel: it reads handoffs that "
+                                              "carry every source rank's part only")
+            else:
+                await self._read(h, dst, prefill, ho)
         finally:
             live = await self._settle(h, prefill)
         if not live:
             raise TransferError("lease_expired", f"lease {h.lease_id} lapsed before the read was acknowledged")
         ho.move(S.VERIFYING)
+        if sliced:
+            return  # every head was checked as it landed
         # Off the engine thread: running decodes keep stepping while a long prompt's KV is
         # checked. Nothing writes these blocks meanwhile (they join the batch only once READY);
         # an abort now frees them, and then the verdict is never used.
         await asyncio.to_thread(verify_landed, self.engine.kv.storage, self.layout, h, dst)
+
+    async def _read_sliced(self, h: KVHandoff, dst: list[int]) -> None:
+        """The heterogeneous-TP pull: the plan of which heads each rank here takes from which
+        source rank; with one rank here in a thread, with several on the engine thread (every
+        rank pulls at once; the decode steps wait meanwhile)."""
+        e = self.engine
+        try:
+            plan = kv_slices.plan(e.model_config, len(h.ranks), e.tp.size, dst_expert_parallel=e.config.expert_parallel)
+        except (ConfigError, AssertionError) as err:
+            raise TransferError("header", f"no slice plan from {len(h.ranks)} source ranks to {e.tp.size}: {err}")
+        kind = sliced_kind(h.endpoint.transport)
+        self.transfers_by_transport[kind] = self.transfers_by_transport.get(kind, 0) + 1
+        if e.tp.size == 1:
+            await asyncio.to_thread(rank_kv.pull, e, h, plan, dst, kind, self.kv_secret)
+        else:
+            await self.loop.call(on_all_ranks, e, rank_kv.pull, h, plan, dst, kind, self.kv_secret)
 
     async def _read(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
         transport = self.transports.get(h.endpoint.transport)

@@ -103,6 +103,9 @@ class KVHandoff:
     header: TransferHeader
     checksum: int  # kv_checksum over block_ids, all layers
     lease_token: bytes = b""  # what lets its reader read these blocks (and no others) where the transport checks
+    # a tensor-parallel source (or a tensor-parallel reader): every source rank's endpoints and
+    # per-head checksums (head_slices.RankSource); each reader rank pulls its heads from them
+    ranks: tuple = ()
 
 
 class TransferState(enum.Enum):

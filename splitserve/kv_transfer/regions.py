@@ -238,6 +238,14 @@ def kv_checksum(storage: torch.Tensor, layout: KVLayout, blocks: Sequence[int], 
     return h.intdigest()
 
 
+def tensor_checksum(t: torch.Tensor) -> int:
+    """The same 64-bit checksum over one tensor's bytes, in its logical order (a strided view is
+    gathered first)."""
+    h = _hasher()
+    h.update(memoryview(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy()))
+    return h.intdigest()
+
+
 def gathered_checksum(storage: torch.Tensor, blocks: Sequence[int], layers: range | None = None) -> int:
     """`kv_checksum` by gathering the blocks ([layers, K/V, blocks, ...] is the canonical order
     itself), one (layer, K/V) at a time into host memory: how a device storage is checksummed,

@@ -24,8 +24,10 @@ _HEADER_FIELDS = (
 _LAYOUT_FIELDS = ("num_kv_heads", "head_dim", "element_size")
 
 
-def check_header(handoff: KVHandoff, local_layout: KVLayout) -> None:
-    """Raise TransferError("header") naming the first field where the handoff does not fit."""
+def check_header(handoff: KVHandoff, local_layout: KVLayout, heads_may_differ: bool = False) -> None:
+    """Raise TransferError("header") naming the first field where the handoff does not fit.
+    `heads_may_differ`: a sliced handoff between tensor-parallel groups, whose caches hold
+    different KV heads (head_slices.py checks each slice's)."""
     h = handoff.header
     if h.request_id != handoff.request_id:
         raise TransferError("header", f"request_id: header says {h.request_id!r}, handoff {handoff.request_id!r}")
@@ -36,6 +38,8 @@ def check_header(handoff: KVHandoff, local_layout: KVLayout) -> None:
         raise TransferError("header", f"num_blocks: header says {h.num_blocks}, handoff lists {len(handoff.block_ids)}")
     src_layout = handoff.endpoint.layout
     for f in _LAYOUT_FIELDS:
+        if heads_may_differ and f == "num_kv_heads":
+            continue
         if getattr(src_layout, f) != getattr(local_layout, f):
             raise TransferError("header", f"{f}: source {getattr(src_layout, f)!r}, local {getattr(local_layout, f)!r}")
 

@@ -36,6 +36,10 @@ class TPGroup:
     def broadcast(self, obj: Any = None) -> Any:
         return obj
 
+    def gather(self, obj: Any) -> list | None:
+        """Every rank's `obj` on rank 0, in rank order (None on the others)."""
+        return [obj]
+
     def close(self) -> None:
         pass
 
@@ -66,6 +70,11 @@ class DistGroup(TPGroup):
         box = [obj]
         self._dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def gather(self, obj: Any) -> list | None:
+        out = [None] * self.size if self.rank == 0 else None
+        self._dist.gather_object(obj, out, dst=0)
+        return out
 
     def close(self) -> None:
         if self._dist.is_initialized():

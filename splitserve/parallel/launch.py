@@ -106,5 +106,8 @@ def rank_main(config, spec: GroupSpec, gpu: int | None = 0) -> int:
     try:
         return follow(engine)
     finally:
+        from splitserve.worker import rank_kv
+
+        rank_kv.close(engine)  # the transports it served its cache through
         engine.kv.close()
         tp.close()

@@ -19,6 +19,10 @@ from typing import Sequence
 from splitserve.config import EngineConfig
 from splitserve.worker.kv_worker import KVWorker
 from splitserve.kv_transfer.base import KVHandoff, TransferHeader, TransportEndpoint
+from splitserve.kv_transfer.head_slices import RankSource
+from splitserve.parallel.rank_calls import on_all_ranks
+from splitserve.parallel.shard import Shard
+from splitserve.worker import rank_kv
 from splitserve.kv_transfer.regions import kv_checksum
 from splitserve.prefill_worker.leases import LeaseTable
 from splitserve.types import ConfigError, Request, TokenChunk
@@ -58,19 +62,22 @@ class PrefillWorker(KVWorker):
                               f"{', '.join(self.endpoints)}")
         return self.endpoints[transport]
 
-    async def prefill(self, req: Request, transport: str | None = None, outputs: tuple[int, ...] = ()
-                      ) -> PrefillResult:
+    async def prefill(self, req: Request, transport: str | None = None, outputs: tuple[int, ...] = (),
+                      reader_ranks: int = 1) -> PrefillResult:
         """`outputs`: tokens the request already generated elsewhere (it migrated): computed as
-        context, and the token sampled here is the one after them."""
+        context, and the token sampled here is the one after them. `reader_ranks`: the
+        tensor-parallel size of the decode worker that reads the handoff (more than 1, or more
+        than one rank here: the handoff carries every rank's part, head_slices.RankSource)."""
         endpoint = self.endpoint(transport)
         self._ensure_reaper()
         self._prefilling.add(req.request_id)
         try:
-            return await self._prefill(req, endpoint, tuple(outputs))
+            return await self._prefill(req, endpoint, tuple(outputs), reader_ranks)
         finally:
             self._prefilling.discard(req.request_id)
 
-    async def _prefill(self, req: Request, endpoint: TransportEndpoint, outputs: tuple[int, ...]) -> PrefillResult:
+    async def _prefill(self, req: Request, endpoint: TransportEndpoint, outputs: tuple[int, ...],
+                       reader_ranks: int) -> PrefillResult:
         q = await self.loop.submit(req, prefill_only=True, outputs=outputs)
         try:
             item = await q.get()
@@ -84,24 +91,37 @@ class PrefillWorker(KVWorker):
         if item.kv_blocks is None:
             return PrefillResult(item, None, done_at)
         try:
-            return PrefillResult(item, await self._handoff(req, item, endpoint), done_at)
+            return PrefillResult(item, await self._handoff(req, item, endpoint, reader_ranks), done_at)
         except BaseException:  # cancelled or failed after the blocks were detached: nobody will ack
             # (_handoff grants the lease after its last await, so no lease exists yet)
             await self.loop.call(self.engine.release_detached, req.request_id)
             raise
 
-    async def _handoff(self, req: Request, chunk: TokenChunk, endpoint: TransportEndpoint) -> KVHandoff:
+    async def _handoff(self, req: Request, chunk: TokenChunk, endpoint: TransportEndpoint,
+                       reader_ranks: int) -> KVHandoff:
         blocks = chunk.kv_blocks
         # Off the engine thread (prefills keep running): detached blocks are written by no one.
         checksum = await asyncio.to_thread(kv_checksum, self.engine.kv.storage, self.layout, blocks)
+        ranks = await self._rank_sources(blocks) if reader_ranks > 1 or self.engine.tp.size > 1 else ()
         lease = self.leases.grant(req.request_id)
         for t in self.transports.values():  # its reader may read these blocks, and only while leased
             t.allow(lease.token, blocks)
+        if self.engine.tp.size > 1:  # and those of the other ranks' caches
+            await self.loop.call(on_all_ranks, self.engine, rank_kv.allow, lease.token, blocks)
         header = TransferHeader(req.request_id, self.layout.model_fingerprint, self.layout.dtype,
                                 self.layout.block_size, self.layout.num_layers, len(blocks), lease.epoch)
         return KVHandoff(req.request_id, chunk.token_ids[0], chunk.logprobs[0] if chunk.logprobs else None,
                          chunk.num_prompt_tokens, chunk.num_cached_tokens, tuple(blocks), endpoint,
-                         lease.lease_id, lease.expires_at, header, checksum, lease.token)
+                         lease.lease_id, lease.expires_at, header, checksum, lease.token, ranks)
+
+    async def _rank_sources(self, blocks) -> tuple[RankSource, ...]:
+        """Every rank's part of the handoff: its endpoints, its KV heads, a checksum per head
+        (on the engine thread: the other ranks take theirs between steps)."""
+        sums = await self.loop.call(on_all_ranks, self.engine, rank_kv.checksums, blocks)
+        e, size = self.engine, self.engine.tp.size
+        heads = [Shard.of(e.model_config, r, size, e.config.expert_parallel).kv_heads if size > 1
+                 else range(e.model_config.num_kv_heads) for r in range(size)]
+        return tuple(RankSource(r, heads[r], self.rank_endpoints[r], sums[r]) for r in range(size))
 
     async def ack(self, lease_id: str) -> bool:
         """The reader is done. True if the lease was live (its copy is good); the blocks are freed
@@ -115,14 +135,14 @@ class PrefillWorker(KVWorker):
         rid = lease.request_id
         # registered at once (check_invariants counts these blocks as being freed); the task
         # runs only after the revokes below, at this coroutine's return
-        self._releasing[rid] = asyncio.get_running_loop().create_task(self._release(rid))
+        self._releasing[rid] = asyncio.get_running_loop().create_task(self._release(rid, lease.token))
         for t in self.transports.values():
             t.revoke(lease.token)  # nothing reads these blocks from now on
         return True
 
-    async def _release(self, request_id: str) -> None:
+    async def _release(self, request_id: str, token: bytes) -> None:
         try:
-            await self.loop.call(self.engine.release_detached, request_id)
+            await self.loop.call(self._free, request_id, token)
         except Exception:  # the engine has stopped: the worker is replaced, its memory with it
             log.warning("could not free the blocks of a finished handoff", exc_info=True)
         finally:
@@ -148,7 +168,14 @@ class PrefillWorker(KVWorker):
         """A lease is over: its token reads nothing more, then its blocks are free."""
         for t in self.transports.values():
             t.revoke(lease.token)
-        await self.loop.call(self.engine.release_detached, lease.request_id)
+        await self.loop.call(self._free, lease.request_id, lease.token)
+
+    def _free(self, request_id: str, token: bytes) -> None:
+        """On the engine thread: the other ranks' transports forget the token (rank 0's did
+        already), then the blocks are free."""
+        if self.engine.tp.size > 1:
+            on_all_ranks(self.engine, rank_kv.revoke, token)
+        self.engine.release_detached(request_id)
 
     async def check_invariants(self) -> dict:
         """Raises if the block invariant is broken (also: blocks detached for a handoff that no
@@ -161,7 +188,16 @@ class PrefillWorker(KVWorker):
                 raise AssertionError(f"blocks detached with no lease for requests {sorted(unleased)}")
             return self.engine.block_counts()
 
+        def rank_grants() -> int:  # the other ranks forget an acknowledged lease's token as its blocks are freed
+            if self.engine.tp.size == 1:
+                return 0
+            over = max(on_all_ranks(self.engine, rank_kv.granted)) - len(self.leases) - len(self._releasing)
+            if over > 0:
+                raise AssertionError(f"{over} lease tokens more than there are leases can read a rank's KV")
+            return 0
+
         grants = max((t.granted() for t in self.transports.values()), default=0)
         if grants > len(self.leases):
             raise AssertionError(f"{grants} lease tokens can read KV, {len(self.leases)} leases are live")
+        await self.loop.call(rank_grants)
         return {**await self.loop.call(check), "leases": len(self.leases), "grants": grants}

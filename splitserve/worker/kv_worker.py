@@ -19,6 +19,8 @@ from splitserve.kv_transfer import make_transport
 from splitserve.kv_transfer.base import TransportEndpoint
 from splitserve.kv_transfer.layout import layout_of
 from splitserve.types import WorkerLoad, WorkerStats
+from splitserve.parallel.rank_calls import on_all_ranks
+from splitserve.worker import rank_kv
 from splitserve.worker.info import WorkerInfo
 from splitserve.worker.kv_events import RouterOutboxes, Snapshot
 
@@ -42,6 +44,13 @@ class KVWorker:
             t: tr.register(self.engine.kv.storage, self.layout, self.host, serve=self.serves_kv)
             for t, tr in self.transports.items()}
         self.outboxes = RouterOutboxes()  # touched on the engine thread only
+        self.kv_secret = options.get("tcp", {}).get("secret")  # what a sliced TCP pull answers challenges with
+        # every rank's endpoints, rank 0's first (a tensor-parallel prefill worker's other ranks
+        # serve their own caches: the KV heads they hold)
+        self.rank_endpoints = (tuple(self.endpoints.values()),)
+        if self.serves_kv and self.engine.tp.size > 1:
+            others = on_all_ranks(self.engine, rank_kv.serve_kv, list(transports), options, self.host)
+            self.rank_endpoints += tuple(others[1:])
 
     def describe(self) -> WorkerInfo:
         ranks = self.engine.ranks.places() if self.engine.ranks is not None else ()

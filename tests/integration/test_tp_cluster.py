@@ -88,3 +88,28 @@ def test_killing_one_rank_under_load_replaces_the_group(ray_session, model):
         removed = [g for g in ray.util.placement_group_table().values() if g["state"] == "REMOVED"]
         assert removed, "the broken group's placement group was not removed"
         assert_nothing_held(c, load)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_a_handoff_between_groups_of_different_sizes_continues_exactly(ray_session, model, prefill_tp, decode_tp,
+                                                                       transport):
+    """Each decode rank pulls the KV heads it holds from the prefill ranks holding them, every
+    head checked against its source's checksum; one lease covers all source ranks. shm: both
+    groups on the head node (one host); tcp: each on its pool's node."""
+    ps, sps = prompts(16), params(16, False, 10)
+    ref = reference(model, ps, sps)
+    nodes = ({"prefill_resources": {"head_node": 1}, "decode_resources": {"head_node": 1}} if transport == "shm" else
+             {"prefill_resources": {"prefill_node": 1}, "decode_resources": {"decode_node": 1}})
+    with Cluster.start(model=model, name=f"tp-pd-{prefill_tp}{decode_tp}-{transport}", prefill=1, decode=1,
+                       prefill_tp=prefill_tp, decode_tp=decode_tp, transport=transport, disagg_min_tokens=0,
+                       num_kv_blocks=256, **nodes) as c:
+        outs = c.generate([list(p) for p in ps], sps)
+        assert [tuple(o.outputs[0].token_ids) for o in outs] == ref
+        assert all(t.prefill_done_to_first_token_s is not None for t in c.timings)  # every one handed over
+        counts = c.check_invariants()
+        decode = counts[-1]
+        assert decode["transfer_failures"] == {} and decode["transfers_by_transport"] == {transport: 16}, decode
+        for s in counts:  # both sides drained: no block, lease or token left
+            assert s["in_use"] == 0 and s["free"] + s["cached"] == s["total"], s
+            assert s.get("leases", 0) == 0 and s.get("grants", 0) == 0 and s.get("handoffs", 0) == 0, s
