@@ -2,8 +2,8 @@
 
 Each shape exercises what its family adds: Llama (GQA, llama3 rope scaling, sharded
 safetensors), Qwen2 (q/k/v bias, tied embeddings), Qwen3 (q/k RMSNorm, explicit head_dim),
-Mistral, and the mixtures of experts Mixtral, Qwen2-MoE (shared expert, a dense layer) and
-Qwen3-MoE. Weights are drawn with a larger spread than HF's default init so that greedy choices
+Mistral, the mixtures of experts Mixtral, Qwen2-MoE (shared expert, a dense layer) and
+Qwen3-MoE, and DeepSeek-V3 (latent attention, grouped sigmoid routing). Weights are drawn with a larger spread than HF's default init so that greedy choices
 are decisive rather than near-ties between almost uniform logits.
 """
 
@@ -58,6 +58,16 @@ SHAPES: dict[str, dict] = {
                       num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                       tie_word_embeddings=False, rope_theta=1000000.0, attention_bias=False),
+    # latent attention (q through a low-rank projection, interleaved rope) and DeepSeek's routing:
+    # 8 experts in 2 groups, the best group's top 2, sigmoid scores with a correction bias, a
+    # shared expert; layer 0 dense
+    "deepseek_v3": dict(BASE, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                        num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, rope_interleave=True, tie_word_embeddings=False,
+                        rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
 }
 
 
@@ -91,6 +101,9 @@ def build_checkpoint(shape: str, out: Path, seed: int = 0, std: float = 0.3) -> 
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, std if p.dim() > 1 else 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's router bias: make it matter
+                b.copy_(0.2 * torch.randn_like(b))
     # Llama's checkpoint is sharded to exercise the index.
     model.save_pretrained(out, safe_serialization=True, max_shard_size="200KB" if shape == "llama" else "2GB")
     build_tokenizer(out, config.vocab_size)

@@ -56,6 +56,8 @@ def check(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """Refuse, naming the reason, a tensor-parallel size the model's shapes do not divide by."""
     if size < 1:
         raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size > 1 and cfg.mla is not None:
+        raise ConfigError("tensor_parallel_size > 1 is not supported for latent-attention (MLA) models yet")
     need = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size}
     if cfg.moe is not None:
         if expert_parallel:

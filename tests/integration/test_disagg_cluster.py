@@ -216,3 +216,22 @@ def test_a_worker_refusing_its_configuration_is_a_clean_config_error(ray_session
     while ray_session.available_resources().get("CPU", 0) < cpus and time.time() < deadline:
         time.sleep(0.2)
     assert ray_session.available_resources().get("CPU", 0) >= cpus
+
+
+def test_latent_attention_kv_is_handed_over_as_latents(ray_session, tiny_checkpoint):
+    """DeepSeek-V3-shaped (MLA): the cache and the transport layout hold one latent per token
+    (kv_lora_rank + qk_rope_head_dim, one "head"), moved over tcp between the nodes; the tokens
+    equal the single engine's (test_engine_parity ties those to Hugging Face)."""
+    import ray
+
+    model = str(tiny_checkpoint("deepseek_v3"))
+    ps = prompts(12, seed=3)
+    want = [o.outputs[0].token_ids for o in LLM(model, num_kv_blocks=256).generate(ps, SP)]
+    with Cluster.start(model=model, transport="tcp", disagg_min_tokens=0, num_kv_blocks=256,
+                       prefill_resources={"prefill_node": 1}, decode_resources={"decode_node": 1}) as c:
+        assert [o.outputs[0].token_ids for o in c.generate(ps, SP)] == want
+        layout = ray.get(c.prefills[0].describe.remote()).endpoints[0].layout
+        assert (layout.num_kv_heads, layout.head_dim) == (1, 32 + 8)  # the latent, not 4 heads' K and V
+        decode = c.check_invariants()[-1]
+        assert decode["transfer_failures"] == {} and decode["transfers_by_transport"] == {"tcp": 12}, decode
+        assert_drained(c)

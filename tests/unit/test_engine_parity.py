@@ -8,7 +8,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 
-SHAPES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"]
+SHAPES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
 MAX_NEW = 16
 TIE_MARGIN = 1e-4
 

@@ -79,6 +79,8 @@ def test_kv_heads_are_split_or_replicated_by_which_query_heads_read_them(tiny_ch
 def test_a_size_the_shapes_do_not_divide_is_refused_before_any_rank_starts(tiny_checkpoint):
     with pytest.raises(ConfigError, match="tensor_parallel_size 3 does not divide num_attention_heads 8"):
         LLM(str(tiny_checkpoint("llama")), num_kv_blocks=16, tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="not supported for latent-attention"):  # MLA: TP not built
+        LLM(str(tiny_checkpoint("deepseek_v3")), num_kv_blocks=16, tensor_parallel_size=2)
 
 
 def test_losing_a_rank_fails_the_engine_with_an_error_not_a_hang(tiny_checkpoint):

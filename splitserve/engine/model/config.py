@@ -26,8 +26,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MixtralForCausalLM": (False, False),
     "Qwen2MoeForCausalLM": (True, False),
     "Qwen3MoeForCausalLM": (False, True),
+    "DeepseekV3ForCausalLM": (False, False),
 }
-_MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
+_MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"}
+_MLA = {"DeepseekV3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,14 @@ class MoEConfig:
     # dtype (Qwen): rounding, so that bf16 matches Hugging Face too
     weights_in_fp32: bool = False
     dense_layers: tuple[int, ...] = ()  # layers whose feed-forward is a plain MLP instead
+    # DeepSeek-V3's router: sigmoid scores, a per-expert bias added for the choice only, the
+    # experts chosen within the `topk_group` best of `n_group` groups, weights scaled after
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    score_bias: bool = False  # the router has an e_score_correction_bias
+    shared_expert_gated: bool = True  # Qwen2-MoE gates its shared expert by a sigmoid; DeepSeek does not
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -62,6 +72,29 @@ class MoEConfig:
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one compressed
+    latent per token (`kv_lora_rank`) plus a shared rotated key part (`qk_rope_head_dim`); the
+    cache holds those (`latent_dim` per token), not per-head keys and values."""
+
+    q_lora_rank: int | None  # None: queries by one projection, else through a low-rank one
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the rope dimensions come in interleaved pairs (DeepSeek's layout)
+    attention_bias: bool = False
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -89,10 +122,16 @@ class ModelConfig:
     # (as vLLM serves them); greedy checkpoints (do_sample: false) recommend none
     sampling_defaults: tuple[tuple[str, float], ...] = ()
     moe: MoEConfig | None = None  # None: every layer's feed-forward is a dense MLP
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3); None: grouped-query
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions rotary embeddings turn: a head's, or MLA's rope part."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def q_size(self) -> int:
@@ -126,6 +165,7 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         eos = _eos_ids(cfg, gen or {})
+        mla = _mla(arch, cfg)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -133,8 +173,9 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            # MLA caches one latent "head" per token: the compressed KV and the rotated key part
+            num_kv_heads=1 if mla else cfg.get("num_key_value_heads") or heads,
+            head_dim=mla.latent_dim if mla else cfg.get("head_dim") or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope=_rope(cfg),
@@ -148,6 +189,7 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             sampling_defaults=_sampling_defaults(gen or {}),
             moe=_moe(arch, cfg),
+            mla=mla,
         )
 
 
@@ -167,6 +209,17 @@ def _moe(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
         return None
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"unsupported expert activation {cfg.get('hidden_act')!r}; supported: silu")
+    if arch == "DeepseekV3ForCausalLM":
+        n = cfg["n_routed_experts"]
+        return MoEConfig(num_experts=n, top_k=cfg["num_experts_per_tok"],
+                         expert_intermediate_size=cfg["moe_intermediate_size"],
+                         renormalize=bool(cfg.get("norm_topk_prob", True)),
+                         shared_expert_intermediate_size=cfg["moe_intermediate_size"] * int(cfg.get("n_shared_experts") or 0),
+                         weights_in_fp32=True, dense_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0))),
+                         scoring="sigmoid", n_group=int(cfg.get("n_group") or 1),
+                         topk_group=int(cfg.get("topk_group") or 1),
+                         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)), score_bias=True,
+                         shared_expert_gated=False)
     if arch == "MixtralForCausalLM":
         return MoEConfig(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
                          expert_intermediate_size=cfg["intermediate_size"], renormalize=True, weights_in_fp32=True)
@@ -181,6 +234,15 @@ def _moe(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
                      shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
                      if arch == "Qwen2MoeForCausalLM" else 0,
                      dense_layers=dense)
+
+
+def _mla(arch: str, cfg: dict[str, Any]) -> "MLAConfig | None":
+    if arch not in _MLA:
+        return None
+    return MLAConfig(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
+                     qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                     v_head_dim=cfg["v_head_dim"], rope_interleave=bool(cfg.get("rope_interleave", True)),
+                     attention_bias=bool(cfg.get("attention_bias", False)))
 
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -1,5 +1,6 @@
 """The Llama-family decoder (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, and with a sparse
-feed-forward (model/moe.py) Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat, paged batch.
+feed-forward (model/moe.py) Mixtral, Qwen2-MoE, Qwen3-MoE; with latent attention (model/mla.py)
+and DeepSeek's routing, DeepSeek-V3) over a flat, paged batch.
 
 Input is one flat run of new tokens from many sequences (decodes first, then prefill chunks);
 attention reads and writes the paged KV cache through an `AttentionBackend`. q/k/v and gate/up
@@ -16,6 +17,7 @@ from torch import nn
 from splitserve.engine.attention.backend import AttentionBackend
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
+from splitserve.engine.model.mla import MLAttention
 from splitserve.engine.model.moe import SparseMoE
 from splitserve.parallel.group import TPGroup
 from splitserve.parallel.shard import Shard
@@ -56,7 +58,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAttention(cfg) if cfg.mla is not None else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.moe is not None and cfg.moe.is_sparse(index)
         self.mlp = SparseMoE(cfg, shard) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
@@ -95,7 +97,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.tp, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_dim, max_positions)
         self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
 
     @property

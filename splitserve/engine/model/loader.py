@@ -88,7 +88,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
     with torch.device("meta"):
         model = LlamaModel(local, max_positions, tp, shard)
     model = model.to_empty(device=device)
-    model.rotary.__init__(cfg.rope, cfg.head_dim, max_positions)  # buffers are computed, not loaded
+    model.rotary.__init__(cfg.rope, cfg.rope_dim, max_positions)  # buffers are computed, not loaded
     model.rotary.to(device)
     for m in model.modules():  # counters are state, not weights: start at zero
         if isinstance(m, SparseMoE):
@@ -120,13 +120,14 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, Region] | None:
             return name[len("model."):], (None, None)
         idx, rest = m.groups()
         rest = rest.replace("block_sparse_moe.", "mlp.", 1)  # Mixtral's name for its sparse block
+        rest = rest.replace("mlp.shared_experts.", "mlp.shared_expert.", 1)  # DeepSeek's for its shared one
         e = _EXPERT.fullmatch(rest)
         if e is not None:
             ours, shard = _EXPERT_PART[e[2]]
             return f"layers.{idx}.mlp.experts.{ours}", (int(e[1]), shard)
         stem, _, kind = rest.rpartition(".")
         head, _, proj = stem.rpartition(".")
-        if proj in _FUSED:
+        if proj in _FUSED and not (cfg.mla is not None and head == "self_attn"):  # MLA's q_proj stands alone
             ours, shard = _FUSED[proj]
             return f"layers.{idx}.{head}.{ours}.{kind}", (None, shard)
         return f"layers.{idx}.{rest}", (None, None)

@@ -1,7 +1,8 @@
-"""The sparse feed-forward of mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE):
-route each token to its top-k experts, run each expert once over the tokens sent to it
-(dispatch), and sum the weighted results back per token (combine), plus a gated shared expert
-where the architecture has one.
+"""The sparse feed-forward of mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE,
+DeepSeek-V3): route each token to its top-k experts (softmax, or DeepSeek's grouped sigmoid
+routing), run each expert once over the tokens sent to it (dispatch), and sum the weighted
+results back per token (combine), plus a shared expert (gated, for Qwen2-MoE) where the
+architecture has one.
 
 The arithmetic follows Hugging Face's order — router softmax in fp32, experts visited in
 ascending order, each expert's rows ordered by (top-k slot, token), results added in with
@@ -46,35 +47,68 @@ class Experts(nn.Module):
         return out
 
 
+class Router(nn.Module):
+    """The router's weights, on every rank: `weight` [E, H], and DeepSeek-V3's per-expert
+    `e_score_correction_bias` (added to the scores for the choice only)."""
+
+    def __init__(self, hidden: int, experts: int, score_bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(experts)) if score_bias else None
+
+
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
         m = cfg.moe
         assert m is not None
         self.moe = m
-        self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)  # the router, on every rank
+        self.gate = Router(cfg.hidden_size, m.num_experts, m.score_bias)
         held = range(m.num_experts) if shard is None else shard.experts
         self.experts = Experts(held, cfg.hidden_size, m.expert_intermediate_size)
         self.shared_expert = None
         self.shared_expert_gate = None
         if m.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg.hidden_size, m.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            if m.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.register_buffer("expert_tokens", torch.zeros(m.num_experts, dtype=torch.int64), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices [n, k], weights [n, k]) of each token's experts."""
-        logits = self.gate(x)
+        if self.moe.scoring == "sigmoid":
+            return self._route_grouped(x)
+        logits = F.linear(x, self.gate.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_idx = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.renormalize:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         return top_idx, (top_w if self.moe.weights_in_fp32 else top_w.to(logits.dtype))
 
+    def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's: sigmoid scores in fp32; each group of experts rated by its best two
+        (bias included), the tokens' experts chosen within the `topk_group` best groups; the
+        weights are the unbiased scores, renormalised, times `routed_scaling_factor`."""
+        m, g = self.moe, self.gate
+        scores = F.linear(x.float(), g.weight.float()).sigmoid()
+        choice = scores + g.e_score_correction_bias.float()
+        n = x.shape[0]
+        groups = choice.view(n, m.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        best = torch.topk(groups, k=m.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(groups).scatter_(1, best, 1).bool()
+        choice = choice.masked_fill(~keep.repeat_interleave(m.num_experts // m.n_group, dim=1), float("-inf"))
+        top_idx = torch.topk(choice, k=m.top_k, dim=-1, sorted=False)[1]
+        top_w = scores.gather(1, top_idx)
+        if m.renormalize:
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_idx, top_w * m.routed_scaling_factor
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_idx, top_w = self.route(x)
         self.expert_tokens += torch.bincount(top_idx.flatten(), minlength=self.moe.num_experts)
         out = self.experts(x, top_idx, top_w)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return out
