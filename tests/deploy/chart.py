@@ -136,6 +136,7 @@ def _matrix() -> list[Case]:
                 cases.append(Case(f"{base}-autoscale-{'on' if autoscale else 'off'}-ingress{ingress}", files, sets))
     cases.append(Case("gpu-hostpath", ("values-gpu.yaml",),
                       ("model.pvc.claimName=", "model.hostPath=/var/lib/models", "model.subPath=llama/8b")))
+    cases.append(Case("gpu-tp2-prefill", ("values-gpu.yaml",), ("prefill.tp=2", "prefill.gpus=2")))
     cases.append(Case("gpu-servicemonitor", ("values-gpu.yaml",),
                       ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prometheus")))
     cases.append(Case("cpu-demo-min-prefill-0", ("values-cpu-demo.yaml",),

@@ -146,6 +146,7 @@ def test_worker_groups_agree_with_the_args(rendered: Rendered) -> None:
         g, want = rendered.group(role), v[role]
         assert _ray_start_resources(g) == args[f"{role}_resources"] == {want["rayResource"]: 1}
         assert g["replicas"] == args[role] == want["replicas"]
+        assert args[f"{role}_tp"] == want.get("tp", 1)  # ranks per worker, one GPU each on a GPU pool
         assert (g["minReplicas"], g["maxReplicas"]) == (want["minReplicas"], want["maxReplicas"])
         pod = g["template"]["spec"]
         (container,) = pod["containers"]
@@ -245,6 +246,8 @@ REFUSED = [
     (Case("replicas-over-max", sets=("decode.replicas=5",)), "decode.replicas (5) must be within"),
     (Case("decode-empty", sets=("decode.replicas=0", "decode.minReplicas=0")), "decode.minReplicas: Must be greater"),
     (Case("negative-gpus", sets=("prefill.gpus=-1",)), "prefill.gpus: Must be greater"),
+    (Case("tp-without-its-gpus", ("values-gpu.yaml",), ("decode.tp=2",)), "decode.gpus (1) must equal decode.tp (2)"),
+    (Case("tp-zero", sets=("prefill.tp=0",)), "prefill.tp: Must be greater"),
     (Case("typo", sets=("prefill.gpu=1",)), "Additional property gpu is not allowed"),
     (Case("policy", sets=("serve.policy=fastest",)), "serve.policy"),
     (Case("device", sets=("serve.engine.device=tpu",)), "serve.engine.device"),

@@ -94,6 +94,10 @@ object, quoted and escaped for the shell KubeRay hands it to, e.g. "{\"prefill_n
 {{- if or (lt (int $g.replicas) (int $g.minReplicas)) (gt (int $g.replicas) (int $g.maxReplicas)) -}}
 {{- fail (printf "%s.replicas (%d) must be within [%s.minReplicas, %s.maxReplicas] = [%d, %d]" $role (int $g.replicas) $role $role (int $g.minReplicas) (int $g.maxReplicas)) -}}
 {{- end -}}
+{{- $tp := int ($g.tp | default 1) -}}
+{{- if and (gt (int $g.gpus) 0) (ne (int $g.gpus) $tp) -}}
+{{- fail (printf "%s.gpus (%d) must equal %s.tp (%d): one worker per pod, one GPU per tensor-parallel rank" $role (int $g.gpus) $role $tp) -}}
+{{- end -}}
 {{- if hasKey ($g.rayStartParams | default dict) "resources" -}}
 {{- fail (printf "%s.rayStartParams.resources is the chart's (from %s.rayResource)" $role $role) -}}
 {{- end -}}
@@ -130,6 +134,8 @@ the groups' `replicas`, the autoscaler's bounds their minReplicas / maxReplicas.
 {{- $_ := set $args "decode" (int $v.decode.replicas) -}}
 {{- $_ := set $args "prefill_resources" (dict $v.prefill.rayResource 1) -}}
 {{- $_ := set $args "decode_resources" (dict $v.decode.rayResource 1) -}}
+{{- $_ := set $args "prefill_tp" (int ($v.prefill.tp | default 1)) -}}
+{{- $_ := set $args "decode_tp" (int ($v.decode.tp | default 1)) -}}
 {{- $_ := set $args "policy" $v.serve.policy -}}
 {{- $_ := set $args "transport" $v.serve.transport -}}
 {{- $_ := set $args "ingress_replicas" (int $v.serve.ingressReplicas) -}}
@@ -151,7 +157,7 @@ the groups' `replicas`, the autoscaler's bounds their minReplicas / maxReplicas.
 {{- end -}}
 {{- /* The keys set above from values (serve.extraArgs may not set them), and the engine keys
 DeployConfig also reads at the top level (they belong under serve.engine). */ -}}
-{{- $managed := list "model" "served_model_name" "prefill" "decode" "prefill_resources" "decode_resources" "policy" "transport" "ingress_replicas" "ttft_slo_ms" "tpot_slo_ms" "engine" "autoscale" "name" "dtype" "device" "attention_backend" "kv_cache_memory_gib" "gpu_memory_utilization" -}}
+{{- $managed := list "model" "served_model_name" "prefill" "decode" "prefill_resources" "decode_resources" "prefill_tp" "decode_tp" "tensor_parallel_size" "policy" "transport" "ingress_replicas" "ttft_slo_ms" "tpot_slo_ms" "engine" "autoscale" "name" "dtype" "device" "attention_backend" "kv_cache_memory_gib" "gpu_memory_utilization" -}}
 {{- range $k, $val := ($v.serve.extraArgs | default dict) -}}
 {{- if has $k $managed -}}
 {{- fail (printf "serve.extraArgs.%s is set by the chart (see values.yaml for the key that sets it)" $k) -}}
