@@ -113,3 +113,34 @@ def test_a_handoff_between_groups_of_different_sizes_continues_exactly(ray_sessi
         for s in counts:  # both sides drained: no block, lease or token left
             assert s["in_use"] == 0 and s["free"] + s["cached"] == s["total"], s
             assert s.get("leases", 0) == 0 and s.get("grants", 0) == 0 and s.get("handoffs", 0) == 0, s
+
+
+def test_killing_a_prefill_rank_under_load_replaces_its_group(ray_session, model):
+    """A P(TP 2) -> D(TP 1) pair: rank 1 of the prefill group is killed while handoffs are in
+    flight. Its requests are placed again (or end with our explicit error), every handoff that
+    lands is checked head by head, a new prefill group becomes READY, and nothing stays held."""
+    n = 24
+    ps, sps = prompts(n), params(n, False, 24)
+    ref = reference(model, ps, sps)
+    with Cluster.start(model=model, name="tp-chaos-prefill", prefill=1, decode=1, prefill_tp=2, transport="tcp",
+                       disagg_min_tokens=0, num_kv_blocks=256) as c:
+        before = {w.id for w in groups_of(c).workers if w.state == "ready"}
+        load = Load(c, ps, sps)
+        load.wait_progress(1, of=max)  # the first handoffs are done, the rest in flight or queued
+        os.kill(rank_pids(c.prefills[0])[0], signal.SIGKILL)
+        outcomes = load.result()
+        errors = [o.error for o in outcomes if o.error is not None]
+        print(f"\nprefill TP rank killed: {len(errors)} of {n} streams ended with the explicit error")
+        assert_outcomes(outcomes, ref, min_exact=n // 2)
+        deadline = time.time() + 120
+        while True:
+            st = groups_of(c)
+            dead = [w for w in st.workers if w.id in before and w.role == "prefill" and w.state == "dead"]
+            fresh = [w for w in st.workers if w.id not in before and w.role == "prefill" and w.state == "ready"]
+            if dead and fresh:
+                break
+            assert time.time() < deadline, st.workers
+            time.sleep(0.5)
+        assert len(fresh[0].ranks) == 2
+        assert c.check_invariants()[-1]["transfer_failures"].get("corrupt", 0) == 0  # nothing landed wrong
+        assert_nothing_held(c, load)
