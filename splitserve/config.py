@@ -243,6 +243,10 @@ class DeployConfig:
         """Tensor-parallel ranks per worker of pool `role`."""
         return getattr(self, f"{role}_tp")
 
+    def ranks(self, prefill: int, decode: int) -> int:
+        """The processes (each a CPU, or a GPU) `prefill` and `decode` workers take."""
+        return prefill * self.prefill_tp + decode * self.decode_tp
+
 
 def _as_value(value: Any, key: str) -> Any:
     if not isinstance(value, str):

@@ -98,7 +98,9 @@ class EngineLoop:
         """Why this engine has stopped, or None. A rank of its tensor-parallel group that exited
         stops it now, even while idle: its next step would only fail inside a collective."""
         ranks = getattr(self.engine, "ranks", None)  # a tensor-parallel engine's followers
-        if self.failure is None and ranks is not None and (lost := ranks.lost()) is not None:
+        tp = getattr(self.engine, "tp", None)
+        lost = (tp.failure if tp is not None else None) or (ranks.lost() if ranks is not None else None)
+        if self.failure is None and lost is not None:
             self.failure = lost
             if self._wake is not None:
                 self._wake.set()  # the serving loop sees it and ends
@@ -179,8 +181,15 @@ class EngineLoop:
                     if c.finished or c.kv_blocks is not None:
                         self._queues.pop(c.request_id, None)
             await asyncio.sleep(0)  # let new requests and aborts in between steps
+        # stopped between steps (a rank of its group exited): whoever waits and has not heard it yet hears it now
+        stopped = EngineFailed(f"this engine has stopped: {self.failure}")
+        for q in list(self._queues.values()):
+            if q.empty():
+                q.put_nowait(stopped)
 
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        self._exec.shutdown(wait=False, cancel_futures=True)
+        # after the step in progress: the engine's close then runs alone (under tensor parallelism
+        # it sends the ranks their last broadcast, which must not cross a step's collectives)
+        self._exec.shutdown(wait=True, cancel_futures=True)

@@ -87,7 +87,7 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
     _say_keys(cfg.api_keys)
     began = time.monotonic()
     a = cfg.autoscale
-    started = connect_ray(args.address, a.prefill.max + a.decode.max if a else cfg.prefill + cfg.decode)
+    started = connect_ray(args.address, cfg.ranks(a.prefill.max, a.decode.max) if a else cfg.ranks(cfg.prefill, cfg.decode))
     _say(f"{'started a local Ray cluster' if started else 'joined the Ray cluster'}")
     try:
         precheck(cfg, joined=not started)

@@ -141,11 +141,15 @@ def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float)
                                         p.resources["num_gpus"], p.resources.get("resources", {})),
                                 strategy="STRICT_PACK")
         opts["scheduling_strategy"] = placement(group, 0)  # the actor asks what bundle 0 holds
-    actor = actor_class(worker_class(cfg, wid.role)).options(**opts)
     kv = {"transport_options": {"tcp": {"secret": cfg.kv_secret}}}  # the app's KV secret: readers prove it
-    if wid.role is Role.PREFILL:
-        return Spawned(actor.remote(p.engine, p.transports, lease_s=cfg.lease_s, **kv), group)
-    return Spawned(actor.remote(p.engine, p.transports, on_transfer_failure=cfg.on_transfer_failure, **kv), group)
+    role = {"lease_s": cfg.lease_s} if wid.role is Role.PREFILL else {"on_transfer_failure": cfg.on_transfer_failure}
+    try:
+        actor = actor_class(worker_class(cfg, wid.role)).options(**opts)
+        return Spawned(actor.remote(p.engine, p.transports, **role, **kv), group)
+    except BaseException:  # no worker: no reservation either
+        if group is not None:
+            ray.util.remove_placement_group(group)
+        raise
 
 
 __all__ = ["actor_class", "worker_class", "spawn", "Spawned", "worker_placement", "gpu_share", "resolve_transports"]

@@ -64,7 +64,7 @@ class Cluster:
         cfg = DeployConfig.from_options({"model": model, "prefill": prefill, "decode": decode, "transport": transport,
                                          "disagg_min_tokens": disagg_min_tokens, "engine": engine,
                                          "name": options.pop("name", f"cluster-{uuid.uuid4().hex[:8]}"), **options})
-        started = connect_ray(address, cfg.prefill + cfg.decode)
+        started = connect_ray(address, cfg.ranks(cfg.prefill, cfg.decode))
         try:
             precheck(cfg, joined=not started)
             controller = controller_mod.get_or_create(cfg, joined=not started)

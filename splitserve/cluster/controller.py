@@ -253,7 +253,7 @@ class Controller:
     def _spawn(self, role: Role) -> None:
         wid = WorkerId.new(role)
         try:
-            ranks = sum(n * self.cfg.tp(r.value) for r, n in self.targets.items())  # one device each
+            ranks = self.cfg.ranks(self.targets[Role.PREFILL], self.targets[Role.DECODE])  # a device each
             share = gpu_share(str(self.cfg.engine.get("device", "auto")), ray.cluster_resources().get("GPU", 0.0),
                               ranks, joined=self._joined, growing=self.autoscaler is not None)
             spawned = spawn(self.cfg, wid, self._kinds, share)

@@ -49,7 +49,7 @@ def connect_ray(address: str | None, num_cpus: int) -> bool:
 def precheck(cfg: DeployConfig, joined: bool) -> None:
     """What every worker would refuse, refused here (before any actor starts)."""
     share = gpu_share(str(cfg.engine.get("device", "auto")), ray.cluster_resources().get("GPU", 0.0),
-                      cfg.prefill + cfg.decode, joined, growing=cfg.autoscale is not None)
+                      cfg.ranks(cfg.prefill, cfg.decode), joined, growing=cfg.autoscale is not None)
     for role in Role:
         worker_placement(cfg, role, resolve_transports(cfg.transport), share)
 

@@ -160,7 +160,7 @@ class DecodeWorker(KVWorker):
         try:
             check_header(h, self.layout, heads_may_differ=sliced)
             if sliced:  # each rank here pulls its KV heads from the source ranks holding them, and checks them
-                await self._read_sliced(h, dst)
+                await self._read_sliced(h, dst, prefill, ho)
             elif self.engine.tp.size > 1:
                 raise TransferError("header", "this decode worker is tensor-parallel: it reads handoffs that "
                                               "carry every source rank's part only")
@@ -178,21 +178,38 @@ class DecodeWorker(KVWorker):
         # an abort now frees them, and then the verdict is never used.
         await asyncio.to_thread(verify_landed, self.engine.kv.storage, self.layout, h, dst)
 
-    async def _read_sliced(self, h: KVHandoff, dst: list[int]) -> None:
+    async def _read_sliced(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
         """The heterogeneous-TP pull: the plan of which heads each rank here takes from which
         source rank; with one rank here in a thread, with several on the engine thread (every
-        rank pulls at once; the decode steps wait meanwhile)."""
+        rank pulls at once; the decode steps wait meanwhile). The lease is renewed meanwhile;
+        an abort is seen once no rank writes the blocks any more."""
         e = self.engine
+        ep = e.config.expert_parallel  # both pools run one engine configuration
         try:
-            plan = kv_slices.plan(e.model_config, len(h.ranks), e.tp.size, dst_expert_parallel=e.config.expert_parallel)
+            plan = kv_slices.plan(e.model_config, len(h.ranks), e.tp.size, ep, ep)
         except (ConfigError, AssertionError) as err:
             raise TransferError("header", f"no slice plan from {len(h.ranks)} source ranks to {e.tp.size}: {err}")
         kind = sliced_kind(h.endpoint.transport)
         self.transfers_by_transport[kind] = self.transfers_by_transport.get(kind, 0) + 1
-        if e.tp.size == 1:
-            await asyncio.to_thread(rank_kv.pull, e, h, plan, dst, kind, self.kv_secret)
-        else:
-            await self.loop.call(on_all_ranks, e, rank_kv.pull, h, plan, dst, kind, self.kv_secret)
+        renewing = asyncio.ensure_future(self._renew(h, prefill))
+        try:
+            if e.tp.size == 1:  # to its end even if cancelled: the blocks it writes are freed only after it
+                await _uncancelled(asyncio.to_thread(rank_kv.pull, e, h, plan, dst, kind, self.kv_secret))
+            else:  # on the engine thread: whatever frees the blocks runs there after it
+                await self.loop.call(on_all_ranks, e, rank_kv.pull, h, plan, dst, kind, self.kv_secret)
+        finally:
+            renewing.cancel()
+        if ho.abort_requested:
+            raise TransferError("aborted", "the request was aborted during the transfer")
+
+    async def _renew(self, h: KVHandoff, prefill: Any) -> None:
+        """Keep the source blocks pinned while a pull runs (fire and forget, as `_read` does)."""
+        if prefill is None:
+            return
+        every = max(0.05, (h.lease_expires_at - time.time()) / 3)
+        while True:
+            await asyncio.sleep(every)
+            prefill.renew.remote(h.lease_id)
 
     async def _read(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
         transport = self.transports.get(h.endpoint.transport)

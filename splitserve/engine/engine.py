@@ -73,6 +73,7 @@ class Engine(EngineCore):
         size = config.tensor_parallel_size
         shard = Shard.of(mc, self.tp.rank, size, config.expert_parallel) if size > 1 else None
         model = load_model(Path(config.model), mc, self.dtype, max_model_len, self.device, self.tp, shard)
+        self.tp.wait_all()  # the slowest rank's load is no collective's timeout
         kv_heads = mc.num_kv_heads if shard is None else len(shard.kv_heads)
         # every rank's pool has rank 0's block count: its block ids index them all
         num_blocks = config.num_kv_blocks

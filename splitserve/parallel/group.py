@@ -26,6 +26,7 @@ class TPGroup:
 
     rank = 0
     size = 1
+    failure: str | None = None  # set once a collective failed: the ranks are out of step for good
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -36,6 +37,9 @@ class TPGroup:
     def broadcast(self, obj: Any = None) -> Any:
         return obj
 
+    def wait_all(self) -> None:
+        """Until every rank gets here (each has loaded its shard), however long that takes."""
+
     def gather(self, obj: Any) -> list | None:
         """Every rank's `obj` on rank 0, in rank order (None on the others)."""
         return [obj]
@@ -44,9 +48,14 @@ class TPGroup:
         pass
 
 
+IDLE_FOREVER = datetime.timedelta(days=365)
+
+
 class DistGroup(TPGroup):
     """`size` ranks over torch.distributed. A rank that dies makes the others' next collective
-    fail within `timeout_s` (gloo's timeout): the engine stops, it does not hang."""
+    fail (at once where its connections close, else within `timeout_s`): the engine stops, it
+    does not hang. The step broadcast is apart, on a group of its own without that limit: a
+    follower waits in it between steps, and an engine may stay idle for hours."""
 
     def __init__(self, spec: GroupSpec) -> None:
         import torch.distributed as dist
@@ -55,25 +64,38 @@ class DistGroup(TPGroup):
         self.rank, self.size = spec.rank, spec.size
         dist.init_process_group(spec.backend, init_method=f"tcp://{spec.address}", rank=spec.rank,
                                 world_size=spec.size, timeout=datetime.timedelta(seconds=spec.timeout_s))
+        self._steps = dist.new_group(backend=spec.backend, timeout=IDLE_FOREVER)
+
+    def _collective(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # a rank is gone or late: no later collective lines up with the others'
+            self.failure = self.failure or f"a collective of its tensor-parallel group failed with {type(e).__name__}"
+            raise
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self._dist.all_reduce(x)
+        self._collective(self._dist.all_reduce, x)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._dist.all_gather(parts, x.contiguous())
+        self._collective(self._dist.all_gather, parts, x.contiguous())
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (what rank 0 decided for the step)."""
         box = [obj]
-        self._dist.broadcast_object_list(box, src=0)
+        self._collective(self._dist.broadcast_object_list, box, src=0, group=self._steps)
         return box[0]
 
+    def wait_all(self) -> None:
+        self._collective(self._dist.barrier, group=self._steps)
+
     def gather(self, obj: Any) -> list | None:
+        # untimed as the step broadcast: a rank's call (a long pull) may take longer than a step's
+        # collectives may; each call bounds its own I/O
         out = [None] * self.size if self.rank == 0 else None
-        self._dist.gather_object(obj, out, dst=0)
+        self._collective(self._dist.gather_object, obj, out, dst=0, group=self._steps)
         return out
 
     def close(self) -> None:

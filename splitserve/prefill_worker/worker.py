@@ -93,7 +93,7 @@ class PrefillWorker(KVWorker):
         try:
             return PrefillResult(item, await self._handoff(req, item, endpoint, reader_ranks), done_at)
         except BaseException:  # cancelled or failed after the blocks were detached: nobody will ack
-            # (_handoff grants the lease after its last await, so no lease exists yet)
+            # (a lease _handoff granted before failing, it ended on its way out)
             await self.loop.call(self.engine.release_detached, req.request_id)
             raise
 
@@ -107,7 +107,13 @@ class PrefillWorker(KVWorker):
         for t in self.transports.values():  # its reader may read these blocks, and only while leased
             t.allow(lease.token, blocks)
         if self.engine.tp.size > 1:  # and those of the other ranks' caches
-            await self.loop.call(on_all_ranks, self.engine, rank_kv.allow, lease.token, blocks)
+            try:
+                await self.loop.call(on_all_ranks, self.engine, rank_kv.allow, lease.token, blocks)
+            except BaseException:  # cancelled or failed: no reader gets this lease (the caller frees the blocks)
+                self.leases.settle(lease.lease_id)
+                for t in self.transports.values():
+                    t.revoke(lease.token)
+                raise
         header = TransferHeader(req.request_id, self.layout.model_fingerprint, self.layout.dtype,
                                 self.layout.block_size, self.layout.num_layers, len(blocks), lease.epoch)
         return KVHandoff(req.request_id, chunk.token_ids[0], chunk.logprobs[0] if chunk.logprobs else None,
@@ -117,8 +123,11 @@ class PrefillWorker(KVWorker):
     async def _rank_sources(self, blocks) -> tuple[RankSource, ...]:
         """Every rank's part of the handoff: its endpoints, its KV heads, a checksum per head
         (on the engine thread: the other ranks take theirs between steps)."""
-        sums = await self.loop.call(on_all_ranks, self.engine, rank_kv.checksums, blocks)
         e, size = self.engine, self.engine.tp.size
+        if size == 1:  # a tensor-parallel reader of this one rank: off the engine thread
+            sums = [await asyncio.to_thread(rank_kv.checksums, e, blocks)]
+        else:
+            sums = await self.loop.call(on_all_ranks, e, rank_kv.checksums, blocks)
         heads = [Shard.of(e.model_config, r, size, e.config.expert_parallel).kv_heads if size > 1
                  else range(e.model_config.num_kv_heads) for r in range(size)]
         return tuple(RankSource(r, heads[r], self.rank_endpoints[r], sums[r]) for r in range(size))
@@ -162,7 +171,10 @@ class PrefillWorker(KVWorker):
 
     async def _reap(self) -> None:
         for lease in self.leases.expire():
-            await self._end(lease)
+            try:
+                await self._end(lease)
+            except Exception:  # the engine stopped: the worker is replaced, its memory with it
+                log.warning("could not free the blocks of a lapsed lease", exc_info=True)
 
     async def _end(self, lease) -> None:
         """A lease is over: its token reads nothing more, then its blocks are free."""

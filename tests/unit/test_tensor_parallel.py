@@ -191,14 +191,48 @@ def test_an_idle_serving_loop_stops_when_a_rank_exits(tiny_checkpoint):
 
     loop = EngineLoop.start(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=32, tensor_parallel_size=2))
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    try:
-        assert loop.stopped() is None
+    async def waiter_hears_it():
+        q = loop.watch("landing")  # a request waiting on this engine (its KV arriving, say)
         rank1 = loop.engine.ranks.procs[0]
         rank1.kill()
         rank1.join(10)
         assert loop.stopped() == "tensor-parallel rank 1 exited"
+        return await asyncio.wait_for(q.get(), 10)
+
+    try:
+        assert loop.stopped() is None
+        heard = asyncio.run(waiter_hears_it())
+        assert isinstance(heard, EngineFailed) and "tensor-parallel rank 1 exited" in str(heard)
         with pytest.raises(EngineFailed, match="tensor-parallel rank 1 exited"):
             asyncio.run(loop.submit(Request("after-rank-loss", (5, 6, 7), sp)))
     finally:
         loop.close()
         loop.engine.close()
+
+
+def test_a_group_idle_longer_than_its_collective_timeout_still_serves(tiny_checkpoint):
+    """Followers wait for the next step on a broadcast of its own, without the collectives'
+    timeout: an engine left idle (here 3x the 2 s timeout; in service, hours) still serves."""
+    import functools
+
+    from splitserve.config import EngineConfig
+    from splitserve.engine.engine import Engine
+    from splitserve.parallel.launch import start_local_group
+
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    path = str(tiny_checkpoint("llama"))
+    want = LLM(path, num_kv_blocks=32).generate([[5, 6, 7]], sp)[0].outputs[0].token_ids
+    engine = Engine(EngineConfig(model=path, num_kv_blocks=32, tensor_parallel_size=2),
+                    start_ranks=functools.partial(start_local_group, timeout_s=2.0))
+    try:
+        for i in range(2):
+            engine.add_request(Request(f"r{i}", (5, 6, 7), sp))
+            got = []
+            while engine.has_unfinished():
+                got += [t for c in engine.step() for t in c.token_ids]
+            assert got == list(want)
+            assert engine.ranks.lost() is None
+            if i == 0:
+                time.sleep(6.0)
+    finally:
+        engine.close()
