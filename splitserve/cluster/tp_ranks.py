@@ -16,7 +16,7 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from splitserve.parallel.group import DistGroup, GroupSpec, TPGroup
-from splitserve.parallel.launch import free_address, on_cuda, rank_main
+from splitserve.parallel.launch import end_followers, free_address, on_cuda, rank_main
 from splitserve.types import RankPlace
 
 
@@ -55,10 +55,7 @@ class RayRanks:
         return f"tensor-parallel rank {self.runs.index(done[0]) + 1} exited"
 
     def stop(self, tp: TPGroup, timeout_s: float = 10.0) -> None:
-        try:
-            tp.broadcast(None)  # the followers' loop ends
-        except Exception:
-            pass
+        end_followers(tp)
         ray.wait(self.runs, num_returns=len(self.runs), timeout=timeout_s)
         for a in self.actors:
             ray.kill(a, no_restart=True)
@@ -72,7 +69,7 @@ def start_ray_group(config) -> tuple[DistGroup, RayRanks]:
     if pg is None or pg.bundle_count < size:
         raise RuntimeError(f"a tensor-parallel worker of {size} ranks must run in a placement group of "
                            f"{size} bundles")
-    spec = pg.bundle_specs[1] if size > 1 else {}
+    spec = pg.bundle_specs[1]  # every rank's bundle is alike
     address = free_address(ray.util.get_node_ip_address())
     backend = "nccl" if on_cuda(config) else "gloo"
     actors = [TPRank.options(num_cpus=spec.get("CPU", 1), num_gpus=spec.get("GPU", 0),

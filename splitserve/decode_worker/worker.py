@@ -156,7 +156,7 @@ class DecodeWorker(KVWorker):
     async def _pull(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
         """Read, then settle the lease, then verify. Raises TransferError; never leaves a
         transfer writing into blocks the engine may hand to someone else."""
-        sliced = bool(h.ranks) and (len(h.ranks) > 1 or self.engine.tp.size > 1)
+        sliced = bool(h.ranks)  # a tensor-parallel source or reader
         try:
             check_header(h, self.layout, heads_may_differ=sliced)
             if sliced:  # each rank here pulls its KV heads from the source ranks holding them, and checks them
@@ -203,7 +203,7 @@ class DecodeWorker(KVWorker):
             raise TransferError("aborted", "the request was aborted during the transfer")
 
     async def _renew(self, h: KVHandoff, prefill: Any) -> None:
-        """Keep the source blocks pinned while a pull runs (fire and forget, as `_read` does)."""
+        """Keep the source blocks pinned while a pull runs (fire and forget)."""
         if prefill is None:
             return
         every = max(0.05, (h.lease_expires_at - time.time()) / 3)
@@ -219,17 +219,14 @@ class DecodeWorker(KVWorker):
         kind = h.endpoint.transport
         self.transfers_by_transport[kind] = self.transfers_by_transport.get(kind, 0) + 1
         handle = transport.read(h, dst)
-        renew_every = max(0.05, (h.lease_expires_at - time.time()) / 3)
-        next_renew = time.monotonic() + renew_every
+        renewing = asyncio.ensure_future(self._renew(h, prefill))
         try:
             while (st := transport.poll(handle)).state is TransferState.PENDING:
                 if ho.abort_requested:
                     break  # release() below stops the transfer before the blocks are freed
-                if prefill is not None and time.monotonic() > next_renew:
-                    prefill.renew.remote(h.lease_id)  # fire and forget: keep the blocks pinned
-                    next_renew = time.monotonic() + renew_every
                 await asyncio.sleep(0.0005)
         finally:
+            renewing.cancel()
             transport.release(handle)
             await _uncancelled(_stopped(transport, handle, h.request_id))
         if ho.abort_requested:

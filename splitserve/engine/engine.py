@@ -47,7 +47,7 @@ class Engine(EngineCore):
     `start_ranks` (parallel/launch.py; local processes unless told otherwise). Rank 0 runs
     everything; the others only the forward passes (`follow`)."""
 
-    def __init__(self, config: EngineConfig, tp: TPGroup | None = None, start_ranks=start_local_group) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None, start_ranks=None) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
@@ -61,7 +61,7 @@ class Engine(EngineCore):
         if tp is None and size > 1:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # rank 0's GPU
-            tp, self.ranks = start_ranks(config)
+            tp, self.ranks = (start_ranks or start_local_group)(config)
         self.tp = tp or TPGroup()
         try:
             self._build(config, mc, max_model_len)

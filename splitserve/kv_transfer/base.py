@@ -101,7 +101,7 @@ class KVHandoff:
     lease_id: str
     lease_expires_at: float  # time.time() seconds
     header: TransferHeader
-    checksum: int  # kv_checksum over block_ids, all layers
+    checksum: int  # kv_checksum over block_ids, all layers (0 in a sliced handoff: its ranks' per-head ones)
     lease_token: bytes = b""  # what lets its reader read these blocks (and no others) where the transport checks
     # a tensor-parallel source (or a tensor-parallel reader): every source rank's endpoints and
     # per-head checksums (head_slices.RankSource); each reader rank pulls its heads from them

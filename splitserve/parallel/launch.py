@@ -54,7 +54,7 @@ class LocalRanks:
         return f"tensor-parallel rank {gone[0]} exited" if gone else None
 
     def stop(self, tp: TPGroup, timeout_s: float = 10.0) -> None:
-        _end_followers(tp)
+        end_followers(tp)
         for p in self.procs:
             p.join(timeout_s)
             if p.is_alive():
@@ -81,7 +81,7 @@ def start_local_group(config, timeout_s: float = 60.0) -> tuple[DistGroup, Local
         raise
 
 
-def _end_followers(tp: TPGroup) -> None:
+def end_followers(tp: TPGroup) -> None:
     try:
         tp.broadcast(None)  # the followers' loop ends
     except Exception:  # a rank already gone: the others exit on the broken group

@@ -100,9 +100,11 @@ class PrefillWorker(KVWorker):
     async def _handoff(self, req: Request, chunk: TokenChunk, endpoint: TransportEndpoint,
                        reader_ranks: int) -> KVHandoff:
         blocks = chunk.kv_blocks
-        # Off the engine thread (prefills keep running): detached blocks are written by no one.
-        checksum = await asyncio.to_thread(kv_checksum, self.engine.kv.storage, self.layout, blocks)
-        ranks = await self._rank_sources(blocks) if reader_ranks > 1 or self.engine.tp.size > 1 else ()
+        checksum, ranks = 0, ()
+        if reader_ranks > 1 or self.engine.tp.size > 1:  # sliced: every rank's heads checksummed instead
+            ranks = await self._rank_sources(blocks)
+        else:  # off the engine thread (prefills keep running): detached blocks are written by no one
+            checksum = await asyncio.to_thread(kv_checksum, self.engine.kv.storage, self.layout, blocks)
         lease = self.leases.grant(req.request_id)
         for t in self.transports.values():  # its reader may read these blocks, and only while leased
             t.allow(lease.token, blocks)
@@ -128,8 +130,7 @@ class PrefillWorker(KVWorker):
             sums = [await asyncio.to_thread(rank_kv.checksums, e, blocks)]
         else:
             sums = await self.loop.call(on_all_ranks, e, rank_kv.checksums, blocks)
-        heads = [Shard.of(e.model_config, r, size, e.config.expert_parallel).kv_heads if size > 1
-                 else range(e.model_config.num_kv_heads) for r in range(size)]
+        heads = [Shard.of(e.model_config, r, size, e.config.expert_parallel).kv_heads for r in range(size)]
         return tuple(RankSource(r, heads[r], self.rank_endpoints[r], sums[r]) for r in range(size))
 
     async def ack(self, lease_id: str) -> bool:
@@ -200,16 +201,15 @@ class PrefillWorker(KVWorker):
                 raise AssertionError(f"blocks detached with no lease for requests {sorted(unleased)}")
             return self.engine.block_counts()
 
-        def rank_grants() -> int:  # the other ranks forget an acknowledged lease's token as its blocks are freed
+        def check_rank_grants() -> None:  # the other ranks forget an acknowledged lease's token as its blocks are freed
             if self.engine.tp.size == 1:
-                return 0
+                return
             over = max(on_all_ranks(self.engine, rank_kv.granted)) - len(self.leases) - len(self._releasing)
             if over > 0:
                 raise AssertionError(f"{over} lease tokens more than there are leases can read a rank's KV")
-            return 0
 
         grants = max((t.granted() for t in self.transports.values()), default=0)
         if grants > len(self.leases):
             raise AssertionError(f"{grants} lease tokens can read KV, {len(self.leases)} leases are live")
-        await self.loop.call(rank_grants)
+        await self.loop.call(check_rank_grants)
         return {**await self.loop.call(check), "leases": len(self.leases), "grants": grants}

@@ -31,7 +31,7 @@ class KVWorker:
     def __init__(self, config: EngineConfig, transports: Sequence[str], transport_options: dict | None = None,
                  host: str | None = None, node_id: str = "", start_ranks=None) -> None:
         # start_ranks: how a tensor-parallel engine starts its other ranks (parallel/launch.py)
-        self.loop = EngineLoop.start(config, **({"start_ranks": start_ranks} if start_ranks else {}))
+        self.loop = EngineLoop.start(config, start_ranks=start_ranks)
         self.engine = self.loop.engine
         self.layout = layout_of(self.engine)
         self.host = host or socket.gethostname()
