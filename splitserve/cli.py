@@ -9,6 +9,9 @@ what they need lazily, so `splitserve --help` stays instant (no torch import).
     splitserve chat MESSAGE       answer one chat message with the offline engine
     splitserve generate PROMPT..  complete prompts with the offline engine
     splitserve bench              load-test a running server over its OpenAI streaming API
+
+Every failure is one line on stderr in our words, naming what to do, and a non-zero exit (2 for
+bad arguments, 1 otherwise); `--debug` adds the traceback.
 """
 
 from __future__ import annotations
@@ -21,9 +24,17 @@ from splitserve import __version__
 from splitserve.config import ATTENTION_BACKENDS, ENGINE_FLAG_KEYS
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, except that a bad argument is one line (argparse prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve", description="LLM serving with prefill and decode disaggregated.")
+    parser = Parser(prog="splitserve", description="LLM serving with prefill and decode disaggregated.")
     parser.add_argument("--version", action="version", version=f"splitserve {__version__}")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of a failure")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_serve(subparsers)
     _add_scale(subparsers)
@@ -33,18 +44,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(subparsers, "generate")
     _add_bench(subparsers)
     _add_simulate(subparsers)
+    for sub in subparsers.choices.values():  # `splitserve status --debug` as well as `splitserve --debug status`
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "config", None):
-        args = _with_config_file(parser, argv, args.config)
     try:
+        if getattr(args, "config", None):
+            args = _with_config_file(parser, argv, args.config)
         return args.func(args)
-    except (ValueError, RuntimeError, FileExistsError) as e:  # our deliberate, explained failures
-        print(f"splitserve {args.command}: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        from splitserve.cli_errors import explain
+
+        if args.debug:
+            import traceback
+
+            traceback.print_exc()
+        print(f"splitserve {args.command}: error: {explain(e, args)}", file=sys.stderr)
         return 1
 
 
@@ -149,6 +170,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="admission: default TTFT target")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="admission: default TPOT target")
     p.add_argument("--no-admission", action="store_true", help="admit everything (for comparisons)")
+    p.add_argument("--max-tokens-default", type=int, default=None, metavar="N",
+                   help="max_tokens of a request that sets none (a request may ask for more, up to the context; "
+                        "default: the model's generation_config.json max_new_tokens, else up to the context; "
+                        "legacy completions: 16)")
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times one stream may move to another decode worker when its worker is lost "
                         "(default: %(default)s)")

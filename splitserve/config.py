@@ -118,6 +118,9 @@ class DeployConfig:
     disagg_min_tokens: int = 32
     engine: dict = dataclasses.field(default_factory=dict)  # EngineConfig keys (model aside)
     max_inflight: int = 256
+    # max_tokens of a request that sets none (chat; completions too): None, the model's
+    # generation_config.json max_new_tokens, else up to the context (completions: 16)
+    max_tokens_default: int | None = None
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     admission: bool = True
@@ -170,6 +173,8 @@ class DeployConfig:
                           ("ingress_replicas", 1), ("migration_limit", 0),
                           ("prefill_tp", 1), ("decode_tp", 1)):
             integer(name, low)
+        if self.max_tokens_default is not None:
+            integer("max_tokens_default", 1)
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
         if self.policy not in POLICIES:

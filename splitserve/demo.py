@@ -74,19 +74,21 @@ def ensure_demo_model(out_dir: str | Path | None = None, progress: bool = True) 
     return out
 
 
-# SmolLM2's model card recommends these; unset, temperature 1.0 makes a 135M model ramble
-RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+# SmolLM2's model card recommends the sampling; unset, temperature 1.0 makes a 135M model ramble.
+# At 0.2 it often never samples an end of sequence: max_new_tokens bounds a request that sets no
+# max_tokens (the README's chat curl) to seconds instead of the whole 8K context.
+RECOMMENDED_GENERATION = {"do_sample": True, "temperature": 0.2, "top_p": 0.9, "max_new_tokens": 256}
 
 
 def _recommend_sampling(model_dir: Path) -> None:
-    """Write the model card's sampling defaults into generation_config.json (served as the
-    defaults of requests that omit them), once."""
+    """Write the model card's sampling defaults and a default length into generation_config.json
+    (served as the defaults of requests that omit them), once."""
     path = model_dir / "generation_config.json"
     gen = json.loads(path.read_text()) if path.is_file() else {}
-    if all(gen.get(k) == v for k, v in RECOMMENDED_SAMPLING.items()):
+    if all(gen.get(k) == v for k, v in RECOMMENDED_GENERATION.items()):
         return
     try:
-        path.write_text(json.dumps({**gen, **RECOMMENDED_SAMPLING}, indent=2) + "\n")
+        path.write_text(json.dumps({**gen, **RECOMMENDED_GENERATION}, indent=2) + "\n")
     except OSError:  # a read-only checkpoint: served without them
         pass
 

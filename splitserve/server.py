@@ -22,6 +22,8 @@ from splitserve.router.admission import AdmissionConfig
 def run_serve(args: argparse.Namespace) -> int:
     if args.prefill < 0 or args.decode < 0:
         raise ValueError("--prefill and --decode must be >= 0")
+    if args.max_tokens_default is not None and args.max_tokens_default < 1:
+        raise ValueError(f"--max-tokens-default must be >= 1, got {args.max_tokens_default}")
     model = args.model
     if model is None:
         from splitserve.demo import ensure_demo_model
@@ -65,7 +67,7 @@ def deploy_options(args: argparse.Namespace, model: str) -> dict:
     keys = ("prefill", "decode", "prefill_resources", "decode_resources", "transport", "policy",
             "disagg_min_tokens", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
             "ingress_replicas", "no_admission", "migration_limit", "decode_inactivity_timeout_s", "prefill_timeout_s",
-            "autoscale", "api_keys", "redis_url")
+            "autoscale", "api_keys", "redis_url", "max_tokens_default")
     engine = _engine_options(args)
     tp = engine.pop("tensor_parallel_size", 1)  # on a cluster each pool has its own
     pools_tp = {f"{r}_tp": getattr(args, f"{r}_tp", None) or tp for r in ("prefill", "decode")}
@@ -96,8 +98,10 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
         _say("starting the Controller and the Ray Serve ingress")
         serve.run(bind_app(cfg, joined=not started), name=cfg.name, route_prefix="/")
         controller = controller_mod.find(cfg.name, cfg.namespace)
+        # on a cluster we joined an autoscaler may add the nodes a worker waits for: say why, wait
         wait_ready(controller, lambda done, total: _say(f"workers ready {done}/{total} "
-                                                        f"({time.monotonic() - began:.0f} s)"))
+                                                        f"({time.monotonic() - began:.0f} s)"),
+                   unplaced_s=10.0 if started else None, on_unplaced=lambda why: _say(f"waiting: {why}"))
         _listening(args, cfg.served_model_name or model.rstrip("/").rsplit("/", 1)[-1])
         _wait_for_signal()
     finally:
@@ -158,7 +162,7 @@ def _serve_in_process(args: argparse.Namespace, model: str, admission: Admission
 
         limiter = SharedRateLimiter(RedisLink(args.redis_url))
     http = OpenAIServer(LocalBackend(ecfg, args.served_model_name), admission=Admission(admission), keys=keys,
-                        limiter=limiter)
+                        limiter=limiter, max_tokens_default=args.max_tokens_default)
     _listening(args, http.backend.model_name)
     asyncio.run(_run_both(http, args))
     return 0

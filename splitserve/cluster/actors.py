@@ -123,32 +123,31 @@ def worker_placement(cfg: DeployConfig, role: Role, transports: list[str], share
 
 class Spawned(NamedTuple):
     handle: Any  # the worker actor (rank 0)
-    group: Any  # a tensor-parallel worker's placement group (None for one rank): removed with it
+    group: Any  # its placement group: removed with it
+    bundles: list  # what the group asks of its node (for unplaced.diagnose)
 
 
 def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float) -> Spawned:
     """A new worker actor (it loads its model in the background; `describe` answers when done).
-    Not detached: its owner, the Controller, takes it along if it goes. A tensor-parallel worker
-    is a placement group of one bundle per rank on one node (STRICT_PACK), the actor in bundle
-    0; it starts the other ranks itself (cluster/tp_ranks.py)."""
-    p = worker_placement(cfg, wid.role, transports, share)
-    opts = {**p.resources, "max_restarts": 0}
-    group = None
-    if p.engine.tensor_parallel_size > 1:
-        from ray.util.placement_group import placement_group
+    Not detached: its owner, the Controller, takes it along if it goes. Every worker is a
+    placement group of one bundle per rank on one node (STRICT_PACK), the actor in bundle 0 —
+    so whether Ray has placed it is known (`group.ready()`) before its model has loaded; a
+    tensor-parallel one starts the other ranks itself (cluster/tp_ranks.py)."""
+    from ray.util.placement_group import placement_group
 
-        group = placement_group(bundles(p.engine.tensor_parallel_size, p.resources["num_cpus"],
-                                        p.resources["num_gpus"], p.resources.get("resources", {})),
-                                strategy="STRICT_PACK")
-        opts["scheduling_strategy"] = placement(group, 0)  # the actor asks what bundle 0 holds
+    p = worker_placement(cfg, wid.role, transports, share)
+    asked = bundles(p.engine.tensor_parallel_size, p.resources["num_cpus"], p.resources["num_gpus"],
+                    p.resources.get("resources", {}))
+    group = placement_group(asked, strategy="STRICT_PACK")
+    # the actor asks what bundle 0 holds
+    opts = {**p.resources, "max_restarts": 0, "scheduling_strategy": placement(group, 0)}
     kv = {"transport_options": {"tcp": {"secret": cfg.kv_secret}}}  # the app's KV secret: readers prove it
     role = {"lease_s": cfg.lease_s} if wid.role is Role.PREFILL else {"on_transfer_failure": cfg.on_transfer_failure}
     try:
         actor = actor_class(worker_class(cfg, wid.role)).options(**opts)
-        return Spawned(actor.remote(p.engine, p.transports, **role, **kv), group)
+        return Spawned(actor.remote(p.engine, p.transports, **role, **kv), group, asked)
     except BaseException:  # no worker: no reservation either
-        if group is not None:
-            ray.util.remove_placement_group(group)
+        ray.util.remove_placement_group(group)
         raise
 
 

@@ -3,7 +3,7 @@ Controller on a running Ray cluster and asks it."""
 
 from __future__ import annotations
 
-from splitserve.cluster.controller import ClusterStatus
+from splitserve.cluster.status import ClusterStatus
 
 
 def _controller(address: str, name: str, namespace: str):

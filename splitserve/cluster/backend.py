@@ -47,6 +47,7 @@ class ClusterBackend:
         self.max_model_len = cfg.engine.get("max_model_len") or mc.max_context
         self.vocab_size = mc.vocab_size
         self.sampling_defaults = dict(mc.sampling_defaults)
+        self.max_new_tokens = mc.max_new_tokens
         policy = make_router(cfg.policy, disagg_min_tokens=cfg.disagg_min_tokens)
         self.directory = Directory(source, policy, int(cfg.engine.get("block_size") or 16))
         self.redis = None  # shared_state.RedisLink, with cfg.redis_url: the replicas' shared load and limits

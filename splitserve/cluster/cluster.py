@@ -51,9 +51,12 @@ class Cluster:
 
     @classmethod
     def start(cls, model: str | None = None, prefill: int = 1, decode: int = 1, transport: str = "auto",
-              disagg_min_tokens: int = 32, address: str | None = None, on_ready=None, **options: Any) -> "Cluster":
+              disagg_min_tokens: int = 32, address: str | None = None, on_ready=None,
+              unplaced_s: float | None = 10.0, **options: Any) -> "Cluster":
         """Options: any DeployConfig key (policy, prefill_resources, lease_s, ...) and any engine
-        setting (dtype, num_kv_blocks, ...)."""
+        setting (dtype, num_kv_blocks, ...). A worker Ray cannot place for `unplaced_s` (one no
+        node could ever hold: at once) fails the start with the reason (launch.wait_ready); None
+        waits for it (a cluster whose autoscaler adds nodes)."""
         import ray
 
         from splitserve.cluster import controller as controller_mod
@@ -70,8 +73,8 @@ class Cluster:
             controller = controller_mod.get_or_create(cfg, joined=not started)
             ray.get(controller.start.remote())
             try:
-                wait_ready(controller, on_ready)
-            except ConfigError:
+                wait_ready(controller, on_ready, unplaced_s=unplaced_s)
+            except BaseException:  # refused, unplaceable, interrupted: nothing stays behind
                 _stop_controller(controller)
                 raise
         except ConfigError:

@@ -12,7 +12,9 @@ Every `probe_interval_s` it reconciles:
   * a pool above target drains its least loaded workers: DRAINING leaves placement at once;
     once idle (nothing running, waiting, pulling or leased) for `drain_grace_s` (routers have
     seen it leave by then) its block counts are checked and recorded and it STOPs;
-  * a pool below target spawns workers.
+  * a pool below target spawns workers; one Ray has not placed within `PLACEMENT_GRACE_S` is
+    diagnosed (cluster/unplaced.py) and `status` says why — on a cluster we started, a worker
+    no node could ever hold ends its pool's growth with that reason, as a refusal does.
 
 With `autoscale` set, every `interval_s` its `Autoscaler` reads the READY workers' last loads
 and the latencies routers `report`, and the targets it returns are applied as `scale`'s are:
@@ -20,7 +22,8 @@ a smaller pool drains (no request fails), a larger one spawns workers — on Kub
 Ray cannot place yet stays pending, and Ray's autoscaler adds a node of its pool's group.
 
 The Serve ingress replicas are its owners (`attach` / `detach`, from their constructor and
-`__del__`): when the last one leaves — the app was deleted — it stops every worker and exits.
+`__del__`; one whose actor died is detached too, cluster/owners.py): when the last one leaves —
+the app was deleted — it stops every worker and exits.
 """
 
 from __future__ import annotations
@@ -28,60 +31,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import ray
 
 from splitserve.autoscale import Autoscaler, AutoscaleReport
 from splitserve.cluster.actors import gpu_share, resolve_transports, spawn
+from splitserve.cluster.owners import Owners
+from splitserve.cluster.status import ClusterStatus, status_row
+from splitserve.cluster.unplaced import PLACEMENT_GRACE_S, Unplaced, demand, diagnose
 from splitserve.cluster.registry import Registry, RegistrySnapshot, WorkerRecord
 from splitserve.config import DeployConfig
 from splitserve.types import ConfigError, Role, WorkerId, WorkerLoad, WorkerState
 
 log = logging.getLogger(__name__)
 S = WorkerState
-ORPHAN_GRACE_S = 5.0  # an app being redeployed re-attaches within this
 # what a worker runs: a change to any of these replaces every worker
 WORKER_KEYS = ("model", "engine", "transport", "prefill_resources", "decode_resources", "on_transfer_failure",
                "lease_s", "worker_classes")
-
-
-@dataclass(frozen=True)
-class WorkerStatus:
-    """One line of `splitserve status`."""
-
-    id: str
-    role: str
-    state: str
-    node_ip: str
-    node_id: str
-    num_waiting: int
-    num_running: int
-    kv_usage: float
-    reason: str = ""
-    ranks: tuple[str, ...] = ()  # a tensor-parallel worker: every rank's node IP, rank 0 first
-
-
-@dataclass(frozen=True)
-class ClusterStatus:
-    targets: dict
-    workers: tuple[WorkerStatus, ...]
-    errors: dict  # role -> why the pool cannot grow (a worker refused its configuration)
-    version: int
-    autoscale: AutoscaleReport | None = None
-
-    def to_json(self) -> dict:
-        from dataclasses import asdict
-
-        out = {"targets": dict(self.targets), "workers": [asdict(w) for w in self.workers],
-               "errors": dict(self.errors)}
-        if self.autoscale is not None:
-            a = self.autoscale
-            out["autoscale"] = {
-                "decisions": [{"role": r.value, "reason": why.value, "count": n} for r, why, n in a.decisions],
-                "last": None if a.last is None else _decision_json(a.last),
-                "changes": [_decision_json(d) for d in a.changes]}
-        return out
 
 
 class Controller:
@@ -93,13 +59,15 @@ class Controller:
         self.errors: dict[Role, str] = {}
         self._kinds = resolve_transports(cfg.transport)
         self._joined = joined
-        self._owners: set[str] = set()
-        self._orphaned_at: float | None = None
+        self.owners = Owners()
         self._describing: dict[WorkerId, asyncio.Task] = {}
         self._probes: dict[WorkerId, asyncio.Task] = {}
-        self._groups: dict[WorkerId, object] = {}  # tensor-parallel workers' placement groups
+        self._groups: dict[WorkerId, object] = {}  # every worker's placement group
+        self._placing: dict[WorkerId, asyncio.Task] = {}  # watching a group until Ray places it
+        self._unplaced: dict[WorkerId, Unplaced] = {}  # why Ray has not placed a worker yet
         self._loop: asyncio.Task | None = None
         self._autoscaling: asyncio.Task | None = None
+        self._watching: asyncio.Task | None = None
         self._closed = False
 
     # -- the API (Ray methods) ------------------------------------------------------------------
@@ -108,6 +76,7 @@ class Controller:
         if self._loop is None:
             self._loop = asyncio.get_running_loop().create_task(self._reconcile_forever())
             self._autoscaling = asyncio.get_running_loop().create_task(self._autoscale_forever())
+            self._watching = asyncio.get_running_loop().create_task(self.owners.watch(self.cfg.probe_interval_s))
             self._reconcile()
         return self.registry.version
 
@@ -151,28 +120,38 @@ class Controller:
         return {r.value: t for r, t in self.targets.items()}
 
     async def status(self) -> ClusterStatus:
-        rows = [self._status_row(r) for r in self.registry]
-        rows += [self._status_row(r) for r in self.registry.ended()[-16:]]
+        rows = [status_row(r) for r in self.registry]
+        rows += [status_row(r) for r in self.registry.ended()[-16:]]
         return ClusterStatus({r.value: t for r, t in self.targets.items()}, tuple(rows),
                              {r.value: e for r, e in self.errors.items()}, self.registry.version,
-                             self._autoscale_report())
+                             self._autoscale_report(), tuple(self._unplaced.values()))
 
     async def ended(self) -> list[WorkerRecord]:
         """Workers that stopped or died, newest last (with a drained worker's final counts)."""
         return self.registry.ended()
 
-    async def attach(self, owner: str) -> None:
-        self._owners.add(owner)
-        self._orphaned_at = None
+    async def attach(self, owner: str, handle=None) -> None:
+        """An ingress replica (`handle`: its actor, watched until it dies) owns this app."""
+        self.owners.attach(owner, handle)
 
     async def detach(self, owner: str) -> None:
-        self._owners.discard(owner)
-        if not self._owners:
-            self._orphaned_at = time.monotonic()
+        self.owners.detach(owner)
 
     async def shutdown(self) -> None:
         """Stop every worker and this actor."""
         await self._stop_all()
+        await self._exit()
+
+    async def _exit(self) -> None:
+        """End this actor's own tasks (so none is destroyed pending, which Python reports at
+        exit), then the actor."""
+        tasks = [t for t in (self._loop, self._autoscaling, self._watching, *self._placing.values(),
+                             *self._describing.values(), *self._probes.values())
+                 if t is not None and t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
         ray.actor.exit_actor()
 
     # -- autoscaling ----------------------------------------------------------------------------
@@ -216,12 +195,12 @@ class Controller:
     async def _reconcile_forever(self) -> None:
         while not self._closed:
             await asyncio.sleep(self.cfg.probe_interval_s)
+            if self.owners.orphaned():
+                log.warning("the app's ingress is gone: stopping every worker")
+                await self._stop_all()
+                await self._exit()
             try:
                 self._reconcile()
-                if self._orphaned_at is not None and time.monotonic() - self._orphaned_at > ORPHAN_GRACE_S:
-                    log.warning("the app's ingress is gone: stopping every worker")
-                    await self._stop_all()
-                    ray.actor.exit_actor()
             except Exception:  # never let one bad round stop the control loop
                 log.exception("reconcile failed")
 
@@ -260,9 +239,30 @@ class Controller:
         except ConfigError as e:
             self.errors[role] = str(e)
             return
-        if spawned.group is not None:
-            self._groups[wid] = spawned.group
+        self._groups[wid] = spawned.group
         self.registry.add(wid, spawned.handle)
+        self._placing[wid] = asyncio.get_running_loop().create_task(self._watch_placement(wid, spawned))
+
+    async def _watch_placement(self, wid: WorkerId, spawned) -> None:
+        """Until Ray places the worker's group: past the grace, `unplaced` says why; on a cluster
+        we started, a worker no node could ever hold ends its pool's growth."""
+        placed = asyncio.wrap_future(spawned.group.ready().future())
+        try:
+            done, _ = await asyncio.wait({placed}, timeout=PLACEMENT_GRACE_S)
+            if not done:
+                why = diagnose(wid.role, demand(spawned.bundles),
+                               [n["Resources"] for n in ray.nodes() if n.get("Alive")], ray.available_resources())
+                self._unplaced[wid] = why
+                log.warning("%s", why.message)
+                if why.infeasible and not self._joined and wid in self.registry:
+                    self.errors[wid.role] = why.message
+                    self._end(wid, S.DEAD, why.message)
+                    return
+                await placed
+        finally:
+            placed.cancel()
+            self._placing.pop(wid, None)
+            self._unplaced.pop(wid, None)
 
     async def _register(self, rec: WorkerRecord) -> None:
         try:
@@ -337,38 +337,29 @@ class Controller:
             ray.kill(handle, no_restart=True)
         except Exception:
             pass
+        watch = self._placing.pop(wid, None)
+        if watch is not None and watch is not asyncio.current_task():
+            watch.cancel()
         group = self._groups.pop(wid, None)
         if group is not None:  # its other ranks go with it, and its reservation
             ray.util.remove_placement_group(group)
 
     async def _stop_all(self) -> None:
+        """Every worker closed (all at once, each given 5 s: a slow machine's teardown stays
+        bounded), then killed."""
         self._closed = True
         self.targets = {r: 0 for r in Role}
-        for rec in self.registry:
-            try:
-                await asyncio.wait_for(rec.handle.close.remote(), 5)
-            except Exception:
-                pass
+        records = list(self.registry)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(r.handle.close.remote() for r in records), return_exceptions=True),
+                                   5)
+        except asyncio.TimeoutError:
+            pass
+        for rec in records:
             if rec.state is S.READY:
                 self.registry.move(rec.id, S.DRAINING)
             self._end(rec.id, S.STOPPED, "the app stopped")
 
-    def _status_row(self, r: WorkerRecord) -> WorkerStatus:
-        s = r.load.stats if r.load else None
-        return WorkerStatus(str(r.id), r.role.value, r.state.value, r.node_ip, r.info.node_id if r.info else "",
-                            s.num_waiting if s else 0, s.num_running if s else 0,
-                            round(s.kv_usage, 4) if s else 0.0, r.reason, _rank_ips(r))
-
-
-def _rank_ips(r: WorkerRecord) -> tuple[str, ...]:
-    if r.info is None or not r.info.ranks:
-        return ()
-    return (r.node_ip, *(p.node_ip for p in r.info.ranks))
-
-
-def _decision_json(d) -> dict:
-    return {"at": d.at, "prefill": d.prefill, "decode": d.decode, "prefill_reason": d.prefill_reason.value,
-            "decode_reason": d.decode_reason.value, "detail": d.detail}
 
 
 def _busy(load: WorkerLoad | None) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 
+import ray
 from ray import serve
 
 from splitserve.cluster import controller as controller_mod
@@ -34,7 +35,9 @@ class Ingress:
     async def __init__(self, cfg: DeployConfig, joined: bool = True) -> None:
         self.owner = uuid.uuid4().hex
         self.controller = controller_mod.get_or_create(cfg, joined)
-        await self.controller.attach.remote(self.owner)
+        # with this replica's actor, which the Controller watches: a replica killed before its
+        # __del__ could detach (or whose detach never left the dying process) still lets go
+        await self.controller.attach.remote(self.owner, ray.get_runtime_context().current_actor)
         await self.controller.configure.remote(cfg)
         await self.controller.start.remote()
         self.backend = ClusterBackend(cfg, ControllerSource(self.controller))
@@ -45,7 +48,7 @@ class Ingress:
 
             limiter = SharedRateLimiter(self.backend.redis)
         self.http = OpenAIServer(self.backend, admission=Admission(admission_config(cfg)), keys=cfg.api_keys,
-                                 limiter=limiter)
+                                 limiter=limiter, max_tokens_default=cfg.max_tokens_default)
         self.grpc = GenerationService(self.http.front)
 
     def __serve_build_asgi_app__(self):

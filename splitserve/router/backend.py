@@ -22,6 +22,7 @@ class Backend(Protocol):
     max_model_len: int
     vocab_size: int
     sampling_defaults: dict  # the model's recommended sampling parameters (generation_config.json)
+    max_new_tokens: int | None  # and its default generation length
 
     def ready(self) -> bool: ...
 
@@ -50,6 +51,7 @@ class LocalBackend:
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.model_config.vocab_size
         self.sampling_defaults = dict(self.engine.model_config.sampling_defaults)
+        self.max_new_tokens = self.engine.model_config.max_new_tokens
 
     def ready(self) -> bool:
         return True

@@ -26,7 +26,7 @@ from splitserve.engine.step_model import FEATURES as STEP_TERMS
 from splitserve.metrics import Metrics
 from splitserve.router.admission import Admission, Decision, Plan
 from splitserve.router.backend import Backend
-from splitserve.router.protocol import APIError, RequestOptions
+from splitserve.router.protocol import APIError, RequestDefaults, RequestOptions
 from splitserve.tenancy import KeyRing, RateLimiter, Tenant, Unauthenticated
 from splitserve.types import ConfigError, PhaseTimes, Request, ServiceUnavailable, as_token_ids
 
@@ -102,14 +102,17 @@ def failure(e: Exception) -> APIError:
 
 class Frontend:
     def __init__(self, backend: Backend, metrics: Metrics | None = None, admission: Admission | None = None,
-                 keys: KeyRing | None = None, limiter: RateLimiter | None = None) -> None:
+                 keys: KeyRing | None = None, limiter: RateLimiter | None = None,
+                 max_tokens_default: int | None = None) -> None:
         self.backend = backend
         self.metrics = metrics or Metrics()
         self.admission = admission or Admission()
         self.keys = keys or KeyRing()
         self.limiter = limiter or RateLimiter()
-        # what a request omitting them gets: the model's recommended sampling (generation_config.json)
-        self.sampling_defaults = dict(getattr(backend, "sampling_defaults", ()))
+        # what a request omitting them gets: the model's recommended sampling and max_new_tokens
+        # (generation_config.json), the server's max_tokens default above the model's
+        self.defaults = RequestDefaults.of(dict(getattr(backend, "sampling_defaults", ())),
+                                           getattr(backend, "max_new_tokens", None), max_tokens_default)
 
     # -- tenants --------------------------------------------------------------------------------
     def tenant(self, authorization: str | None) -> Tenant:

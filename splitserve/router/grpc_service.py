@@ -97,7 +97,7 @@ class GenerationService:
             if not front.backend.ready():
                 raise APIError(503, "not ready: workers are still loading")
             parsed = parse_completion(completion_body(request, front.backend.model_name), [front.backend.model_name],
-                                      front.sampling_defaults)
+                                      front.defaults)
             prompt = front.encode(parsed.prompts[0])
             opts = parsed.options.for_tenant(tenant)
             # Engine ids are always fresh (a client reusing its request_id while the first call

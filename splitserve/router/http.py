@@ -70,8 +70,9 @@ class OpenAIServer:
     the key file opens it); none: the server is open."""
 
     def __init__(self, backend: Backend, metrics: Metrics | None = None, admission: Admission | None = None,
-                 keys: KeyRing | None = None, limiter: RateLimiter | None = None) -> None:
-        self.front = Frontend(backend, metrics, admission, keys, limiter)
+                 keys: KeyRing | None = None, limiter: RateLimiter | None = None,
+                 max_tokens_default: int | None = None) -> None:
+        self.front = Frontend(backend, metrics, admission, keys, limiter, max_tokens_default)
         self.backend, self.metrics, self.admission = backend, self.front.metrics, self.front.admission
         self.app = Starlette(routes=[
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -124,7 +125,7 @@ class OpenAIServer:
     async def completions(self, request: HTTPRequest) -> Response:
         try:
             tenant = self._tenant(request)
-            req = parse_completion(await read_json(request), [self.backend.model_name], self.front.sampling_defaults)
+            req = parse_completion(await read_json(request), [self.backend.model_name], self.front.defaults)
             prompts = [self.front.encode(p) for p in req.prompts]
         except APIError as e:
             return error_response(e)
@@ -133,7 +134,7 @@ class OpenAIServer:
     async def chat(self, request: HTTPRequest) -> Response:
         try:
             tenant = self._tenant(request)
-            req = parse_chat(await read_json(request), [self.backend.model_name], self.front.sampling_defaults)
+            req = parse_chat(await read_json(request), [self.backend.model_name], self.front.defaults)
             try:
                 ids = self.backend.tokenizer.encode_chat(list(req.messages))
             except ConfigError as e:

@@ -49,6 +49,26 @@ class APIError(Exception):
 
 
 @dataclass(frozen=True)
+class RequestDefaults:
+    """What a request that omits them gets. `sampling`: the model's recommended sampling
+    parameters (generation_config.json). `max_tokens`: the most a chat completion (or a request
+    with `max_tokens: null`) generates — the server's default, else the model's `max_new_tokens`;
+    None: up to the context. Legacy completions keep OpenAI's 16 unless the server sets one."""
+
+    sampling: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    max_tokens: int | None = None
+    completion_max_tokens: int = 16
+
+    @classmethod
+    def of(cls, sampling: Mapping[str, float], model_max_tokens: int | None,
+           server_max_tokens: int | None) -> "RequestDefaults":
+        return cls(dict(sampling), server_max_tokens or model_max_tokens, server_max_tokens or 16)
+
+
+NO_DEFAULTS = RequestDefaults()
+
+
+@dataclass(frozen=True)
 class RequestOptions:
     """What every generation request carries besides its prompt."""
 
@@ -122,6 +142,7 @@ _UNSUPPORTED = ("suffix", "logit_bias", "tools", "functions", "response_format")
 
 def _options(body: dict, served: Sequence[str], logprobs: int | None, max_tokens: int | None,
              max_tokens_given: bool, defaults: Mapping[str, float]) -> RequestOptions:
+    """`defaults`: RequestDefaults.sampling."""
     model = _get(body, "model", (str,))
     if model is None:
         raise _bad("model", "is required")
@@ -202,9 +223,7 @@ def _prompts(body: dict) -> tuple[Prompt, ...]:
     raise _bad("prompt", "expected a non-empty string, list of strings, list of token ids or list of such lists")
 
 
-def parse_completion(body: Any, served: Sequence[str], defaults: Mapping[str, float] = {}) -> CompletionRequest:
-    """`defaults`: sampling parameters for those the body omits (the model's
-    generation_config.json: Backend.sampling_defaults)."""
+def parse_completion(body: Any, served: Sequence[str], defaults: RequestDefaults = NO_DEFAULTS) -> CompletionRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     lp = _get(body, "logprobs", (int,))
@@ -214,13 +233,14 @@ def parse_completion(body: Any, served: Sequence[str], defaults: Mapping[str, fl
     if len(prompts) > MAX_PROMPTS:
         raise _bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
     given = _max_tokens(body, "max_tokens")
-    opts = _options(body, served, lp, given or (None if "max_tokens" in body else 16), given is not None, defaults)
+    fallback = defaults.max_tokens if "max_tokens" in body else defaults.completion_max_tokens  # null: the open default
+    opts = _options(body, served, lp, given or fallback, given is not None, defaults.sampling)
     if len(prompts) * opts.params.n > MAX_FANOUT:
         raise _bad("n", f"prompts × n is at most {MAX_FANOUT} per request, got {len(prompts) * opts.params.n}")
     return CompletionRequest(prompts, opts, bool(_get(body, "echo", (bool,), False)))
 
 
-def parse_chat(body: Any, served: Sequence[str], defaults: Mapping[str, float] = {}) -> ChatRequest:
+def parse_chat(body: Any, served: Sequence[str], defaults: RequestDefaults = NO_DEFAULTS) -> ChatRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     msgs = body.get("messages")
@@ -231,7 +251,8 @@ def parse_chat(body: Any, served: Sequence[str], defaults: Mapping[str, float] =
     if top is not None and (not want or not 0 <= top <= 20):
         raise _bad("top_logprobs", "needs logprobs: true and must be between 0 and 20")
     given = _max_tokens(body, "max_completion_tokens", "max_tokens")
-    opts = _options(body, served, (top or 0) if want else None, given, given is not None, defaults)
+    opts = _options(body, served, (top or 0) if want else None, given or defaults.max_tokens, given is not None,
+                    defaults.sampling)
     return ChatRequest(tuple(_message(m, i) for i, m in enumerate(msgs)), opts, want)
 
 

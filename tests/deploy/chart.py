@@ -141,7 +141,8 @@ def _matrix() -> list[Case]:
                       ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prometheus")))
     cases.append(Case("cpu-demo-min-prefill-0", ("values-cpu-demo.yaml",),
                       ("autoscale.enabled=true", "rayAutoscaler.enabled=true", "prefill.replicas=0",
-                       "prefill.minReplicas=0", "prefill.maxReplicas=2", "serve.ttftSloMs=800", "serve.tpotSloMs=80")))
+                       "prefill.minReplicas=0", "prefill.maxReplicas=2", "serve.ttftSloMs=800", "serve.tpotSloMs=80",
+                       "serve.maxTokensDefault=256")))
     return cases
 
 

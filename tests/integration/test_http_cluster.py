@@ -1,7 +1,6 @@
 """The HTTP ingress over the disaggregated cluster: the openai SDK gets the same greedy text as
 the single engine, streaming works, a stop string ends the request early on every worker."""
 
-import asyncio
 
 import httpx
 import pytest

@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import time
 
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from splitserve import LLM, SamplingParams
+from tests.integration.serve_helpers import sees_both_pools
 from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -70,7 +70,7 @@ def test_serve_run_of_a_config_file(ray_session, tiny_checkpoint, tmp_path):
             time.sleep(0.5)
         else:
             raise AssertionError("the app never became ready")
-        time.sleep(1.0)  # the ingress reads the registry every 0.2 s: let it see the prefill worker too
+        sees_both_pools(url)
         ref = LLM(model, num_kv_blocks=256).generate([PROMPT], SamplingParams(temperature=0, max_tokens=8,
                                                                                ignore_eos=True))[0].outputs[0].text
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8,
@@ -83,7 +83,8 @@ def test_serve_run_of_a_config_file(ray_session, tiny_checkpoint, tmp_path):
         assert "".join(m.text for m in msgs) == ref
         assert controller.find("rayservice-test") is not None
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: serve run deletes the app
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: serve run deletes the app
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:

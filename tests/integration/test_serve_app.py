@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from splitserve import LLM, SamplingParams
+from tests.integration.serve_helpers import sees_both_pools
 from splitserve.router.grpc_service import SERVICE_NAME
 from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc
@@ -57,13 +58,11 @@ def deployed(ray_session, tiny_checkpoint):
     serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[serve_app.GRPC_SERVICER]))
     args = {"model": model, "transport": "tcp", "disagg_min_tokens": 0, "max_inflight": 3, "served_model_name": "tiny",
-            "engine": {"num_kv_blocks": 256}, "name": "serve-app-test"}
+            "engine": {"num_kv_blocks": 256}, "name": "serve-app-test", "max_tokens_default": 7}
     serve.run(build_app(args), name="serve-app-test", route_prefix="/")
     wait_ready(controller.find("serve-app-test"))
-    import time
-
-    time.sleep(1.0)  # the ingress reads the registry every 0.2 s: let it see the prefill worker too
     try:
+        sees_both_pools(f"http://127.0.0.1:{http_port}")
         yield model, AppWorkers("serve-app-test"), f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
     finally:
         serve.shutdown()  # the test session's Ray lives on
@@ -88,9 +87,11 @@ def test_http_through_serve(deployed):
         async with httpx.AsyncClient(base_url=url) as h:
             bad = await h.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "temperature": "hot"})
             metrics = (await h.get("/metrics")).text
-        return raw, streamed, bad, metrics
+            open_ended = await h.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "ignore_eos": True})
+        return raw, streamed, bad, metrics, open_ended
 
-    raw, streamed, bad, metrics = asyncio.run(go())
+    raw, streamed, bad, metrics, open_ended = asyncio.run(go())
+    assert open_ended.json()["usage"]["completion_tokens"] == 7  # the app's max_tokens_default
     assert raw.parse().choices[0].text == ref and streamed == ref
     assert float(raw.headers["x-splitserve-first-token-ms"]) > 0
     assert float(raw.headers["x-splitserve-transfer-ms"]) > 0  # disaggregated: the KV moved

@@ -12,7 +12,6 @@ import time
 import pytest
 import ray
 
-from splitserve import LLM
 from splitserve.cluster import Cluster
 from splitserve.cluster.admin import status_table
 from tests.chaos.harness import (Load, assert_nothing_held, assert_outcomes, migration_report, params, prompts,

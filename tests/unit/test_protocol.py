@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from splitserve.router.protocol import APIError, parse_chat, parse_completion
+from splitserve.router.protocol import NO_DEFAULTS, APIError, RequestDefaults, parse_chat, parse_completion
 from splitserve.types import Priority
 
 SERVED = ["demo"]
@@ -84,6 +84,24 @@ def test_good_chat():
     assert r.messages[0] == {"role": "system", "content": "be brief"}
     assert r.options.params.max_tokens == 5 and r.options.params.logprobs == 3 and r.logprobs
     assert parse_chat(CHAT, SERVED).options.params.max_tokens is None  # up to the context length
+
+
+def test_max_tokens_defaults_bound_what_a_request_leaves_open():
+    """A chat (or `max_tokens: null`) gets the server's default, else the model's max_new_tokens;
+    a legacy completion keeps OpenAI's 16 unless the server sets one; a request's own value wins,
+    above the default too."""
+    model_only = RequestDefaults.of({}, model_max_tokens=512, server_max_tokens=None)
+    server = RequestDefaults.of({}, model_max_tokens=512, server_max_tokens=64)
+    chat = lambda d, **kw: parse_chat({**CHAT, **kw}, SERVED, d).options  # noqa: E731
+    cmpl = lambda d, **kw: parse_completion({**BASE, **kw}, SERVED, d).options  # noqa: E731
+    assert chat(model_only).params.max_tokens == 512 and not chat(model_only).max_tokens_given
+    assert chat(server).params.max_tokens == 64
+    assert chat(server, max_tokens=2000).params.max_tokens == 2000 and chat(server, max_tokens=2000).max_tokens_given
+    assert chat(server, max_completion_tokens=3).params.max_tokens == 3
+    assert cmpl(model_only).params.max_tokens == 16 and cmpl(server).params.max_tokens == 64
+    assert cmpl(model_only, max_tokens=None).params.max_tokens == 512  # null: the open default
+    assert cmpl(NO_DEFAULTS, max_tokens=None).params.max_tokens is None  # none at all: the context
+    assert cmpl(server, max_tokens=1000).params.max_tokens == 1000
 
 
 def test_a_seed_whose_samples_would_pass_64_bits_is_a_400():

@@ -102,3 +102,29 @@ def test_autoscale_flag_and_config_key_reach_the_app_config(tmp_path, tiny_check
     f.write_text("autoscale: {decode: {min: 2, max: 6}, down_cooldown_s: 300}\n")
     a = cfg(["serve", "--config", str(f)]).autoscale
     assert (a.decode, a.down_cooldown_s) == (Bounds(2, 6), 300)
+
+
+def test_max_tokens_default_flag_and_config_key_reach_the_app_config(tmp_path, tiny_checkpoint):
+    """--max-tokens-default / `max_tokens_default:` reach the app's config, checked; the model's
+    generation_config.json max_new_tokens is read as its own default."""
+    import json
+
+    from splitserve.config import DeployConfig
+    from splitserve.engine.model.config import ModelConfig
+    from splitserve.server import deploy_options
+    from splitserve.types import ConfigError
+
+    model = str(tiny_checkpoint("llama"))
+
+    def cfg(argv):
+        return DeployConfig.from_options(deploy_options(parse(argv), model))
+
+    assert cfg(["serve"]).max_tokens_default is None
+    assert cfg(["serve", "--max-tokens-default", "300"]).max_tokens_default == 300
+    f = tmp_path / "serve.yaml"
+    f.write_text("max_tokens_default: 128\n")
+    assert cfg(["serve", "--config", str(f)]).max_tokens_default == 128
+    with pytest.raises(ConfigError, match="max_tokens_default must be an integer >= 1"):
+        cfg(["serve", "--max-tokens-default", "0"])
+    gen = {"max_new_tokens": 99, "do_sample": False}
+    assert ModelConfig.from_hf(json.loads((tiny_checkpoint("llama") / "config.json").read_text()), gen).max_new_tokens == 99

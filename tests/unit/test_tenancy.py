@@ -221,13 +221,13 @@ def test_the_models_recommended_sampling_fills_what_a_request_omits(tmp_path):
     what the request sets wins. The demo model recommends its model card's."""
     import json
 
-    from splitserve.demo import RECOMMENDED_SAMPLING, _recommend_sampling
+    from splitserve.demo import RECOMMENDED_GENERATION, _recommend_sampling
     from splitserve.engine.model.config import _sampling_defaults
-    from splitserve.router.protocol import parse_chat, parse_completion
+    from splitserve.router.protocol import RequestDefaults, parse_chat, parse_completion
 
     gen = {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "repetition_penalty": 1.1, "eos_token_id": 2, "do_sample": True}
-    defaults = dict(_sampling_defaults(gen))
-    assert defaults == {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "repetition_penalty": 1.1}
+    defaults = RequestDefaults(dict(_sampling_defaults(gen)))
+    assert defaults.sampling == {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "repetition_penalty": 1.1}
     assert _sampling_defaults({**gen, "do_sample": False}) == ()
     p = parse_chat(CHAT, ["tiny"], defaults).options.params
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.2, 0.9, 40, 1.1)
@@ -237,5 +237,5 @@ def test_the_models_recommended_sampling_fills_what_a_request_omits(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     _recommend_sampling(tmp_path)
     written = json.loads((tmp_path / "generation_config.json").read_text())
-    assert written == {"eos_token_id": 2, **RECOMMENDED_SAMPLING}
+    assert written == {"eos_token_id": 2, **RECOMMENDED_GENERATION}
 

@@ -51,3 +51,18 @@ def test_shm_alone_cannot_serve_gpu_workers(tiny_checkpoint):
     cfg = DeployConfig(str(tiny_checkpoint("llama")), engine={"device": "cuda"})
     with pytest.raises(ConfigError, match="shm transport shares CPU KV caches only"):
         actors.worker_placement(cfg, Role.PREFILL, ["shm"], 1.0)
+
+
+def test_an_unplaced_worker_is_explained_by_what_the_nodes_have():
+    from splitserve.cluster.unplaced import demand, diagnose
+
+    need = demand([{"CPU": 1, "GPU": 0, "decode_node": 1}, {"CPU": 1}])
+    assert need == {"CPU": 2, "decode_node": 1}
+    nodes = [{"CPU": 4, "head_node": 100}, {"CPU": 3, "decode_node": 3}]
+    busy = diagnose(Role.DECODE, need, nodes, {"CPU": 5, "decode_node": 2})
+    assert not busy.infeasible and busy.message == (
+        "cannot place a decode worker: it needs 2 CPUs + 1 decode_node on one node; no node has that free now "
+        "(the cluster has 5 CPUs + 2 decode_node free in all)")
+    never = diagnose(Role.PREFILL, {"CPU": 8}, nodes, {"CPU": 7})
+    assert never.infeasible and never.message.endswith("it needs 8 CPUs on one node, and no node of the cluster has "
+                                                       "that much")

@@ -58,7 +58,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         _cpu("residual", residual, x.dtype)
         need(residual.shape == x.shape, f"residual must be {tuple(x.shape)} like x, got {tuple(residual.shape)}")
-        need(residual.stride(1) == 1 or hidden == 1, f"residual's last dim must be contiguous")
+        need(residual.stride(1) == 1 or hidden == 1, "residual's last dim must be contiguous")
     out = torch.empty((n, hidden), dtype=x.dtype)
     new_res = torch.empty_like(out) if residual is not None else None
     if n:

@@ -121,6 +121,7 @@ class ModelConfig:
     # sampling parameters generation_config.json recommends: what a request that omits them gets
     # (as vLLM serves them); greedy checkpoints (do_sample: false) recommend none
     sampling_defaults: tuple[tuple[str, float], ...] = ()
+    max_new_tokens: int | None = None  # generation_config.json's: a request's default max_tokens (as vLLM)
     moe: MoEConfig | None = None  # None: every layer's feed-forward is a dense MLP
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3); None: grouped-query
 
@@ -188,6 +189,7 @@ class ModelConfig:
             eos_token_ids=eos,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             sampling_defaults=_sampling_defaults(gen or {}),
+            max_new_tokens=_max_new_tokens(gen or {}),
             moe=_moe(arch, cfg),
             mla=mla,
         )
@@ -253,6 +255,11 @@ def _sampling_defaults(gen: dict[str, Any]) -> tuple[tuple[str, float], ...]:
         return ()
     return tuple((k, gen[k]) for k in SAMPLING_DEFAULT_KEYS
                  if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool))
+
+
+def _max_new_tokens(gen: dict[str, Any]) -> int | None:
+    n = gen.get("max_new_tokens")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
 
 
 def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:

@@ -141,6 +141,7 @@ the groups' `replicas`, the autoscaler's bounds their minReplicas / maxReplicas.
 {{- $_ := set $args "ingress_replicas" (int $v.serve.ingressReplicas) -}}
 {{- if not (kindIs "invalid" $v.serve.ttftSloMs) }}{{ $_ := set $args "ttft_slo_ms" $v.serve.ttftSloMs }}{{ end -}}
 {{- if not (kindIs "invalid" $v.serve.tpotSloMs) }}{{ $_ := set $args "tpot_slo_ms" $v.serve.tpotSloMs }}{{ end -}}
+{{- if not (kindIs "invalid" $v.serve.maxTokensDefault) }}{{ $_ := set $args "max_tokens_default" (int $v.serve.maxTokensDefault) }}{{ end -}}
 {{- $engine := dict -}}
 {{- range $k, $val := ($v.serve.engine | default dict) }}{{ if not (kindIs "invalid" $val) }}{{ $_ := set $engine $k $val }}{{ end }}{{ end -}}
 {{- $_ := set $args "engine" $engine -}}
@@ -157,7 +158,7 @@ the groups' `replicas`, the autoscaler's bounds their minReplicas / maxReplicas.
 {{- end -}}
 {{- /* The keys set above from values (serve.extraArgs may not set them), and the engine keys
 DeployConfig also reads at the top level (they belong under serve.engine). */ -}}
-{{- $managed := list "model" "served_model_name" "prefill" "decode" "prefill_resources" "decode_resources" "prefill_tp" "decode_tp" "tensor_parallel_size" "policy" "transport" "ingress_replicas" "ttft_slo_ms" "tpot_slo_ms" "engine" "autoscale" "name" "dtype" "device" "attention_backend" "kv_cache_memory_gib" "gpu_memory_utilization" -}}
+{{- $managed := list "model" "served_model_name" "prefill" "decode" "prefill_resources" "decode_resources" "prefill_tp" "decode_tp" "tensor_parallel_size" "policy" "transport" "ingress_replicas" "ttft_slo_ms" "tpot_slo_ms" "max_tokens_default" "engine" "autoscale" "name" "dtype" "device" "attention_backend" "kv_cache_memory_gib" "gpu_memory_utilization" -}}
 {{- range $k, $val := ($v.serve.extraArgs | default dict) -}}
 {{- if has $k $managed -}}
 {{- fail (printf "serve.extraArgs.%s is set by the chart (see values.yaml for the key that sets it)" $k) -}}
