@@ -77,7 +77,7 @@ def ensure_demo_model(out_dir: str | Path | None = None, progress: bool = True) 
 # SmolLM2's model card recommends the sampling; unset, temperature 1.0 makes a 135M model ramble.
 # At 0.2 it often never samples an end of sequence: max_new_tokens bounds a request that sets no
 # max_tokens (the README's chat curl) to seconds instead of the whole 8K context.
-RECOMMENDED_GENERATION = {"do_sample": True, "temperature": 0.2, "top_p": 0.9, "max_new_tokens": 256}
+RECOMMENDED_GENERATION = {"do_sample": True, "temperature": 0.2, "top_p": 0.9, "max_new_tokens": 128}
 
 
 def _recommend_sampling(model_dir: Path) -> None:
