@@ -9,13 +9,24 @@ from splitserve.cluster.status import ClusterStatus
 def _controller(address: str, name: str, namespace: str):
     import ray
 
-    from splitserve.cluster import controller as controller_mod
     from splitserve.cluster.launch import connect_ray
 
     if connect_ray(address, 1):  # nothing was running: there is no app to ask
         ray.shutdown()
         raise ValueError("no Ray cluster is running here; start one with `splitserve serve`")
-    return controller_mod.find(name, namespace)
+    return find(name, namespace)
+
+
+def find(name: str = "splitserve", namespace: str = "splitserve"):
+    """The running Controller of app `name` (ValueError when there is none) — by name, without
+    importing the Controller's module (torch comes with it): a CLI call stays quick."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        raise ValueError(f"no splitserve app {name!r} is running on this Ray cluster (namespace {namespace!r})") \
+            from None
 
 
 def scale(address: str, name: str, namespace: str, prefill: int | None, decode: int | None) -> str:

@@ -36,6 +36,7 @@ import ray
 
 from splitserve.autoscale import Autoscaler, AutoscaleReport
 from splitserve.cluster.actors import gpu_share, resolve_transports, spawn
+from splitserve.cluster.admin import find  # noqa: F401  (drivers look the app up through either module)
 from splitserve.cluster.owners import Owners
 from splitserve.cluster.status import ClusterStatus, status_row
 from splitserve.cluster.unplaced import PLACEMENT_GRACE_S, Unplaced, demand, diagnose
@@ -390,12 +391,3 @@ def get_or_create(cfg: DeployConfig, joined: bool = True):
                                      get_if_exists=True, num_cpus=0, max_concurrency=1000,
                                      scheduling_strategy=here).remote(cfg, joined)
     return handle
-
-
-def find(name: str = "splitserve", namespace: str = "splitserve"):
-    """The running Controller of app `name` (ValueError when there is none)."""
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        raise ValueError(f"no splitserve app {name!r} is running on this Ray cluster (namespace {namespace!r})") \
-            from None

@@ -16,7 +16,6 @@ from typing import Callable
 
 import ray
 
-from splitserve.cluster.actors import gpu_share, resolve_transports, worker_placement
 from splitserve.config import DeployConfig
 from splitserve.types import ConfigError, Role
 
@@ -102,6 +101,7 @@ def _quiet_stderr():
 
 def precheck(cfg: DeployConfig, joined: bool) -> None:
     """What every worker would refuse, refused here (before any actor starts)."""
+    from splitserve.cluster.actors import gpu_share, resolve_transports, worker_placement  # torch: not for `status`
     share = gpu_share(str(cfg.engine.get("device", "auto")), ray.cluster_resources().get("GPU", 0.0),
                       cfg.ranks(cfg.prefill, cfg.decode), joined, growing=cfg.autoscale is not None)
     for role in Role:
