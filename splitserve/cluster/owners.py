@@ -14,6 +14,7 @@ import asyncio
 import time
 
 ORPHAN_GRACE_S = 5.0
+CHECK_TIMEOUT_S = 5.0  # a replica that does not answer within this is busy, not dead
 
 
 class Owners:
@@ -45,8 +46,8 @@ class Owners:
         import ray
 
         try:
-            await asyncio.wait_for(handle.__ray_ready__.remote(), 5.0)
+            await asyncio.wait_for(handle.__ray_ready__.remote(), CHECK_TIMEOUT_S)
         except ray.exceptions.RayActorError:
             self.detach(owner)
-        except (asyncio.TimeoutError, ray.exceptions.RayError):
+        except (asyncio.TimeoutError, ray.exceptions.RayError):  # busy, or an error that is not its death
             pass
