@@ -38,16 +38,18 @@ def readme_chat_body() -> dict:
 
 
 @pytest.fixture(scope="module")
-def served_demo(demo_model_dir):
+def served_demo(demo_model_dir, tmp_path_factory):
     port = free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = log_path.open("w")  # a file, not a pipe nobody reads (a full one would block the server)
     proc = subprocess.Popen(["splitserve", "serve", "--model", str(demo_model_dir),
                              "--prefill", "0", "--decode", "0", "--port", str(port), "--grpc-port", str(free_port())],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert proc.poll() is None, log_path.read_text()[-3000:]
             try:
                 if httpx.get(url + "/ready", timeout=2).status_code == 200:
                     break
@@ -59,6 +61,7 @@ def served_demo(demo_model_dir):
     finally:
         proc.terminate()
         proc.wait(30)
+        log.close()
 
 
 def test_the_readme_chat_curl_finishes_bounded_by_the_models_default(served_demo, demo_model_dir):

@@ -55,13 +55,18 @@ def test_serve_run_of_a_config_file(ray_session, tiny_checkpoint, tmp_path):
               engine: {{num_kv_blocks: 256}}
         """))
     env = {**os.environ, "RAY_ADDRESS": ray_session.address}
-    proc = subprocess.Popen(["serve", "run", str(cfg)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    # Into a file, not a pipe: `serve run` streams the cluster's logs, and a pipe nobody reads fills
+    # up and blocks it — then it cannot act on Ctrl-C (seen in CI as an app never deleted).
+    log_path = tmp_path / "serve-run.log"
+    log = log_path.open("w")
+    proc = subprocess.Popen(["serve", "run", str(cfg)], env=env, stdout=log, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+    tail = lambda: log_path.read_text()[-3000:]  # noqa: E731
     url = f"http://127.0.0.1:{http_port}"
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert proc.poll() is None, tail()
             try:
                 if httpx.get(url + "/ready", timeout=2).status_code == 200:
                     break
@@ -69,7 +74,7 @@ def test_serve_run_of_a_config_file(ray_session, tiny_checkpoint, tmp_path):
                 pass
             time.sleep(0.5)
         else:
-            raise AssertionError("the app never became ready")
+            raise AssertionError(f"the app never became ready:\n{tail()}")
         sees_both_pools(url)
         ref = LLM(model, num_kv_blocks=256).generate([PROMPT], SamplingParams(temperature=0, max_tokens=8,
                                                                                ignore_eos=True))[0].outputs[0].text
@@ -82,25 +87,28 @@ def test_serve_run_of_a_config_file(ray_session, tiny_checkpoint, tmp_path):
                 text=PROMPT, sampling=pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))))
         assert "".join(m.text for m in msgs) == ref
         assert controller.find("rayservice-test") is not None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: serve run deletes the app
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: serve run deletes the app
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-    deadline = time.time() + 60  # the ingress detached; the Controller stops its workers and exits
-    while time.time() < deadline:
-        try:
+            raise AssertionError(f"serve run did not exit within 60 s of Ctrl-C:\n{tail()}") from None
+        deadline = time.time() + 60  # the ingress detached; the Controller stops its workers and exits
+        while time.time() < deadline:
+            try:
+                controller.find("rayservice-test")
+            except ValueError:
+                break
+            time.sleep(0.5)
+        with pytest.raises(ValueError, match="no splitserve app"):
             controller.find("rayservice-test")
-        except ValueError:
-            break
-        time.sleep(0.5)
-    with pytest.raises(ValueError, match="no splitserve app"):
-        controller.find("rayservice-test")
-    while time.time() < deadline and ray_session.available_resources().get("CPU", 0) < cpus:
-        time.sleep(0.5)
-    assert ray_session.available_resources().get("CPU", 0) >= cpus  # every worker's CPU is back
-    from ray import serve
+        while time.time() < deadline and ray_session.available_resources().get("CPU", 0) < cpus:
+            time.sleep(0.5)
+        assert ray_session.available_resources().get("CPU", 0) >= cpus  # every worker's CPU is back
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        from ray import serve
 
-    serve.shutdown()
+        serve.shutdown()
