@@ -59,8 +59,12 @@ def test_serve_run_of_a_config_file(ray_session, tiny_checkpoint, tmp_path):
     # up and blocks it — then it cannot act on Ctrl-C (seen in CI as an app never deleted).
     log_path = tmp_path / "serve-run.log"
     log = log_path.open("w")
+    # Ctrl-C must reach it: a test run started in the background (a CI runner, `cmd &` in a script)
+    # ignores SIGINT, and an ignored signal stays ignored in every child it starts — then `serve
+    # run` never sees the Ctrl-C below (seen here: the app was never deleted).
     proc = subprocess.Popen(["serve", "run", str(cfg)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     tail = lambda: log_path.read_text()[-3000:]  # noqa: E731
     url = f"http://127.0.0.1:{http_port}"
     try:
