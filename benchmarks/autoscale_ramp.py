@@ -102,8 +102,8 @@ def run_one(model: str, a, autoscale: bool) -> dict:
     import ray
     from ray import serve
 
-    from splitserve.cluster import controller as controller_mod
-    from splitserve.cluster.launch import wait_ready
+    from splitserve.control import controller as controller_mod
+    from splitserve.control.launch import wait_ready
     from splitserve.deploy import build_app
 
     name = "ramp-autoscaled" if autoscale else "ramp-fixed"

@@ -27,7 +27,7 @@ from serve_vs_vllm import labelled_bars, serving  # noqa: E402  (same folder)
 
 
 def bench_cmd(a, out: Path, *load: str) -> list[str]:
-    return [sys.executable, "-m", "splitserve.cli", "bench", "--url", f"http://127.0.0.1:{a.port}", "--model", "demo",
+    return [sys.executable, "-m", "splitserve.cli.main", "bench", "--url", f"http://127.0.0.1:{a.port}", "--model", "demo",
             "--dataset", "random", "--seed", "0", "--out", str(out), "--no-plot", "-q", *load]
 
 
@@ -94,7 +94,7 @@ def main() -> None:
     a = ap.parse_args()
     a.splitserve_args, a.vllm_python, a.vllm_args = [], sys.executable, []  # what servers() reads
     if a.model is None:
-        from splitserve.demo import ensure_demo_model
+        from splitserve.engine.model.demo import ensure_demo_model
 
         a.model = str(ensure_demo_model())
     out_dir = Path(tempfile.mkdtemp(prefix="decode_itl-"))

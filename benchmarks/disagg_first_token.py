@@ -27,7 +27,7 @@ def main() -> None:
     import ray
 
     from splitserve import SamplingParams
-    from splitserve.cluster import Cluster
+    from splitserve.orchestrator import Cluster
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     g = torch.Generator().manual_seed(0)

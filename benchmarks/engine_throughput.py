@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/engine_throughput.json")
     args = ap.parse_args()
     if args.model is None:
-        from splitserve.demo import ensure_demo_model
+        from splitserve.engine.model.demo import ensure_demo_model
 
         args.model = str(ensure_demo_model())
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]

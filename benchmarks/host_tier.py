@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/host_tier.json")
     a = ap.parse_args()
     if a.model is None:
-        from splitserve.demo import ensure_demo_model
+        from splitserve.engine.model.demo import ensure_demo_model
 
         a.model = str(ensure_demo_model())
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]

@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/offline_vs_vllm.json")
     a = ap.parse_args()
     if a.model is None:
-        from splitserve.demo import ensure_demo_model
+        from splitserve.engine.model.demo import ensure_demo_model
 
         a.model = str(ensure_demo_model())
     tmp = Path(tempfile.mkdtemp(prefix="offline_vs_vllm-"))

@@ -44,7 +44,7 @@ def server(*flags: str):
     """`splitserve serve` with these flags, up and ready; yields its base URL."""
     port, gport = free_port(), free_port()
     log = open(f"/tmp/splitserve-acceptance-{port}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli.main", "serve", "--port", str(port),
                              "--grpc-port", str(gport), *flags], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -70,7 +70,7 @@ def server(*flags: str):
 
 
 def bench(url: str, out: Path, *flags: str) -> dict:
-    subprocess.run([sys.executable, "-m", "splitserve.cli", "bench", "--url", url, "--model", MODEL,
+    subprocess.run([sys.executable, "-m", "splitserve.cli.main", "bench", "--url", url, "--model", MODEL,
                     "--vocab-size", "49152", "--out", str(out), "-q", *flags], check=True)
     return json.loads(out.read_text())
 

@@ -26,12 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from splitserve.cluster import Cluster  # noqa: E402
-from splitserve.cluster.backend import ClusterBackend, ControllerSource  # noqa: E402
-from splitserve.router.frontend import Frontend  # noqa: E402
-from splitserve.router.lease import RequestLease  # noqa: E402
-from splitserve.router.protocol import RequestOptions  # noqa: E402
-from splitserve.shared_state import SharedRateLimiter  # noqa: E402
+from splitserve.orchestrator import Cluster  # noqa: E402
+from splitserve.orchestrator.cluster_backend import ClusterBackend, ControllerSource  # noqa: E402
+from splitserve.ingress.frontend import Frontend  # noqa: E402
+from splitserve.ingress.lease import RequestLease  # noqa: E402
+from splitserve.ingress.protocol import RequestOptions  # noqa: E402
+from splitserve.ingress.shared import SharedRateLimiter  # noqa: E402
 from splitserve.types import Priority, SamplingParams  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 from tests.tiny_models import build_checkpoint  # noqa: E402

@@ -70,7 +70,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def servers(a, model: str) -> dict[str, tuple[list[str], str, dict]]:
     """name -> (command, readiness URL, extra env)."""
-    ours = [sys.executable, "-m", "splitserve.cli", "serve", "--model", model, "--port", str(a.port),
+    ours = [sys.executable, "-m", "splitserve.cli.main", "serve", "--model", model, "--port", str(a.port),
             "--grpc-port", str(a.port + 1), "--served-model-name", "demo", *a.splitserve_args]
     return {
         "aggregated": (ours + ["--prefill", "0", "--decode", "0"], f"http://127.0.0.1:{a.port}/ready", {}),
@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/serve_vs_vllm.json")
     a = ap.parse_args()
     if a.model is None:
-        from splitserve.demo import ensure_demo_model
+        from splitserve.engine.model.demo import ensure_demo_model
 
         a.model = str(ensure_demo_model())
     out_dir = Path(tempfile.mkdtemp(prefix="serve_vs_vllm-"))

@@ -57,7 +57,7 @@ TRACE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl
 DEPLOYMENTS = {"aggregated": (0, 0), "1p1d": (1, 1), "2p1d": (2, 1)}
 PROBE = ("--input-len", "64", "64")
 PROBES = ((1, 2), (1, 12), (8, 12))  # (concurrency, output tokens)
-CLI = [sys.executable, "-m", "splitserve.cli"]
+CLI = [sys.executable, "-m", "splitserve.cli.main"]
 
 
 def run(cmd: list[str], **kw) -> None:

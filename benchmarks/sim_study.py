@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from splitserve.autoscale import AutoscaleConfig, Bounds  # noqa: E402
+from splitserve.control.autoscale import AutoscaleConfig, Bounds  # noqa: E402
 from splitserve.sim import search  # noqa: E402
 from splitserve.sim.cost.hardware import gpu  # noqa: E402
 from splitserve.sim.cost.roofline import RooflineCost  # noqa: E402

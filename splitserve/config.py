@@ -228,13 +228,13 @@ class DeployConfig:
             elif key != "engine":
                 opts[key] = value if types[key] in ("str", "str | None") else _as_value(value, key)
         if not opts.get("model"):
-            from splitserve.demo import ensure_demo_model
+            from splitserve.engine.model.demo import ensure_demo_model
 
             opts["model"] = str(ensure_demo_model())
         return cls(**opts, engine=engine)
 
     def _autoscale_config(self):
-        from splitserve.autoscale import AutoscaleConfig
+        from splitserve.control.autoscale import AutoscaleConfig
 
         if isinstance(self.autoscale, AutoscaleConfig):
             return self.autoscale

@@ -29,6 +29,6 @@ def build_app(args: dict[str, Any]):
 def bind_app(cfg: DeployConfig, joined: bool = True):
     """The app for a checked config. `joined=False`: the driver started this Ray cluster, so a
     GPU asked for and absent is an error rather than something to wait for."""
-    from splitserve.cluster.serve_app import Ingress
+    from splitserve.cli.app import Ingress
 
     return Ingress.options(num_replicas=cfg.ingress_replicas).bind(cfg, joined)

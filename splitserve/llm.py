@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from splitserve.config import EngineConfig
-from splitserve.detokenizer import RequestText
+from splitserve.text.detokenizer import RequestText
 from splitserve.engine.engine import Engine
-from splitserve.tokenizer import Tokenizer
+from splitserve.text.tokenizer import Tokenizer
 from splitserve.types import ConfigError, FinishReason, Request, SamplingParams, TokenLogprob
 
 
@@ -48,7 +48,7 @@ Prompt = str | Sequence[int]
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         if model is None:
-            from splitserve.demo import ensure_demo_model
+            from splitserve.engine.model.demo import ensure_demo_model
 
             model = str(ensure_demo_model())
         self.engine = Engine(EngineConfig.from_dict({"model": str(model), **engine_kwargs}))

@@ -31,8 +31,8 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_gguf() -> Path:
-    """The demo model's GGUF (splitserve.demo); skipped where the registry is out of reach."""
-    from splitserve import demo
+    """The demo model's GGUF (splitserve.engine.model.demo); skipped where the registry is out of reach."""
+    from splitserve.engine.model import demo
 
     try:
         return demo.find_demo_gguf()
@@ -45,7 +45,7 @@ def demo_gguf() -> Path:
 @pytest.fixture(scope="session")
 def demo_model_dir(demo_gguf, tmp_path_factory) -> Path:
     """The demo checkpoint, converted once per run into a fresh directory."""
-    from splitserve import demo
+    from splitserve.engine.model import demo
 
     return demo.ensure_demo_model(tmp_path_factory.mktemp("demo") / demo.DEMO_MODEL_NAME, progress=False)
 

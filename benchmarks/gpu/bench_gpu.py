@@ -14,7 +14,7 @@ the JSON.
             tokens + causal attention FLOPs) / time / peak; triton vs torch SDPA (vs flash_attn)
   fused_ablation  decode (batch 64 × 2K) and a 2K prefill with the fused residual+RMSNorm and
             rotary kernels vs the torch ops: whether they matter
-  tp        the same model split over T = 2 and 4 GPUs (splitserve/parallel: NCCL, one process
+  tp        the same model split over T = 2 and 4 GPUs (splitserve/engine/parallel: NCCL, one process
             per rank): decode step at batch 16 / 64 × 2K context and a 2K prefill; skipped with
             fewer GPUs than T (one H200 is the usual loan), run on CPU over gloo at T = 2 in --smoke
 
@@ -577,7 +577,7 @@ def tp_section(bench: Bench) -> None:
     if not sizes:
         bench.result["tp"] = {"skipped": f"{gpus} GPU(s) here: tensor parallelism needs 2 or more"}
         return
-    from splitserve.parallel.launch import free_address
+    from splitserve.engine.parallel.launch import free_address
 
     rows = bench.result["tp"] = []
     ctx = mp.get_context("spawn")
@@ -612,8 +612,8 @@ def _tp_rank(rank: int, size: int, address: str, smoke: bool, q) -> None:
 
     from splitserve.engine.attention.backend import AttentionBatch, SeqSlice, get_backend
     from splitserve.engine.model.llama import LlamaModel
-    from splitserve.parallel.group import DistGroup, GroupSpec
-    from splitserve.parallel.shard import Shard, local_config
+    from splitserve.engine.parallel.group import DistGroup, GroupSpec
+    from splitserve.engine.parallel.shard import Shard, local_config
 
     try:
         device = torch.device("cpu") if smoke else torch.device(f"cuda:{rank}")

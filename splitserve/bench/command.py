@@ -1,6 +1,6 @@
 """The `splitserve bench` handler: parsed arguments -> dataset and config -> run -> JSON + PNG.
 
-The arguments themselves are declared in `splitserve/cli.py` (`_add_bench`); this module turns
+The arguments themselves are declared in `splitserve/cli/main.py` (`_add_bench`); this module turns
 them into typed values, with a clear error for every bad combination.
 """
 

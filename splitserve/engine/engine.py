@@ -34,10 +34,10 @@ from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_model import StepTimeModel
 from splitserve.engine.step_shape import StepShape
-from splitserve.parallel.group import TPGroup
-from splitserve.parallel.launch import Ranks, start_local_group
-from splitserve.parallel.shard import Shard
-from splitserve.parallel.shard import check as check_tp
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.parallel.launch import Ranks, start_local_group
+from splitserve.engine.parallel.shard import Shard
+from splitserve.engine.parallel.shard import check as check_tp
 from splitserve.types import ConfigError, Request, SamplingParams, as_token_ids
 
 

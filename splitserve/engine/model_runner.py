@@ -17,7 +17,7 @@ from splitserve.engine.kv_cache import KVCacheTensors
 from splitserve.engine.model.llama import LlamaModel
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
-from splitserve.parallel.group import TPGroup
+from splitserve.engine.parallel.group import TPGroup
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ def cost_of(a: argparse.Namespace):
 
 
 def config_of(a: argparse.Namespace) -> SimConfig:
-    from splitserve.autoscale import AutoscaleConfig
+    from splitserve.control.autoscale import AutoscaleConfig
 
     prefill, decode = (0, a.aggregated) if a.aggregated is not None else (a.prefill, a.decode)
     autoscale = None
@@ -191,7 +191,7 @@ def _run(a: argparse.Namespace) -> int:
 
 def _calibrate(a: argparse.Namespace, out: Path) -> int:
     from splitserve.config import EngineConfig
-    from splitserve.demo import ensure_demo_model
+    from splitserve.engine.model.demo import ensure_demo_model
     from splitserve.sim.calibrate import calibrate
 
     model = a.model if Path(a.model).is_dir() else str(ensure_demo_model(progress=False))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from splitserve.autoscale import AutoscaleConfig, Autoscaler, RequestSample
+from splitserve.control.autoscale import AutoscaleConfig, Autoscaler, RequestSample
 from splitserve.engine.kv_cache import OutOfBlocks
 from splitserve.router.admission import Admission, AdmissionConfig, Decision, Plan
 from splitserve.router.policy import NoCapacity, make_router

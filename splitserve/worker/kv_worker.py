@@ -14,12 +14,12 @@ import socket
 from typing import Sequence
 
 from splitserve.config import EngineConfig
-from splitserve.engine_loop import EngineLoop
+from splitserve.worker.engine_loop import EngineLoop
 from splitserve.kv_transfer import make_transport
 from splitserve.kv_transfer.base import TransportEndpoint
-from splitserve.kv_transfer.layout import layout_of
+from splitserve.worker.kv_layout import layout_of
 from splitserve.types import WorkerLoad, WorkerStats
-from splitserve.parallel.rank_calls import on_all_ranks
+from splitserve.engine.parallel.rank_calls import on_all_ranks
 from splitserve.worker import rank_kv
 from splitserve.worker.info import WorkerInfo
 from splitserve.worker.kv_events import RouterOutboxes, Snapshot

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from splitserve.kv_transfer import make_transport
 from splitserve.kv_transfer.head_slices import SLICED_TRANSPORTS, head_checksums, pull_heads
-from splitserve.kv_transfer.layout import layout_of
+from splitserve.worker.kv_layout import layout_of
 
 
 def _own(engine) -> dict:

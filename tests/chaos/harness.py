@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve import LLM
-from splitserve.router.frontend import Frontend
-from splitserve.router.lease import RequestLease
-from splitserve.router.protocol import RequestOptions
+from splitserve.ingress.frontend import Frontend
+from splitserve.ingress.lease import RequestLease
+from splitserve.ingress.protocol import RequestOptions
 from splitserve.types import Priority, Request, SamplingParams, ServiceUnavailable
 
 INTERNALS = re.compile(r"actor|pid|\b\d{1,3}(\.\d{1,3}){3}\b", re.I)

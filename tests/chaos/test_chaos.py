@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from splitserve.cluster import Cluster
+from splitserve.orchestrator import Cluster
 from splitserve.types import Role
 from tests.chaos.harness import (Load, Recompute, assert_nothing_held, assert_outcomes, migration_report, params, pid_of,
                                  prompts, reference, signal_worker)

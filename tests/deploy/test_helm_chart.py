@@ -108,7 +108,7 @@ def test_autoscale_arg_bounds_are_the_worker_groups(rendered: Rendered, tmp_path
 def test_serve_config_is_what_ray_serve_reads(rendered: Rendered) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    from splitserve.cluster.serve_app import GRPC_SERVICER, Ingress
+    from splitserve.cli.app import GRPC_SERVICER, Ingress
 
     schema = ServeDeploySchema.model_validate(rendered.serve_config)
     assert (schema.http_options.host, schema.http_options.port) == ("0.0.0.0", 8000)

@@ -59,8 +59,8 @@ def _fits(demand: dict, resources: dict) -> bool:
 
 
 def test_each_actor_fits_only_its_own_node_type(rendered: Rendered, tmp_path: Path) -> None:
-    from splitserve.cluster.actors import gpu_share, resolve_transports, worker_placement
-    from splitserve.cluster.serve_app import Ingress
+    from splitserve.control.actors import gpu_share, resolve_transports, worker_placement
+    from splitserve.cli.app import Ingress
 
     v = rendered.case.values()
     args = dict(rendered.args, model=str(tmp_path))
@@ -91,7 +91,7 @@ def test_pending_workers_make_ray_add_pods_of_their_own_group(rendered: Rendered
     from ray.autoscaler._private.node_provider_availability_tracker import NodeAvailabilitySummary
     from ray.autoscaler._private.resource_demand_scheduler import _default_utilization_scorer, get_nodes_for
 
-    from splitserve.cluster.actors import gpu_share, resolve_transports, worker_placement
+    from splitserve.control.actors import gpu_share, resolve_transports, worker_placement
 
     v = rendered.case.values()
     cfg = DeployConfig.from_options(dict(rendered.args, model=str(tmp_path)))

@@ -3,8 +3,8 @@ fake cache (or fail, or hang) and a registry source the Directory reads."""
 
 import asyncio
 
-from splitserve.cluster.directory import Directory
-from splitserve.cluster.registry import Registry
+from splitserve.router.directory import Directory
+from splitserve.control.registry import Registry
 from splitserve.router.policy import make_router
 from splitserve.types import BlockRemoved, BlockStored, WorkerId, WorkerState as S, WorkerStats
 from splitserve.worker.info import WorkerInfo

@@ -10,8 +10,8 @@ import os
 import tempfile
 import time
 
-from splitserve.decode_worker.worker import DecodeWorker
-from splitserve.prefill_worker.worker import PrefillWorker
+from splitserve.worker.decode.worker import DecodeWorker
+from splitserve.worker.prefill.worker import PrefillWorker
 from tests.fakes import transports as faulty
 from tests.fakes.tcp_faults import TruncatingServer
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 import torch
 
-from splitserve.cluster import Cluster
-from splitserve.router.http import OpenAIServer
+from splitserve.orchestrator import Cluster
+from splitserve.ingress.http import OpenAIServer
 from splitserve.types import Request, Role, SamplingParams
 
 SP = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.cluster import Cluster
-from splitserve.router.http import OpenAIServer
+from splitserve.orchestrator import Cluster
+from splitserve.ingress.http import OpenAIServer
 from splitserve.types import Request, Role
 
 SP = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -38,7 +38,7 @@ def workload(model):
 
 
 def cli(*args):
-    out = subprocess.run([sys.executable, "-m", "splitserve.cli", *args], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "splitserve.cli.main", *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.cluster import Cluster
+from splitserve.orchestrator import Cluster
 from splitserve.kv_transfer.base import TransferError
 
 SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

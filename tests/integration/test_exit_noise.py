@@ -26,7 +26,7 @@ def test_a_nixl_cluster_script_exits_quietly(ray_session, tiny_checkpoint, tmp_p
         ray.init(address={ray_session.address!r}, _node_ip_address={HEAD_IP!r}, log_to_driver=True,
                  logging_level="WARNING")
         from splitserve import SamplingParams
-        from splitserve.cluster import Cluster
+        from splitserve.orchestrator import Cluster
 
         with Cluster.start(model={str(tiny_checkpoint("llama"))!r}, transport="nixl", disagg_min_tokens=0,
                            num_kv_blocks=64) as c:

@@ -6,8 +6,8 @@ import httpx
 import pytest
 
 from splitserve import LLM, SamplingParams
-from splitserve.cluster import Cluster
-from splitserve.router.http import OpenAIServer
+from splitserve.orchestrator import Cluster
+from splitserve.ingress.http import OpenAIServer
 
 openai = pytest.importorskip("openai")
 

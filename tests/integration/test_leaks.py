@@ -23,7 +23,7 @@ def llama_dir(tiny_checkpoint):
 def test_a_leaked_app_is_reported_against_the_test_that_leaked_it(ray_session, llama_dir, pytester, monkeypatch):
     import leaks
 
-    from splitserve.cluster import controller
+    from splitserve.control import controller
 
     monkeypatch.setattr(leaks, "TEARDOWN_S", 3.0)  # a real leak does not go away: no need to wait long
     pytester.makeconftest(textwrap.dedent(f"""\
@@ -39,7 +39,7 @@ def test_a_leaked_app_is_reported_against_the_test_that_leaked_it(ray_session, l
             return ray  # the outer run's cluster, already joined
         """))
     pytester.makepyfile(test_inner=textwrap.dedent(f"""\
-        from splitserve.cluster import controller
+        from splitserve.control import controller
         from splitserve.config import DeployConfig
 
 

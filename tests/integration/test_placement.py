@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from splitserve.cluster import Cluster
+from splitserve.orchestrator import Cluster
 from splitserve.types import ConfigError
 
 pytestmark = pytest.mark.timeout(120)  # a hang guard; the errors come within seconds

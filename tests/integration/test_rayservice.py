@@ -29,7 +29,7 @@ def free_port() -> int:
 
 
 def test_serve_run_of_a_config_file(ray_session, tiny_checkpoint, tmp_path):
-    from splitserve.cluster import controller
+    from splitserve.control import controller
 
     model = str(tiny_checkpoint("llama"))
     http_port, grpc_port = free_port(), free_port()

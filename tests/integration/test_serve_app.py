@@ -13,12 +13,12 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from tests.integration.serve_helpers import sees_both_pools
-from splitserve.router.grpc_service import SERVICE_NAME
+from splitserve.ingress.grpc_service import SERVICE_NAME
 from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc
 
 openai = pytest.importorskip("openai")
-serve_app = pytest.importorskip("splitserve.cluster.serve_app")
+serve_app = pytest.importorskip("splitserve.cli.app")
 
 PROMPT = "Requests enter through the Serve proxies"
 
@@ -38,7 +38,7 @@ class AppWorkers:
     def check_invariants(self):
         import ray
 
-        from splitserve.cluster import controller
+        from splitserve.control import controller
 
         snap = ray.get(controller.find(self.name).snapshot.remote())
         return ray.get([w.handle.check_invariants.remote() for w in snap.workers])
@@ -49,8 +49,8 @@ def deployed(ray_session, tiny_checkpoint):
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from splitserve.cluster.launch import wait_ready
-    from splitserve.cluster import controller
+    from splitserve.control.launch import wait_ready
+    from splitserve.control import controller
     from splitserve.deploy import build_app
 
     model = str(tiny_checkpoint("llama"))

@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("redis")
 
-from splitserve.cluster import Cluster  # noqa: E402
-from splitserve.cluster.backend import ClusterBackend, ControllerSource  # noqa: E402
-from splitserve.router.frontend import Frontend  # noqa: E402
-from splitserve.shared_state import SharedRateLimiter  # noqa: E402
+from splitserve.orchestrator import Cluster  # noqa: E402
+from splitserve.orchestrator.cluster_backend import ClusterBackend, ControllerSource  # noqa: E402
+from splitserve.ingress.frontend import Frontend  # noqa: E402
+from splitserve.ingress.shared import SharedRateLimiter  # noqa: E402
 from tests.chaos.harness import Load, assert_nothing_held, assert_outcomes, params, prompts, reference  # noqa: E402
 
 N, MAX_TOKENS = 24, 48

@@ -12,8 +12,8 @@ import time
 import pytest
 import ray
 
-from splitserve.cluster import Cluster
-from splitserve.cluster.admin import status_table
+from splitserve.orchestrator import Cluster
+from splitserve.control.admin import status_table
 from tests.chaos.harness import (Load, assert_nothing_held, assert_outcomes, migration_report, params, prompts,
                                  reference)
 from tests.conftest import DECODE_IP

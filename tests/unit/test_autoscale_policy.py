@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from splitserve.autoscale import (AutoscaleConfig, AutoscalePolicy, Bounds, DecodeSignals, PrefillSignals, Reason,
+from splitserve.control.autoscale import (AutoscaleConfig, AutoscalePolicy, Bounds, DecodeSignals, PrefillSignals, Reason,
                                   Signals, StepFit)
 from splitserve.types import ConfigError
 
@@ -127,7 +127,7 @@ def test_a_pool_still_starting_its_new_workers_is_not_shrunk():
 def test_a_fit_whose_prefill_cost_is_all_attention_still_sizes_prefill():
     """The online fit may put a long prompt's cost in its attention term (c4) rather than per
     token (c1): the prefill capacity must count it, not read the worker as infinitely fast."""
-    from splitserve.autoscale.signals import StepFit
+    from splitserve.control.autoscale.signals import StepFit
 
     per_token = StepFit.of((0.01, 1e-4, 0.0, 0.0))
     attention = StepFit.of((0.01, 0.0, 0.0, 0.0, 2e-7))  # 1024 tokens: 0.01 + 524800 * 2e-7 s

@@ -4,7 +4,7 @@ the metrics routers export from the report."""
 
 import pytest
 
-from splitserve.autoscale import (AutoscaleConfig, Autoscaler, Bounds, LatencyWindow, Reason, RequestSample,
+from splitserve.control.autoscale import (AutoscaleConfig, Autoscaler, Bounds, LatencyWindow, Reason, RequestSample,
                                   SignalObserver)
 from splitserve.config import DeployConfig
 from splitserve.metrics import Metrics

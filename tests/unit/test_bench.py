@@ -21,7 +21,7 @@ pytest.importorskip("httpx")
 from splitserve.bench.datasets import (  # noqa: E402
     BenchRequest, mooncake_requests, random_requests, shared_prefix_requests,
 )
-from splitserve.cli import main  # noqa: E402
+from splitserve.cli.main import main  # noqa: E402
 
 DELTAS = 5
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

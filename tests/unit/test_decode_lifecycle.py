@@ -13,11 +13,11 @@ import time
 import pytest
 
 from splitserve.config import EngineConfig
-from splitserve.decode_worker import worker as decode_module
-from splitserve.decode_worker.handoff import Handoff, HandoffState
-from splitserve.decode_worker.worker import DecodeWorker
-from splitserve.prefill_worker import worker as prefill_module
-from splitserve.prefill_worker.worker import PrefillWorker
+from splitserve.worker.decode import worker as decode_module
+from splitserve.worker.decode.handoff import Handoff, HandoffState
+from splitserve.worker.decode.worker import DecodeWorker
+from splitserve.worker.prefill import worker as prefill_module
+from splitserve.worker.prefill.worker import PrefillWorker
 from splitserve.types import FinishReason, Request, SamplingParams
 from tests.fakes.transports import CorruptLanding, Gated, SlowToStop
 

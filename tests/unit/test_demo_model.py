@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from splitserve import cli, demo
+from splitserve.cli import main as cli
+from splitserve.engine.model import demo
 from splitserve.engine.model import gguf_convert
 from splitserve.engine.model.gguf_convert import convert_gguf
 

@@ -180,9 +180,9 @@ class FakePrefill:
 
 
 def test_a_failed_prefill_worker_leaves_placement_a_refused_request_is_not_retried():
-    from splitserve.cluster.orchestrator import Orchestrator
-    from splitserve.cluster.request_run import RequestRun
-    from splitserve.cluster.trace import RequestTrace
+    from splitserve.orchestrator.orchestrator import Orchestrator
+    from splitserve.orchestrator.request_run import RequestRun
+    from splitserve.orchestrator.trace import RequestTrace
 
     async def go(first_outcome):
         src = FakeSource()
@@ -216,7 +216,7 @@ def test_the_router_policy_registry_and_autoscaler_import_without_ray_or_torch()
             "        if name.split('.')[0] in ('torch', 'ray'):\n"
             "            raise ImportError('blocked: ' + name)\n"
             "sys.meta_path.insert(0, Block())\n"
-            "import splitserve.router.policy, splitserve.cluster.registry, splitserve.autoscale\n"
+            "import splitserve.router.policy, splitserve.control.registry, splitserve.control.autoscale\n"
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
@@ -225,8 +225,8 @@ def test_the_router_policy_registry_and_autoscaler_import_without_ray_or_torch()
 def test_a_request_placed_again_after_a_failed_prefill_leaves_no_pending_count():
     """The first prefill call fails, the request is placed again and finishes on the other
     prefill worker: every route it held is closed once it ends (none lingers until a TTL)."""
-    from splitserve.cluster.orchestrator import Orchestrator
-    from splitserve.prefill_worker.worker import PrefillResult
+    from splitserve.orchestrator.orchestrator import Orchestrator
+    from splitserve.worker.prefill.worker import PrefillResult
     from splitserve.types import FinishReason, TokenChunk
 
     calls = []

@@ -227,7 +227,7 @@ def test_the_ingress_hashes_reach_the_engine_and_its_kv_events(tiny_checkpoint, 
     """The hashes a router computes to place a request (Directory.route_request) are the ones the
     engine caches the prompt under and announces in its KV events: carried in the Request, not
     computed again for the prompt (only the generated tokens' blocks are hashed on the engine)."""
-    from splitserve.cluster.directory import Directory
+    from splitserve.router.directory import Directory
     from splitserve.engine import sequence
     from splitserve.router import make_router
     from splitserve.types import BlockStored, PromptHashes

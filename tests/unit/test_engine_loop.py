@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from splitserve.engine_loop import EngineBusy, EngineFailed, EngineLoop
+from splitserve.worker.engine_loop import EngineBusy, EngineFailed, EngineLoop
 from splitserve.types import FinishReason, Request, SamplingParams, TokenChunk
 
 

@@ -11,9 +11,9 @@ import pytest
 
 from splitserve.config import EngineConfig
 from splitserve.router.admission import Admission, AdmissionConfig
-from splitserve.router.backend import LocalBackend
-from splitserve.router.grpc_service import SERVICE_NAME, GenerationService, serve
-from splitserve.router.http import OpenAIServer
+from splitserve.ingress.backend import LocalBackend
+from splitserve.ingress.grpc_service import SERVICE_NAME, GenerationService, serve
+from splitserve.ingress.http import OpenAIServer
 from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc
 

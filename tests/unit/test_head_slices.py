@@ -15,8 +15,8 @@ from splitserve.engine.model.config import ModelConfig
 from splitserve.kv_transfer import make_transport
 from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransferHeader
 from splitserve.kv_transfer.head_slices import RankSource, head_checksums, pull_heads
-from splitserve.parallel.kv_slices import plan
-from splitserve.parallel.shard import Shard
+from splitserve.engine.parallel.kv_slices import plan
+from splitserve.engine.parallel.shard import Shard
 
 L, NB, B, D = 2, 12, 4, 8
 SECRET = os.urandom(16).hex()

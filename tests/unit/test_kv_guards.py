@@ -14,7 +14,7 @@ def test_the_kv_fingerprint_tells_fine_tunes_apart(tmp_path, tiny_checkpoint):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from splitserve.kv_transfer.layout import SAMPLES, _content_digest, model_fingerprint
+    from splitserve.worker.kv_layout import SAMPLES, _content_digest, model_fingerprint
 
     src = tiny_checkpoint("llama")
     copy, tuned = tmp_path / "copy", tmp_path / "tuned"

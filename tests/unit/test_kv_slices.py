@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from splitserve.engine.model.config import ModelConfig
-from splitserve.parallel.kv_slices import plan
-from splitserve.parallel.shard import Shard
+from splitserve.engine.parallel.kv_slices import plan
+from splitserve.engine.parallel.shard import Shard
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from splitserve.cluster.orchestrator import Orchestrator
+from splitserve.orchestrator.orchestrator import Orchestrator
 from splitserve.types import FinishReason, Request, Role, SamplingParams, ServiceUnavailable, TokenChunk
 from tests.fakes.cluster import Call, FakeSource, FakeWorker, directory
 
@@ -111,7 +111,7 @@ def test_a_lost_decode_worker_migrates_the_stream_with_no_token_lost_or_repeated
 
 
 def test_with_no_decode_worker_left_the_stream_ends_with_our_error(monkeypatch):
-    from splitserve.cluster import request_run
+    from splitserve.orchestrator import request_run
 
     monkeypatch.setattr(request_run, "PLACE_WAIT_S", 0.2)  # it waits that long for one to come back
     got, error, trace, *_ = asyncio.run(run([FakeDecode("die", fail_after=5)]))

@@ -8,7 +8,7 @@ import asyncio
 
 from ray.exceptions import ActorDiedError
 
-from splitserve.cluster.owners import Owners
+from splitserve.control.owners import Owners
 
 
 class Method:
@@ -33,7 +33,7 @@ class Replica:
 
 
 def test_a_dead_replica_is_detached_and_a_slow_one_is_not(monkeypatch):
-    import splitserve.cluster.owners as owners_mod
+    import splitserve.control.owners as owners_mod
 
     owners = Owners()
     owners.attach("alive", Replica(0.0))

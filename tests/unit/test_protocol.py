@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from splitserve.router.protocol import NO_DEFAULTS, APIError, RequestDefaults, parse_chat, parse_completion
+from splitserve.ingress.protocol import NO_DEFAULTS, APIError, RequestDefaults, parse_chat, parse_completion
 from splitserve.types import Priority
 
 SERVED = ["demo"]

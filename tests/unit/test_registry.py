@@ -3,7 +3,7 @@ from any live state, nothing else; every change bumps the version, a probe's loa
 
 import pytest
 
-from splitserve.cluster.registry import IllegalTransition, Registry
+from splitserve.control.registry import IllegalTransition, Registry
 from splitserve.types import Role, WorkerId, WorkerLoad, WorkerState as S, WorkerStats
 from splitserve.worker.info import WorkerInfo
 

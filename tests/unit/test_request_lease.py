@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from splitserve.router.admission import Admission, AdmissionConfig, Plan
-from splitserve.router.grpc_service import GenerationService, RpcFailure, serve
-from splitserve.router.http import OpenAIServer
-from splitserve.tokenizer import Tokenizer
+from splitserve.ingress.grpc_service import GenerationService, RpcFailure, serve
+from splitserve.ingress.http import OpenAIServer
+from splitserve.text.tokenizer import Tokenizer
 from splitserve.types import FinishReason, ServiceUnavailable, TokenChunk
 from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc

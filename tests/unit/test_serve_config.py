@@ -3,11 +3,11 @@ line win, unknown keys are refused with the list of known ones."""
 
 import pytest
 
-from splitserve.cli import build_parser, main
+from splitserve.cli.main import build_parser, main
 
 
 def parse(argv):
-    from splitserve.cli import _with_config_file
+    from splitserve.cli.main import _with_config_file
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -39,7 +39,7 @@ def test_negative_pools_are_an_error(capsys):
 
 
 def test_engine_flags_reach_the_engine_options(tmp_path):
-    from splitserve.server import _engine_options
+    from splitserve.cli.serve import _engine_options
 
     args = parse(["serve", "--device", "cpu", "--attention-backend", "triton", "--dtype", "bfloat16"])
     opts = _engine_options(args)
@@ -81,9 +81,9 @@ def test_the_app_config_reads_serve_run_strings_and_refuses_bad_values(tiny_chec
 def test_autoscale_flag_and_config_key_reach_the_app_config(tmp_path, tiny_checkpoint):
     """`--autoscale` alone: the default bounds; `--autoscale MAPPING` or `autoscale:` in the
     file: those; either way the app's config holds a checked AutoscaleConfig."""
-    from splitserve.autoscale import Bounds
+    from splitserve.control.autoscale import Bounds
     from splitserve.config import DeployConfig
-    from splitserve.server import deploy_options
+    from splitserve.cli.serve import deploy_options
 
     model = str(tiny_checkpoint("llama"))
 
@@ -111,7 +111,7 @@ def test_max_tokens_default_flag_and_config_key_reach_the_app_config(tmp_path, t
 
     from splitserve.config import DeployConfig
     from splitserve.engine.model.config import ModelConfig
-    from splitserve.server import deploy_options
+    from splitserve.cli.serve import deploy_options
     from splitserve.types import ConfigError
 
     model = str(tiny_checkpoint("llama"))

@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("redis")
 
 from splitserve.router.policy import make_router  # noqa: E402
-from splitserve.cluster.directory import Directory  # noqa: E402
-from splitserve.shared_state import RedisLink, SharedLoad, SharedRateLimiter  # noqa: E402
+from splitserve.router.directory import Directory  # noqa: E402
+from splitserve.ingress.shared import RedisLink, SharedLoad, SharedRateLimiter  # noqa: E402
 from splitserve.tenancy import RateLimiter, Tenant  # noqa: E402
 from splitserve.types import Request, Role, SamplingParams  # noqa: E402
 from tests.fakes.cluster import FakeSource  # noqa: E402

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from splitserve.autoscale import AutoscaleConfig, Bounds
+from splitserve.control.autoscale import AutoscaleConfig, Bounds
 from splitserve.bench.datasets import TraceRecord
 from splitserve.sim import search
 from splitserve.engine.step_shape import StepShape
@@ -201,7 +201,7 @@ def test_the_goodput_search_finds_the_highest_rate_meeting_the_target():
 
 
 def test_the_cli_writes_the_summary_json_and_png(tmp_path):
-    from splitserve.cli import main
+    from splitserve.cli.main import main
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length * 32,
@@ -257,7 +257,7 @@ def test_the_simulated_router_places_as_the_live_directory_on_a_recorded_event_s
         for worker in sim.pools.all_workers():  # the same ids, roles and nodes
             src.registry.add(worker.id, src.workers.setdefault(worker.id, _Fake()))
             src.registry.move(worker.id, _ready(), info=_info(worker.node))
-        from splitserve.cluster.directory import Directory
+        from splitserve.router.directory import Directory
 
         d = Directory(src, make_router("cache_aware", disagg_min_tokens=16), 16, registry_interval_s=0.005,
                       load_interval_s=0.001, answer_timeout_s=1.0)

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from splitserve.config import DeployConfig, EngineConfig
-from splitserve.router.backend import LocalBackend
-from splitserve.router.grpc_service import GenerationService, serve
-from splitserve.router.http import OpenAIServer
+from splitserve.ingress.backend import LocalBackend
+from splitserve.ingress.grpc_service import GenerationService, serve
+from splitserve.ingress.http import OpenAIServer
 from splitserve.tenancy import KeyRing, RateLimiter, Tenant, load_keys
 from splitserve.types import ConfigError, Priority
 from splitserve.v1 import generation_pb2 as pb
@@ -221,9 +221,9 @@ def test_the_models_recommended_sampling_fills_what_a_request_omits(tmp_path):
     what the request sets wins. The demo model recommends its model card's."""
     import json
 
-    from splitserve.demo import RECOMMENDED_GENERATION, _recommend_sampling
+    from splitserve.engine.model.demo import RECOMMENDED_GENERATION, _recommend_sampling
     from splitserve.engine.model.config import _sampling_defaults
-    from splitserve.router.protocol import RequestDefaults, parse_chat, parse_completion
+    from splitserve.ingress.protocol import RequestDefaults, parse_chat, parse_completion
 
     gen = {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "repetition_penalty": 1.1, "eos_token_id": 2, "do_sample": True}
     defaults = RequestDefaults(dict(_sampling_defaults(gen)))

@@ -10,7 +10,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.model.config import ModelConfig
-from splitserve.parallel.shard import Shard
+from splitserve.engine.parallel.shard import Shard
 from splitserve.types import ConfigError, Request
 from tests.unit.test_engine_parity import drained, reference, run_and_compare  # noqa: F401  (a fixture)
 
@@ -101,7 +101,7 @@ def test_losing_a_rank_fails_the_engine_with_an_error_not_a_hang(tiny_checkpoint
 
 def test_expert_load_and_its_imbalance_are_exported_per_worker():
     from splitserve.metrics import Metrics
-    from splitserve.router.frontend import Frontend
+    from splitserve.ingress.frontend import Frontend
     from splitserve.router.policy import WorkerView
 
     class Views:  # a backend as far as the gauges read it
@@ -158,7 +158,7 @@ def test_a_serving_loop_stops_its_engine_at_the_first_step_a_rank_fails(tiny_che
     import asyncio
 
     from splitserve.config import EngineConfig
-    from splitserve.engine_loop import EngineLoop
+    from splitserve.worker.engine_loop import EngineLoop
 
     loop = EngineLoop.start(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=32, tensor_parallel_size=2))
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -187,7 +187,7 @@ def test_an_idle_serving_loop_stops_when_a_rank_exits(tiny_checkpoint):
     import asyncio
 
     from splitserve.config import EngineConfig
-    from splitserve.engine_loop import EngineFailed, EngineLoop
+    from splitserve.worker.engine_loop import EngineFailed, EngineLoop
 
     loop = EngineLoop.start(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=32, tensor_parallel_size=2))
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -217,7 +217,7 @@ def test_a_group_idle_longer_than_its_collective_timeout_still_serves(tiny_check
 
     from splitserve.config import EngineConfig
     from splitserve.engine.engine import Engine
-    from splitserve.parallel.launch import start_local_group
+    from splitserve.engine.parallel.launch import start_local_group
 
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     path = str(tiny_checkpoint("llama"))

@@ -8,7 +8,7 @@ import pytest
 from splitserve.config import DeployConfig
 from splitserve.types import ConfigError, Role
 
-actors = pytest.importorskip("splitserve.cluster.actors")
+actors = pytest.importorskip("splitserve.control.actors")
 
 
 @pytest.mark.parametrize("device,cluster_gpus,workers,joined,share", [
@@ -54,7 +54,7 @@ def test_shm_alone_cannot_serve_gpu_workers(tiny_checkpoint):
 
 
 def test_an_unplaced_worker_is_explained_by_what_the_nodes_have():
-    from splitserve.cluster.unplaced import demand, diagnose
+    from splitserve.control.unplaced import demand, diagnose
 
     need = demand([{"CPU": 1, "GPU": 0, "decode_node": 1}, {"CPU": 1}])
     assert need == {"CPU": 2, "decode_node": 1}

@@ -19,8 +19,8 @@ from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
 from splitserve.engine.model.mla import MLAttention
 from splitserve.engine.model.moe import SparseMoE
-from splitserve.parallel.group import TPGroup
-from splitserve.parallel.shard import Shard
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.parallel.shard import Shard
 
 
 class Attention(nn.Module):

@@ -20,8 +20,8 @@ from safetensors import safe_open
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.llama import LlamaModel
 from splitserve.engine.model.moe import SparseMoE
-from splitserve.parallel.group import TPGroup
-from splitserve.parallel.shard import Shard, local_config, narrow
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.parallel.shard import Shard, local_config, narrow
 from splitserve.types import ConfigError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -18,7 +18,7 @@ from torch import nn
 
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.layers import MLP
-from splitserve.parallel.shard import Shard
+from splitserve.engine.parallel.shard import Shard
 
 
 class Experts(nn.Module):

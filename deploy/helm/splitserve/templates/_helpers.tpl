@@ -171,7 +171,7 @@ DeployConfig also reads at the top level (they belong under serve.engine). */ -}
 {{/* serveConfigV2: the one splitserve application, HTTP on 8000 and gRPC on 50051. The Ingress
 replicas ask for one unit of the head's resource (so they run on the head, never on a GPU pod
 the autoscaler may remove, and so does, as a rule, the Controller they create); num_cpus 0 as in the code
-(splitserve/cluster/serve_app.py): a config's ray_actor_options replace the code's whole. */}}
+(splitserve/cli/app.py): a config's ray_actor_options replace the code's whole. */}}
 {{- define "splitserve.serveConfig" -}}
 http_options:
   host: 0.0.0.0

@@ -1,0 +1,3 @@
+from splitserve.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""`splitserve serve`: bring the whole service up, say where it listens, and take it down cleanly
+on Ctrl-C / SIGTERM.
+
+Disaggregated (the default, 1 prefill + 1 decode worker): start or join a Ray cluster, create the
+worker pools (progress printed as each worker loads), then deploy the ingress as a Ray Serve
+application (HTTP and gRPC proxies). In-process (`--prefill 0 --decode 0`): one engine in this
+process, the same HTTP app under uvicorn and the same gRPC service under grpc.aio, no Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+
+from splitserve.cli.main import ENGINE_FLAGS
+from splitserve.router.admission import AdmissionConfig
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if args.prefill < 0 or args.decode < 0:
+        raise ValueError("--prefill and --decode must be >= 0")
+    if args.max_tokens_default is not None and args.max_tokens_default < 1:
+        raise ValueError(f"--max-tokens-default must be >= 1, got {args.max_tokens_default}")
+    model = args.model
+    if model is None:
+        from splitserve.engine.model.demo import ensure_demo_model
+
+        model = str(ensure_demo_model())
+    admission = AdmissionConfig(args.max_inflight, args.ttft_slo_ms, args.tpot_slo_ms, enabled=not args.no_admission)
+    _say(f"loading {model}")
+    if args.prefill == 0 and args.decode == 0:
+        return _serve_in_process(args, model, admission)
+    return _serve_on_ray(args, model)
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    """Engine settings: the flags (the config file's values for them already folded in, see
+    cli._with_config_file) and the rest of the file's `engine:` section."""
+    engine = dict(args.engine or {})
+    if "model" in engine:
+        raise ValueError("set the model with --model (or `model:` at the top of the config file), not under engine:")
+    return {**{k: getattr(args, k) for k in ENGINE_FLAGS}, **engine}
+
+
+def _say(msg: str) -> None:
+    print(f"splitserve: {msg}", flush=True)
+
+
+def _say_keys(keys) -> None:
+    if keys.open:
+        _say("no API keys configured (--api-keys, SPLITSERVE_API_KEY): the server is open to anyone who reaches it")
+    else:
+        tenants = sorted({k.tenant.name for k in keys.keys})
+        _say(f"API keys required: {len(keys.keys)} key(s), tenants {', '.join(tenants)}")
+
+
+def _listening(args: argparse.Namespace, name: str) -> None:
+    _say(f"serving {name!r}: HTTP http://{args.host}:{args.port}/v1 · gRPC {args.host}:{args.grpc_port} "
+         f"(splitserve.v1.Generation) · metrics http://{args.host}:{args.port}/metrics — Ctrl-C to stop")
+
+
+def deploy_options(args: argparse.Namespace, model: str) -> dict:
+    """The app's args (config.DeployConfig keys) from the serve flags and the config file."""
+    keys = ("prefill", "decode", "prefill_resources", "decode_resources", "transport", "policy",
+            "disagg_min_tokens", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
+            "ingress_replicas", "no_admission", "migration_limit", "decode_inactivity_timeout_s", "prefill_timeout_s",
+            "autoscale", "api_keys", "redis_url", "max_tokens_default")
+    engine = _engine_options(args)
+    tp = engine.pop("tensor_parallel_size", 1)  # on a cluster each pool has its own
+    pools_tp = {f"{r}_tp": getattr(args, f"{r}_tp", None) or tp for r in ("prefill", "decode")}
+    return {"model": model, "engine": engine, **pools_tp, **{k: getattr(args, k) for k in keys}}
+
+
+def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from splitserve.control import controller as controller_mod
+    from splitserve.control.launch import connect_ray, precheck, wait_ready
+    from splitserve.cli.app import GRPC_SERVICER
+    from splitserve.config import DeployConfig
+    from splitserve.deploy import bind_app
+
+    cfg = DeployConfig.from_options(deploy_options(args, model))
+    _say_keys(cfg.api_keys)
+    began = time.monotonic()
+    a = cfg.autoscale
+    started = connect_ray(args.address, cfg.ranks(a.prefill.max, a.decode.max) if a else cfg.ranks(cfg.prefill, cfg.decode))
+    _say(f"{'started a local Ray cluster' if started else 'joined the Ray cluster'}")
+    try:
+        precheck(cfg, joined=not started)
+        serve.start(http_options={"host": args.host, "port": args.port},
+                    grpc_options=gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
+        _say("starting the Controller and the Ray Serve ingress")
+        serve.run(bind_app(cfg, joined=not started), name=cfg.name, route_prefix="/")
+        controller = controller_mod.find(cfg.name, cfg.namespace)
+        # on a cluster we joined an autoscaler may add the nodes a worker waits for: say why, wait
+        wait_ready(controller, lambda done, total: _say(f"workers ready {done}/{total} "
+                                                        f"({time.monotonic() - began:.0f} s)"),
+                   unplaced_s=10.0 if started else None, on_unplaced=lambda why: _say(f"waiting: {why}"))
+        _listening(args, cfg.served_model_name or model.rstrip("/").rsplit("/", 1)[-1])
+        _wait_for_signal()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the teardown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _say("shutting down")
+        _stop_app(cfg, started)
+        if started:
+            ray.shutdown()
+    return 0
+
+
+def _stop_app(cfg, started: bool) -> None:
+    """Delete the app and stop its workers (on a cluster we joined, Serve and its other apps
+    stay). On a cluster we started, shutting Ray down takes everything with it, and waiting on
+    Serve's controller could hang if a signal already reached Ray's worker processes."""
+    from ray import serve
+
+    from splitserve.control import controller as controller_mod
+    from splitserve.orchestrator.cluster import _stop_controller
+
+    if started:
+        return
+    try:
+        serve.delete(cfg.name, _blocking=False)
+        _stop_controller(controller_mod.find(cfg.name, cfg.namespace))
+    except Exception as e:
+        _say(f"stopping the app: {e}")
+
+
+def _wait_for_signal() -> None:
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)  # also when started with SIGINT ignored (a background job)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+
+
+def _serve_in_process(args: argparse.Namespace, model: str, admission: AdmissionConfig) -> int:
+    from splitserve.config import EngineConfig
+    from splitserve.router.admission import Admission
+    from splitserve.ingress.backend import LocalBackend
+    from splitserve.ingress.http import OpenAIServer
+
+    from splitserve.tenancy import KeyRing
+
+    ecfg = EngineConfig.from_dict({"model": model, **_engine_options(args)})
+    keys = KeyRing.from_options(args.api_keys).with_env()
+    _say_keys(keys)
+    limiter = None
+    if args.redis_url:  # one in-process server has no peers to place with, but may share limits
+        from splitserve.ingress.shared import RedisLink, SharedRateLimiter
+
+        limiter = SharedRateLimiter(RedisLink(args.redis_url))
+    http = OpenAIServer(LocalBackend(ecfg, args.served_model_name), admission=Admission(admission), keys=keys,
+                        limiter=limiter, max_tokens_default=args.max_tokens_default)
+    _listening(args, http.backend.model_name)
+    asyncio.run(_run_both(http, args))
+    return 0
+
+
+async def _run_both(http, args: argparse.Namespace) -> None:
+    """uvicorn and grpc.aio on one event loop; uvicorn owns SIGINT/SIGTERM, and when it stops
+    the gRPC server gets a grace period for calls in flight."""
+    import uvicorn
+
+    from splitserve.ingress.grpc_service import GenerationService, serve
+
+    grpc_server, _ = await serve(GenerationService(http.front), args.host, args.grpc_port)
+    try:
+        await uvicorn.Server(uvicorn.Config(http.app, host=args.host, port=args.port, log_level="warning")).serve()
+    finally:
+        await grpc_server.stop(grace=5)
+        print("splitserve: stopped", file=sys.stderr, flush=True)

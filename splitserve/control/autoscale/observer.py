@@ -1,0 +1,76 @@
+"""`SignalObserver`: the pools' `Signals` from what the Controller (or the simulator) has — each
+live worker's last load report, the pool targets, and the routers' latency window.
+
+Rates come from counters between now and the observation `rate_window_s` ago, per worker present
+in both (a worker that appeared or left contributes no bogus jump): served = prompt tokens
+computed per second; arriving = served + the growth of the queue per second (what came in is
+what was done plus what piled up). Over one short interval the queue's growth is noise — a new
+worker taking half the queue looks like nothing arriving — hence the window.
+A pool's step-time fit is the mean of its workers' fits that have seen steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from splitserve.control.autoscale.signals import DecodeSignals, PrefillSignals, Signals, StepFit
+from splitserve.control.autoscale.window import LatencyWindow
+from splitserve.types import Role, WorkerStats
+
+
+@dataclass(frozen=True)
+class _Seen:
+    at: float
+    computed: dict  # worker id -> prefill_tokens_total
+    queued: float
+
+
+class SignalObserver:
+    def __init__(self, rate_window_s: float = 20.0) -> None:
+        self.rate_window_s = rate_window_s
+        self._seen: deque[_Seen] = deque()
+
+    def observe(self, at: float, targets: dict[Role, int], prefill: dict[str, WorkerStats],
+                decode: dict[str, WorkerStats], window: LatencyWindow, starting: dict[Role, int] | None = None
+                ) -> Signals:
+        """`prefill` / `decode`: the READY workers' last stats by worker id; `targets`: the
+        pools' current sizes (what the policy moves from); `starting`: workers not READY yet."""
+        starting = starting or {}
+        queued = float(sum(s.pending_prefill_tokens for s in prefill.values()))
+        computed = {wid: s.prefill_tokens_total for wid, s in prefill.items()}
+        served = arriving = 0.0
+        last = self._base(at)
+        self._seen.append(_Seen(at, computed, queued))
+        if last is not None and at > last.at:
+            dt = at - last.at
+            served = sum(max(0, n - last.computed[w]) for w, n in computed.items() if w in last.computed) / dt
+            arriving = max(0.0, served + (queued - last.queued) / dt)
+        running = sum(s.num_running for s in decode.values())
+        context = sum(s.decode_context_tokens for s in decode.values())
+        return Signals(
+            at,
+            PrefillSignals(targets[Role.PREFILL], queued, arriving, served, window.p90("ttft_s", at),
+                           pool_fit(prefill.values()), starting.get(Role.PREFILL, 0)),
+            DecodeSignals(targets[Role.DECODE], float(running), float(sum(s.num_waiting for s in decode.values())),
+                          _mean([s.kv_usage for s in decode.values()]), context / running if running else 0.0,
+                          window.p90("tpot_s", at), pool_fit(decode.values()), starting.get(Role.DECODE, 0)))
+
+    def _base(self, at: float) -> _Seen | None:
+        """The newest observation at least `rate_window_s` old (else the oldest one kept)."""
+        while len(self._seen) > 1 and self._seen[1].at <= at - self.rate_window_s:
+            self._seen.popleft()
+        return self._seen[0] if self._seen else None
+
+
+def pool_fit(stats) -> StepFit:
+    """The mean fit of the workers that have one (all zeros: none has stepped yet)."""
+    fits = [s.step_time_coeffs for s in stats if s.steps_total > 0 and any(s.step_time_coeffs)]
+    if not fits:
+        return StepFit(0.0, 0.0, 0.0, 0.0)
+    fits = [tuple(f) + (0.0,) * (5 - len(f)) for f in fits]
+    return StepFit.of(tuple(_mean([max(0.0, f[i]) for f in fits]) for i in range(5)))
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,393 @@
+"""The Controller (DESIGN.md §4 "Ray"): a named, detached Ray actor, one per app, that owns the
+worker registry and keeps each pool at its target size.
+
+Every `probe_interval_s` it reconciles:
+  * a STARTING worker whose model has loaded registers (`describe`: node, endpoints) → READY;
+    one whose constructor refused its configuration is DEAD with that reason, and its pool
+    stops growing until the targets change (a crash loop would only repeat the refusal);
+  * every live worker is probed (`load`, answered without waiting on the engine); a probe
+    unanswered for `probe_timeout_s` takes it out of placement until it answers; an actor that
+    died, or silence for `dead_after_s`, makes it DEAD (killed, out of the registry, so routers
+    drop it at their next refresh) and the pool gets a replacement;
+  * a pool above target drains its least loaded workers: DRAINING leaves placement at once;
+    once idle (nothing running, waiting, pulling or leased) for `drain_grace_s` (routers have
+    seen it leave by then) its block counts are checked and recorded and it STOPs;
+  * a pool below target spawns workers; one Ray has not placed within `PLACEMENT_GRACE_S` is
+    diagnosed (cluster/unplaced.py) and `status` says why — on a cluster we started, a worker
+    no node could ever hold ends its pool's growth with that reason, as a refusal does.
+
+With `autoscale` set, every `interval_s` its `Autoscaler` reads the READY workers' last loads
+and the latencies routers `report`, and the targets it returns are applied as `scale`'s are:
+a smaller pool drains (no request fails), a larger one spawns workers — on KubeRay a worker
+Ray cannot place yet stays pending, and Ray's autoscaler adds a node of its pool's group.
+
+The Serve ingress replicas are its owners (`attach` / `detach`, from their constructor and
+`__del__`; one whose actor died is detached too, cluster/owners.py): when the last one leaves —
+the app was deleted — it stops every worker and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+
+from splitserve.control.autoscale import Autoscaler, AutoscaleReport
+from splitserve.control.actors import gpu_share, resolve_transports, spawn
+from splitserve.control.admin import find  # noqa: F401  (drivers look the app up through either module)
+from splitserve.control.owners import Owners
+from splitserve.control.status import ClusterStatus, status_row
+from splitserve.control.unplaced import PLACEMENT_GRACE_S, Unplaced, demand, diagnose
+from splitserve.control.registry import Registry, RegistrySnapshot, WorkerRecord
+from splitserve.config import DeployConfig
+from splitserve.types import ConfigError, Role, WorkerId, WorkerLoad, WorkerState
+
+log = logging.getLogger(__name__)
+S = WorkerState
+# what a worker runs: a change to any of these replaces every worker
+WORKER_KEYS = ("model", "engine", "transport", "prefill_resources", "decode_resources", "on_transfer_failure",
+               "lease_s", "worker_classes")
+
+
+class Controller:
+    def __init__(self, cfg: DeployConfig, joined: bool = True) -> None:
+        self.cfg = cfg
+        self.registry = Registry()
+        self.autoscaler: Autoscaler | None = None
+        self._set_config_targets(cfg)
+        self.errors: dict[Role, str] = {}
+        self._kinds = resolve_transports(cfg.transport)
+        self._joined = joined
+        self.owners = Owners()
+        self._describing: dict[WorkerId, asyncio.Task] = {}
+        self._probes: dict[WorkerId, asyncio.Task] = {}
+        self._groups: dict[WorkerId, object] = {}  # every worker's placement group
+        self._placing: dict[WorkerId, asyncio.Task] = {}  # watching a group until Ray places it
+        self._unplaced: dict[WorkerId, Unplaced] = {}  # why Ray has not placed a worker yet
+        self._loop: asyncio.Task | None = None
+        self._autoscaling: asyncio.Task | None = None
+        self._watching: asyncio.Task | None = None
+        self._closed = False
+
+    # -- the API (Ray methods) ------------------------------------------------------------------
+    async def start(self) -> int:
+        """Begin reconciling (idempotent); returns the registry version."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop().create_task(self._reconcile_forever())
+            self._autoscaling = asyncio.get_running_loop().create_task(self._autoscale_forever())
+            self._watching = asyncio.get_running_loop().create_task(self.owners.watch(self.cfg.probe_interval_s))
+            self._reconcile()
+        return self.registry.version
+
+    async def configure(self, cfg: DeployConfig) -> None:
+        """The app's config, from each ingress replica as it starts. Only a changed config
+        changes anything (so a restarted replica does not undo `scale`): new targets, and when
+        what the workers run changed, every worker is replaced (drained, new ones started)."""
+        if cfg == self.cfg:
+            return
+        replace = any(getattr(cfg, k) != getattr(self.cfg, k) for k in WORKER_KEYS)
+        self.cfg, self._kinds = cfg, resolve_transports(cfg.transport)
+        self._set_config_targets(cfg)
+        self.errors.clear()
+        if replace:
+            for rec in self.registry:
+                if rec.state is S.STARTING:
+                    self._end(rec.id, S.STOPPED, "the app's configuration changed")
+                elif rec.state is S.READY:
+                    self.registry.move(rec.id, S.DRAINING)
+        self._reconcile()
+
+    async def snapshot(self, known_version: int = -1) -> RegistrySnapshot | None:
+        """The registry for routers; None when it has not changed since `known_version`."""
+        if known_version == self.registry.version:
+            return None
+        return self.registry.snapshot(self.targets, self._autoscale_report())
+
+    async def report(self, samples: list) -> None:
+        """Finished requests' latencies from a router (autoscale.RequestSample)."""
+        if self.autoscaler is not None:
+            self.autoscaler.record(samples)
+
+    async def scale(self, role: str, n: int) -> dict:
+        role = Role(role)
+        if not isinstance(n, int) or n < (1 if role is Role.DECODE else 0):
+            raise ConfigError(f"{role.value} pool size must be an integer >= {1 if role is Role.DECODE else 0}, "
+                              f"got {n!r}")
+        self.targets[role] = n
+        self.errors.pop(role, None)  # new targets: try again
+        self._reconcile()
+        return {r.value: t for r, t in self.targets.items()}
+
+    async def status(self) -> ClusterStatus:
+        rows = [status_row(r) for r in self.registry]
+        rows += [status_row(r) for r in self.registry.ended()[-16:]]
+        return ClusterStatus({r.value: t for r, t in self.targets.items()}, tuple(rows),
+                             {r.value: e for r, e in self.errors.items()}, self.registry.version,
+                             self._autoscale_report(), tuple(self._unplaced.values()))
+
+    async def ended(self) -> list[WorkerRecord]:
+        """Workers that stopped or died, newest last (with a drained worker's final counts)."""
+        return self.registry.ended()
+
+    async def attach(self, owner: str, handle=None) -> None:
+        """An ingress replica (`handle`: its actor, watched until it dies) owns this app."""
+        self.owners.attach(owner, handle)
+
+    async def detach(self, owner: str) -> None:
+        self.owners.detach(owner)
+
+    async def shutdown(self) -> None:
+        """Stop every worker and this actor."""
+        await self._stop_all()
+        await self._exit()
+
+    async def _exit(self) -> None:
+        """End this actor's own tasks (so none is destroyed pending, which Python reports at
+        exit), then the actor."""
+        tasks = [t for t in (self._loop, self._autoscaling, self._watching, *self._placing.values(),
+                             *self._describing.values(), *self._probes.values())
+                 if t is not None and t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        ray.actor.exit_actor()
+
+    # -- autoscaling ----------------------------------------------------------------------------
+    def _set_config_targets(self, cfg: DeployConfig) -> None:
+        """The targets a (new) config sets; a changed autoscale config starts a fresh autoscaler."""
+        if cfg.autoscale is None:
+            self.autoscaler = None
+        elif self.autoscaler is None or self.autoscaler.config != cfg.autoscale:
+            self.autoscaler = Autoscaler(cfg.autoscale)
+        a = self.autoscaler
+        self.targets = {r: a.initial(r, n) if a else n for r, n in ((Role.PREFILL, cfg.prefill),
+                                                                      (Role.DECODE, cfg.decode))}
+
+    def _autoscale_report(self) -> AutoscaleReport | None:
+        return None if self.autoscaler is None else self.autoscaler.report(self.targets)
+
+    async def _autoscale_forever(self) -> None:
+        while not self._closed:
+            a = self.autoscaler
+            await asyncio.sleep(a.config.interval_s if a else 1.0)
+            if a is None or a is not self.autoscaler or self._closed:
+                continue
+            try:
+                self._autoscale(a)
+            except Exception:  # a bad round must not stop autoscaling
+                log.exception("autoscaling failed")
+
+    def _autoscale(self, a: Autoscaler) -> None:
+        loads = {role: {str(r.id): r.load.stats for r in self.registry.pool(role, S.READY) if r.load is not None}
+                 for role in Role}
+        starting = {role: len(self.registry.pool(role, S.STARTING)) for role in Role}
+        decision = a.tick(time.time(), dict(self.targets), loads[Role.PREFILL], loads[Role.DECODE], starting)
+        for role in Role:
+            if decision.target(role) != self.targets[role]:
+                self.targets[role] = decision.target(role)
+                self.errors.pop(role, None)
+        self.registry.touch()  # routers export the new report
+        self._reconcile()
+
+    # -- reconciling ----------------------------------------------------------------------------
+    async def _reconcile_forever(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.cfg.probe_interval_s)
+            if self.owners.orphaned():
+                log.warning("the app's ingress is gone: stopping every worker")
+                await self._stop_all()
+                await self._exit()
+            try:
+                self._reconcile()
+            except Exception:  # never let one bad round stop the control loop
+                log.exception("reconcile failed")
+
+    def _reconcile(self) -> None:
+        for rec in self.registry:
+            if rec.state is S.STARTING and rec.id not in self._describing:
+                self._describing[rec.id] = asyncio.get_running_loop().create_task(self._register(rec))
+            elif rec.state in (S.READY, S.DRAINING) and rec.id not in self._probes:
+                self._probes[rec.id] = asyncio.get_running_loop().create_task(self._probe(rec.id))
+        for role in Role:
+            self._resize(role)
+        self.registry.check_invariants()
+
+    def _resize(self, role: Role) -> None:
+        active = self.registry.pool(role, S.STARTING, S.READY)
+        extra = len(active) - self.targets[role]
+        if extra > 0:
+            # starting ones first (nothing placed there yet), then the least loaded, newest first
+            order = sorted(active, key=lambda r: (r.state is S.READY, _busy(r.load), -r.since))
+            for rec in order[:extra]:
+                if rec.state is S.STARTING:
+                    self._end(rec.id, S.STOPPED, "scaled down before it was ready")
+                else:
+                    self.registry.move(rec.id, S.DRAINING)
+        elif extra < 0 and role not in self.errors:
+            for _ in range(-extra):
+                self._spawn(role)
+
+    def _spawn(self, role: Role) -> None:
+        wid = WorkerId.new(role)
+        try:
+            ranks = self.cfg.ranks(self.targets[Role.PREFILL], self.targets[Role.DECODE])  # a device each
+            share = gpu_share(str(self.cfg.engine.get("device", "auto")), ray.cluster_resources().get("GPU", 0.0),
+                              ranks, joined=self._joined, growing=self.autoscaler is not None)
+            spawned = spawn(self.cfg, wid, self._kinds, share)
+        except ConfigError as e:
+            self.errors[role] = str(e)
+            return
+        self._groups[wid] = spawned.group
+        self.registry.add(wid, spawned.handle)
+        self._placing[wid] = asyncio.get_running_loop().create_task(self._watch_placement(wid, spawned))
+
+    async def _watch_placement(self, wid: WorkerId, spawned) -> None:
+        """Until Ray places the worker's group: past the grace, `unplaced` says why; on a cluster
+        we started, a worker no node could ever hold ends its pool's growth."""
+        placed = asyncio.wrap_future(spawned.group.ready().future())
+        try:
+            done, _ = await asyncio.wait({placed}, timeout=PLACEMENT_GRACE_S)
+            if not done:
+                why = diagnose(wid.role, demand(spawned.bundles),
+                               [n["Resources"] for n in ray.nodes() if n.get("Alive")], ray.available_resources())
+                self._unplaced[wid] = why
+                log.warning("%s", why.message)
+                if why.infeasible and not self._joined and wid in self.registry:
+                    self.errors[wid.role] = why.message
+                    self._end(wid, S.DEAD, why.message)
+                    return
+                await placed
+        finally:
+            placed.cancel()
+            self._placing.pop(wid, None)
+            self._unplaced.pop(wid, None)
+
+    async def _register(self, rec: WorkerRecord) -> None:
+        try:
+            info = await rec.handle.describe.remote()
+        except Exception as e:
+            refused = config_error_in(e)
+            if refused is not None:
+                self.errors[rec.role] = str(refused)
+            if rec.id in self.registry and self.registry[rec.id].state is S.STARTING:
+                self._end(rec.id, S.DEAD, str(refused) if refused else "failed to start")
+            return
+        finally:
+            self._describing.pop(rec.id, None)
+        if rec.id in self.registry and self.registry[rec.id].state is S.STARTING:
+            self.registry.move(rec.id, S.READY, info=info)
+            log.info("worker %s ready on %s", rec.id, info.node_ip)
+
+    async def _probe(self, wid: WorkerId) -> None:
+        """Probe one worker until it leaves the registry. Readiness and liveness are apart: a
+        probe unanswered for `probe_timeout_s` takes the worker out of placement (routers see
+        it unresponsive) until it answers again; only silence for `dead_after_s`, or its actor
+        dying, makes it DEAD — a worker starved of CPU for a moment is not killed with its
+        requests."""
+        try:
+            while wid in self.registry and not self._closed:
+                rec = self.registry[wid]
+                sent = time.monotonic()
+                asked = asyncio.ensure_future(rec.handle.load.remote())
+                while True:
+                    done, _ = await asyncio.wait({asked}, timeout=self.cfg.probe_timeout_s)
+                    if done or wid not in self.registry:
+                        break
+                    self.registry.set_responsive(wid, False)
+                    if time.monotonic() - sent >= self.cfg.dead_after_s:
+                        self._end(wid, S.DEAD, f"no answer to health probes for {self.cfg.dead_after_s:g} s")
+                        return
+                if not done:
+                    return
+                try:
+                    load = asked.result()
+                except Exception as e:
+                    self._end(wid, S.DEAD, f"its actor died ({type(e).__name__})")
+                    return
+                if load.failure is not None:
+                    self._end(wid, S.DEAD, f"its engine stopped ({load.failure})")
+                    return
+                self.registry.observe(wid, load)
+                self.registry.set_responsive(wid, True)
+                if rec.state is S.DRAINING and load.idle and time.time() - rec.since >= self.cfg.drain_grace_s:
+                    await self._stop_drained(wid)
+                    return
+                await asyncio.sleep(self.cfg.probe_interval_s)
+        finally:
+            self._probes.pop(wid, None)
+
+    async def _stop_drained(self, wid: WorkerId) -> None:
+        handle = self.registry[wid].handle
+        try:
+            counts = await asyncio.wait_for(handle.check_invariants.remote(), 10)
+            await asyncio.wait_for(handle.close.remote(), 10)
+        except Exception as e:  # the invariant broke, or it died on the way out
+            self._end(wid, S.DEAD, f"failed while stopping: {type(e).__name__}: {e}")
+            return
+        self._end(wid, S.STOPPED, "drained", final_counts=counts)
+
+    def _end(self, wid: WorkerId, state: WorkerState, reason: str, **changes) -> None:
+        handle = self.registry[wid].handle
+        self.registry.move(wid, state, reason=reason, **changes)
+        if state is S.DEAD:
+            log.warning("worker %s is dead: %s", wid, reason)
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:
+            pass
+        watch = self._placing.pop(wid, None)
+        if watch is not None and watch is not asyncio.current_task():
+            watch.cancel()
+        group = self._groups.pop(wid, None)
+        if group is not None:  # its other ranks go with it, and its reservation
+            ray.util.remove_placement_group(group)
+
+    async def _stop_all(self) -> None:
+        """Every worker closed (all at once, each given 5 s: a slow machine's teardown stays
+        bounded), then killed."""
+        self._closed = True
+        self.targets = {r: 0 for r in Role}
+        records = list(self.registry)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(r.handle.close.remote() for r in records), return_exceptions=True),
+                                   5)
+        except asyncio.TimeoutError:
+            pass
+        for rec in records:
+            if rec.state is S.READY:
+                self.registry.move(rec.id, S.DRAINING)
+            self._end(rec.id, S.STOPPED, "the app stopped")
+
+
+
+def _busy(load: WorkerLoad | None) -> int:
+    return 0 if load is None else load.stats.num_waiting + load.stats.num_running + load.held
+
+
+def config_error_in(e: BaseException) -> ConfigError | None:
+    """The ConfigError a worker's constructor raised, recovered from Ray's actor error (which
+    keeps only its text)."""
+    marker = f"{ConfigError.__module__}.ConfigError: "
+    text = str(e)
+    if marker not in text:
+        return None
+    return ConfigError(text.rsplit(marker, 1)[1].strip().splitlines()[0])
+
+
+ControllerActor = ray.remote(Controller)
+
+
+def get_or_create(cfg: DeployConfig, joined: bool = True):
+    """The app's Controller: the running one if there is one, else a new detached one (its
+    pools start with `start`), on this node — the ingress's (on KubeRay the head), never a
+    worker pod the cluster autoscaler may take away."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    handle = ControllerActor.options(name=cfg.name, namespace=cfg.namespace, lifetime="detached",
+                                     get_if_exists=True, num_cpus=0, max_concurrency=1000,
+                                     scheduling_strategy=here).remote(cfg, joined)
+    return handle

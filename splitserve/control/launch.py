@@ -1,0 +1,140 @@
+"""Bringing an app up from a driver (`splitserve serve`, `Cluster.start`): join the Ray cluster
+that runs here or start one, refuse a configuration no worker could run before any actor
+starts, and wait until the Controller's pools are READY (printing progress), surfacing a
+worker's refusal of its configuration as a ConfigError in our words."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Callable
+
+import ray
+
+from splitserve.config import DeployConfig
+from splitserve.types import ConfigError, Role
+
+
+def connect_ray(address: str | None, num_cpus: int) -> bool:
+    """Join the cluster at `address` ("auto": the one running here), or, with no address, the
+    one running on this machine if any; else start a local one. True when we started it."""
+    if ray.is_initialized():
+        return False
+    found = address
+    if address in (None, "auto"):
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            found = canonicalize_bootstrap_address(address)
+        except Exception:  # "auto" with nothing running
+            if address == "auto":
+                raise ConfigError("--address auto: no Ray cluster is running on this machine") from None
+            found = None
+    if found is None:
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus), include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING)
+        return True
+    host, _, port = found.rpartition(":")
+    host = host.strip("[]")
+    if "://" not in found and port.isdigit():  # a GCS address (a ray:// client address is Ray's to check)
+        _check_answers(host, int(port))
+        _check_accepts(found)
+    kwargs = {}
+    try:
+        if ipaddress.ip_address(host).is_loopback:  # a local multi-node cluster: the driver joins the head's IP
+            kwargs["_node_ip_address"] = host
+    except ValueError:
+        pass
+    ray.init(address=found, log_to_driver=False, logging_level=logging.WARNING, **kwargs)
+    return False
+
+
+def _check_answers(host: str, port: int) -> None:
+    """Ray retries a cluster that is not there for minutes before it gives up: refuse at once."""
+    try:
+        with socket.create_connection((host, port), timeout=3.0):
+            return
+    except OSError as e:
+        raise ConfigError(f"cannot reach a Ray cluster at {host}:{port} ({e.strerror or e}): start one with "
+                          "`splitserve serve`, or name a running one with --address HOST:PORT") from None
+
+
+TOKEN_HINT = ("run it where the cluster's token is readable (~/.ray/auth_token), or set RAY_AUTH_TOKEN_PATH or "
+              "RAY_AUTH_TOKEN to the cluster's token")
+
+
+def _check_accepts(address: str) -> None:
+    """A cluster with token authentication that refuses this process's token: Ray retries for
+    half a minute, printing a warning a second; one GCS call says so at once."""
+    try:
+        from ray._raylet import GcsClient
+        from ray.exceptions import AuthenticationError
+    except ImportError:  # another Ray: leave it to ray.init
+        return
+    try:
+        with _quiet_stderr():  # the failed call's warning, from Ray's C++ logger
+            GcsClient(address=address)
+    except AuthenticationError:
+        raise ConfigError(f"the Ray cluster at {address} refused this process's authentication token: "
+                          f"{TOKEN_HINT}") from None
+    except Exception:  # anything else: ray.init says it
+        return
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def precheck(cfg: DeployConfig, joined: bool) -> None:
+    """What every worker would refuse, refused here (before any actor starts)."""
+    from splitserve.control.actors import gpu_share, resolve_transports, worker_placement  # torch: not for `status`
+    share = gpu_share(str(cfg.engine.get("device", "auto")), ray.cluster_resources().get("GPU", 0.0),
+                      cfg.ranks(cfg.prefill, cfg.decode), joined, growing=cfg.autoscale is not None)
+    for role in Role:
+        worker_placement(cfg, role, resolve_transports(cfg.transport), share)
+
+
+def wait_ready(controller, on_ready: Callable[[int, int], None] | None = None, timeout_s: float | None = None,
+               unplaced_s: float | None = 10.0, on_unplaced: Callable[[str], None] | None = None) -> None:
+    """Until every pool has its target of READY workers; a pool that cannot grow raises. A worker
+    Ray cannot place (the Controller says why, cluster/unplaced.py) raises ConfigError with that
+    reason once it has been unplaced for `unplaced_s` — at once when no node could ever hold it;
+    with `unplaced_s` None (a cluster whose autoscaler may add nodes) it is only reported."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    last, unplaced_since, said = -1, None, None
+    while True:
+        status = ray.get(controller.status.remote())
+        if status.errors:
+            raise ConfigError("; ".join(status.errors.values()))
+        why = status.unplaced[0] if status.unplaced else None
+        unplaced_since = None if why is None else unplaced_since or time.monotonic()
+        if why is not None and unplaced_s is not None and (
+                why.infeasible or time.monotonic() - unplaced_since >= unplaced_s):
+            raise ConfigError(why.message)
+        if why is not None and on_unplaced is not None and why.message != said:
+            on_unplaced(why.message)
+            said = why.message
+        ready = sum(1 for w in status.workers if w.state == "ready")
+        total = sum(status.targets.values())
+        if on_ready is not None and ready != last:
+            on_ready(ready, total)
+            last = ready
+        if ready >= total:
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"{ready} of {total} workers ready after {timeout_s:g} s")
+        time.sleep(0.2)

@@ -1,0 +1,67 @@
+"""What `Controller.status` answers (`splitserve status`): one row per worker, the pools'
+targets, why a pool cannot grow or a worker is not placed yet, the autoscaler's decisions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.control.autoscale import AutoscaleReport
+from splitserve.control.registry import WorkerRecord
+from splitserve.control.unplaced import Unplaced
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One line of `splitserve status`."""
+
+    id: str
+    role: str
+    state: str
+    node_ip: str
+    node_id: str
+    num_waiting: int
+    num_running: int
+    kv_usage: float
+    reason: str = ""
+    ranks: tuple[str, ...] = ()  # a tensor-parallel worker: every rank's node IP, rank 0 first
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    targets: dict
+    workers: tuple[WorkerStatus, ...]
+    errors: dict  # role -> why the pool cannot grow (a worker refused its configuration)
+    version: int
+    autoscale: AutoscaleReport | None = None
+    unplaced: tuple[Unplaced, ...] = ()  # pools with a worker Ray has not placed yet, and why
+
+    def to_json(self) -> dict:
+        from dataclasses import asdict
+
+        out = {"targets": dict(self.targets), "workers": [asdict(w) for w in self.workers],
+               "errors": dict(self.errors)}
+        if self.autoscale is not None:
+            a = self.autoscale
+            out["autoscale"] = {
+                "decisions": [{"role": r.value, "reason": why.value, "count": n} for r, why, n in a.decisions],
+                "last": None if a.last is None else _decision_json(a.last),
+                "changes": [_decision_json(d) for d in a.changes]}
+        return out
+
+
+def status_row(r: WorkerRecord) -> WorkerStatus:
+    s = r.load.stats if r.load else None
+    return WorkerStatus(str(r.id), r.role.value, r.state.value, r.node_ip, r.info.node_id if r.info else "",
+                        s.num_waiting if s else 0, s.num_running if s else 0,
+                        round(s.kv_usage, 4) if s else 0.0, r.reason, _rank_ips(r))
+
+
+def _rank_ips(r: WorkerRecord) -> tuple[str, ...]:
+    if r.info is None or not r.info.ranks:
+        return ()
+    return (r.node_ip, *(p.node_ip for p in r.info.ranks))
+
+
+def _decision_json(d) -> dict:
+    return {"at": d.at, "prefill": d.prefill, "decode": d.decode, "prefill_reason": d.prefill_reason.value,
+            "decode_reason": d.decode_reason.value, "detail": d.detail}

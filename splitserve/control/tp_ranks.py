@@ -1,0 +1,85 @@
+"""A tensor-parallel worker on Ray: its ranks 1..T-1 are actors in bundles 1..T-1 of the
+worker's placement group (STRICT_PACK: one node, so the group's collectives stay on it), started
+by rank 0 — the worker actor, in bundle 0 — from inside its Engine (`start_ray_group` is that
+Engine's rank launcher, parallel/launch.py). Rank 0 owns them: when the worker actor dies Ray
+takes its ranks along, and the Controller removes the placement group with the worker.
+
+A rank that dies breaks the group: rank 0's next collective fails (its engine stops), and
+`lost` tells health probes at once, so an idle group is replaced as fast as a busy one."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+from ray.util.placement_group import PlacementGroup, get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from splitserve.engine.parallel.group import DistGroup, GroupSpec, TPGroup
+from splitserve.engine.parallel.launch import end_followers, free_address, on_cuda, rank_main
+from splitserve.types import RankPlace
+
+
+@ray.remote(max_restarts=0, max_concurrency=2)  # `where` answers while `run` follows
+class TPRank:
+    def where(self) -> RankPlace:
+        return RankPlace(-1, ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
+
+    def run(self, config, spec: GroupSpec) -> int:
+        return rank_main(config, spec, gpu=0)  # Ray shows an actor only its own GPU, as device 0
+
+
+def bundles(size: int, cpus: float, gpus: float, resources: dict) -> list[dict]:
+    """One bundle per rank; the pool's own resources (its node group's) on rank 0's alone, so a
+    node of that group holds as many groups as it has of that resource."""
+    one = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    return [{**one, **(resources if r == 0 else {})} for r in range(size)]
+
+
+def placement(pg: PlacementGroup, rank: int) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank,
+                                            placement_group_capture_child_tasks=False)
+
+
+class RayRanks:
+    def __init__(self, actors: list, runs: list, places: tuple[RankPlace, ...]) -> None:
+        self.actors, self.runs, self._places = actors, runs, places
+
+    def places(self) -> tuple[RankPlace, ...]:
+        return self._places
+
+    def lost(self) -> str | None:
+        done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
+        if not done:
+            return None
+        return f"tensor-parallel rank {self.runs.index(done[0]) + 1} exited"
+
+    def stop(self, tp: TPGroup, timeout_s: float = 10.0) -> None:
+        end_followers(tp)
+        ray.wait(self.runs, num_returns=len(self.runs), timeout=timeout_s)
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        tp.close()
+
+
+def start_ray_group(config) -> tuple[DistGroup, RayRanks]:
+    """Ranks 1..T-1 in this actor's placement group, rank r in bundle r; joined as rank 0."""
+    pg = get_current_placement_group()
+    size = config.tensor_parallel_size
+    if pg is None or pg.bundle_count < size:
+        raise RuntimeError(f"a tensor-parallel worker of {size} ranks must run in a placement group of "
+                           f"{size} bundles")
+    spec = pg.bundle_specs[1]  # every rank's bundle is alike
+    address = free_address(ray.util.get_node_ip_address())
+    backend = "nccl" if on_cuda(config) else "gloo"
+    actors = [TPRank.options(num_cpus=spec.get("CPU", 1), num_gpus=spec.get("GPU", 0),
+                             scheduling_strategy=placement(pg, r)).remote() for r in range(1, size)]
+    places = tuple(RankPlace(r, p.node_id, p.node_ip, p.pid) for r, p in
+                   enumerate(ray.get([a.where.remote() for a in actors]), 1))
+    runs = [a.run.remote(config, GroupSpec(r, size, address, backend)) for r, a in enumerate(actors, 1)]
+    try:
+        return DistGroup(GroupSpec(0, size, address, backend)), RayRanks(actors, runs, places)
+    except Exception:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        raise

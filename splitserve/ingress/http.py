@@ -1,0 +1,331 @@
+"""The OpenAI-compatible HTTP ingress (DESIGN.md §1 step 1): /v1/completions and
+/v1/chat/completions (JSON or SSE streaming), /v1/models, /metrics, /health, /ready, and the
+OpenAPI document of them all at /openapi.json (`openapi.py`).
+
+Per request: parse and validate (`protocol`), tokenize once, then the shared `Frontend` fans
+prompts × n out into engine requests; a `RequestLease` admits and owns them, and this module
+answers in OpenAI's shapes. A JSON answer is computed inside the lease; a streamed one hands
+the lease to its `LeasedStreamingResponse`, which gives everything back when the ASGI call
+ends, however it ends (also when the client left before the body started). A client that
+disconnects closes the streams, which aborts its requests in the backend. Every failure the
+caller caused is a 4xx in the OpenAI error shape; lost workers are a 503, anything else a 500,
+in the same shape (streamed: an `error` event, then `[DONE]`). Each response carries its
+timing breakdown: `x-splitserve-<phase>-ms` headers on JSON responses, and
+`usage.splitserve_timings_ms` (JSON, and the streamed usage chunk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import weakref
+from typing import Any, AsyncIterator
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from splitserve.text.detokenizer import RequestText
+from splitserve.metrics import Metrics
+from splitserve.router.admission import Admission
+from splitserve.ingress.backend import Backend
+from splitserve.ingress.frontend import Choice, Frontend, failure, worst_timings
+from splitserve.ingress.lease import RequestLease
+from splitserve.ingress.openapi import document
+from splitserve.ingress.protocol import APIError, RequestOptions, parse_chat, parse_completion
+from splitserve.tenancy import KeyRing, RateLimiter, Tenant
+from splitserve.types import ConfigError
+
+MAX_BODY_BYTES = 8 << 20
+
+
+def error_response(e: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else {}
+    if e.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(e.to_dict(), status_code=e.status, headers=headers or None)
+
+
+async def read_json(request: HTTPRequest) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    body = b""
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+
+
+class OpenAIServer:
+    """`keys`: the API keys every route but /health and /ready requires (/metrics too, unless
+    the key file opens it); none: the server is open."""
+
+    def __init__(self, backend: Backend, metrics: Metrics | None = None, admission: Admission | None = None,
+                 keys: KeyRing | None = None, limiter: RateLimiter | None = None,
+                 max_tokens_default: int | None = None) -> None:
+        self.front = Frontend(backend, metrics, admission, keys, limiter, max_tokens_default)
+        self.backend, self.metrics, self.admission = backend, self.front.metrics, self.front.admission
+        self.app = Starlette(routes=[
+            Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
+        ])
+        self._document = document(backend.model_name)
+
+    def _tenant(self, request: HTTPRequest) -> Tenant:
+        return self.front.tenant(request.headers.get("authorization"))
+
+    # -- endpoints ------------------------------------------------------------------------------
+    async def models(self, request: HTTPRequest) -> JSONResponse:
+        try:
+            self._tenant(request)
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse({"object": "list", "data": [{"id": self.backend.model_name, "object": "model",
+                                                          "owned_by": "splitserve",
+                                                          "max_model_len": self.backend.max_model_len}]})
+
+    async def prometheus(self, request: HTTPRequest) -> Response:
+        try:
+            if not self.front.keys.metrics_open:
+                self._tenant(request)
+        except APIError as e:
+            return error_response(e)
+        self.front.export_worker_gauges()
+        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    async def openapi(self, request: HTTPRequest) -> JSONResponse:
+        try:
+            self._tenant(request)
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse(self._document)
+
+    async def health(self, _: HTTPRequest) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, _: HTTPRequest) -> JSONResponse:
+        if not self.backend.ready():
+            return error_response(APIError(503, "not ready: workers are still loading"))
+        return JSONResponse({"status": "ready"})
+
+    async def completions(self, request: HTTPRequest) -> Response:
+        try:
+            tenant = self._tenant(request)
+            req = parse_completion(await read_json(request), [self.backend.model_name], self.front.defaults)
+            prompts = [self.front.encode(p) for p in req.prompts]
+        except APIError as e:
+            return error_response(e)
+        return await self._serve(request, "text_completion", req.options.for_tenant(tenant), prompts, echo=req.echo)
+
+    async def chat(self, request: HTTPRequest) -> Response:
+        try:
+            tenant = self._tenant(request)
+            req = parse_chat(await read_json(request), [self.backend.model_name], self.front.defaults)
+            try:
+                ids = self.backend.tokenizer.encode_chat(list(req.messages))
+            except ConfigError as e:
+                raise APIError(400, str(e), "messages") from None
+            prompts = [self.front.check_ids(tuple(ids), "messages")]
+        except APIError as e:
+            return error_response(e)
+        return await self._serve(request, "chat.completion", req.options.for_tenant(tenant), prompts, echo=False)
+
+    # -- shared ---------------------------------------------------------------------------------
+    async def _serve(self, request: HTTPRequest, kind: str, opts: RequestOptions, prompts, echo: bool) -> Response:
+        try:
+            rid, choices, reqs = self.front.requests(opts, prompts)
+        except APIError as e:
+            return error_response(e)
+        try:
+            async with RequestLease(self.front, opts, reqs, choices) as lease:
+                if opts.stream:
+                    return LeasedStreamingResponse(lease, self._sse(kind, rid, opts, lease))
+                if not await _run_to_end(request, lease.streams):
+                    return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        except Exception as e:  # refused or failed; the lease has given everything back
+            return error_response(failure(e))
+        timings = worst_timings(choices)
+        headers = {f"x-splitserve-{k.replace('_', '-')}-ms": f"{v * 1e3:.1f}" for k, v in timings.items()}
+        return JSONResponse(self._full_body(kind, rid, opts, choices, echo), headers=headers)
+
+    async def _sse(self, kind: str, rid: str, opts: RequestOptions, lease: RequestLease) -> AsyncIterator[bytes]:
+        """The events of one streamed answer. Only its pumps are its own: the streams and the
+        slots belong to the lease, which the response closes after this ends."""
+        created, queue, choices = int(time.time()), asyncio.Queue(), lease.choices
+
+        async def pump(i: int) -> None:
+            try:
+                async for _ in lease.streams[i]:
+                    await queue.put(i)
+            except Exception as e:  # surfaced as an error event, never a broken stream
+                await queue.put(e)
+            await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(lease.streams))]
+        live, failed = len(tasks), False
+        try:
+            while live and not failed:
+                item = await queue.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, Exception):
+                    # As in a JSON answer, one failed choice ends the whole answer; the lease
+                    # aborts the others.
+                    failed = True
+                    yield _sse(failure(item).to_dict())
+                else:
+                    event = self._delta(kind, rid, created, choices[item])
+                    if event is not None:
+                        yield _sse(event)
+            if opts.include_usage and not failed:
+                yield _sse({"id": rid, "object": _chunk_kind(kind), "created": created, "model": opts.model,
+                            "choices": [], "usage": _usage(choices)})
+            yield b"data: [DONE]\n\n"
+        finally:  # done, failed, or the client went away: nobody iterates a stream after this
+            for t in tasks:
+                t.cancel()
+            with anyio.CancelScope(shield=True):  # a second cancel must not leave a pump running
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _delta(self, kind: str, rid: str, created: int, c: Choice) -> dict | None:
+        t = c.text
+        new = c.take_text()
+        reason = t.finish_reason.value if t.finished else None
+        if not new and reason is None:
+            return None
+        if kind == "chat.completion":
+            choice = {"index": c.index, "delta": {"role": "assistant", "content": new}, "finish_reason": reason}
+        else:
+            choice = {"index": c.index, "text": new, "finish_reason": reason}
+        return {"id": rid, "object": _chunk_kind(kind), "created": created, "model": self.backend.model_name,
+                "choices": [choice]}
+
+    def _full_body(self, kind, rid, opts, choices: list[Choice], echo: bool) -> dict:
+        out = []
+        for c in choices:
+            t = c.text
+            reason = t.finish_reason.value if t.finish_reason else None
+            if kind == "chat.completion":
+                out.append({"index": c.index, "message": {"role": "assistant", "content": t.text},
+                            "logprobs": _chat_logprobs(t, self.backend.tokenizer), "finish_reason": reason})
+            else:
+                prefix = self.backend.tokenizer.decode(c.prompt_ids) if echo else ""
+                out.append({"index": c.index, "text": prefix + t.text, "logprobs": _cmpl_logprobs(t, self.backend.tokenizer),
+                            "finish_reason": reason, "stop_reason": t.stop_reason})
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": opts.model, "choices": out,
+                "usage": _usage(choices)}
+
+
+class LeasedStreamingResponse(StreamingResponse):
+    """An SSE answer that owns its request's lease. Starlette may never start the body (the
+    client left before the response started: a failed send, a disconnect seen first, a cancel)
+    or never finish it, and then no code in the body runs; so the lease is closed when this
+    response's ASGI call ends, however it ends — or, for a response dropped without ever being
+    called, when it is collected (nothing can have started then: releasing the slots is all)."""
+
+    def __init__(self, lease: RequestLease, body: AsyncIterator[bytes]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self.lease = lease.hand_over()
+        weakref.finalize(self, lease.release)  # a no-op once the lease is closed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:  # the body first: its own cleanup stops its pumps, so nobody iterates a stream
+                with anyio.CancelScope(shield=True):
+                    await self.body_iterator.aclose()
+            finally:
+                await self.lease.aclose()
+
+
+async def _run_to_end(request: HTTPRequest, streams: list[AsyncIterator[None]]) -> bool:
+    """Drive every stream to its end; False if the client left first. A failing stream raises
+    (the caller's lease then aborts the others). Not every server cancels a handler whose
+    client left (uvicorn does not): watch for it, so nobody's tokens are generated for nobody."""
+    tasks = [asyncio.ensure_future(_drain(s)) for s in streams]
+    gone = asyncio.ensure_future(_until_disconnected(request))
+    work = asyncio.gather(*tasks)
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and gone.exception() is None:
+            return False
+        await work  # (a receive() that failed says nothing about the client: keep waiting)
+        return True
+    finally:  # done, failed, cancelled or abandoned: nobody iterates a stream once this returns
+        for t in (*tasks, gone):
+            t.cancel()
+        await asyncio.gather(*tasks, gone, work, return_exceptions=True)
+
+
+async def _until_disconnected(request: HTTPRequest) -> None:
+    """Returns once the client has gone. The body has been read, so the next ASGI message is
+    the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _drain(stream: AsyncIterator[None]) -> None:
+    async for _ in stream:
+        pass
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _chunk_kind(kind: str) -> str:
+    return "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+
+
+def _usage(choices: list[Choice]) -> dict:
+    # Each prompt counts once however many samples (n) continue it — identical prompts included.
+    prompt = sum(len(c.prompt_ids) for c in {c.prompt_index: c for c in choices}.values())
+    completion = sum(len(c.text.token_ids) for c in choices)
+    cached = sum(c.text.num_cached_tokens for c in choices)
+    timings = {k: round(v * 1e3, 1) for k, v in worst_timings(choices).items()}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}, "splitserve_timings_ms": timings}
+
+
+def _cmpl_logprobs(t: RequestText, tok) -> dict | None:
+    if t.params.logprobs is None:
+        return None
+    toks = [tok.decode([lp.token_id], skip_special_tokens=False) for lp in t.logprobs]
+    return {"tokens": toks, "token_logprobs": [lp.logprob for lp in t.logprobs],
+            "top_logprobs": [{tok.decode([i], skip_special_tokens=False): v for i, v in lp.top} for lp in t.logprobs],
+            "text_offset": _offsets(toks)}
+
+
+def _chat_logprobs(t: RequestText, tok) -> dict | None:
+    if t.params.logprobs is None:
+        return None
+
+    def entry(i: int, v: float) -> dict:
+        s = tok.decode([i], skip_special_tokens=False)
+        return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                        for lp in t.logprobs]}
+
+
+def _offsets(toks: list[str]) -> list[int]:
+    out, pos = [], 0
+    for s in toks:
+        out.append(pos)
+        pos += len(s)
+    return out

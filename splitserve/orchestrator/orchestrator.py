@@ -1,0 +1,70 @@
+"""One request's path through the pools (DESIGN.md §1 steps 4–8): `plan` places it (the
+policy's placement over the Directory's views; the one placement path) and hands admission both
+workers' load; `stream` runs it as a `RequestRun` (request_run.py), which owns it from then on:
+prefill → handoff → decode, placing it again when a prefill worker fails and migrating it when a
+decode worker is lost.
+
+Errors a caller sees are ours (`ServiceUnavailable`, ConfigError), never Ray's text (actor ids,
+pids, addresses).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from splitserve.router.directory import Directory, Route
+from splitserve.orchestrator.request_run import RequestRun
+from splitserve.control.autoscale.window import RequestSample
+from splitserve.orchestrator.trace import RequestTrace
+from splitserve.router.admission import Plan
+from splitserve.types import Request, TokenChunk
+
+__all__ = ["Orchestrator", "RequestTrace"]
+
+
+class Orchestrator:
+    def __init__(self, directory: Directory, traces: int = 4096, migration_limit: int = 3,
+                 inactivity_timeout_s: float = 30.0, prefill_timeout_s: float = 120.0) -> None:
+        self.directory = directory
+        self.migration_limit = migration_limit
+        self.inactivity_timeout_s, self.prefill_timeout_s = inactivity_timeout_s, prefill_timeout_s
+        self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=traces)  # recent only
+        self.prefill_failures = 0
+        self.migrations = 0
+        # finished requests' latencies, for the Controller's autoscaler (the backend sends them)
+        self.samples: collections.deque[RequestSample] = collections.deque(maxlen=10_000)
+
+    def plan(self, req: Request) -> Plan:
+        route = self.directory.place(req)
+        d = self.directory
+        first = route.prefill or route.decode
+        return Plan(first.id, d.stats(first.id), route.decode.id, d.stats(route.decode.id), route.cached_tokens,
+                    route)
+
+    async def stream(self, req: Request, plan: Plan | None = None) -> AsyncIterator[TokenChunk]:
+        """The request's chunks: the first token as soon as the prefill worker has it, then the
+        decode worker's. Closing the iterator early releases the request on every worker."""
+        route: Route = plan.route if plan is not None else self.plan(req).route
+        trace = RequestTrace(req.request_id, time.time())
+        self.traces.append(trace)
+        run = RequestRun(self, req, route, trace)
+        start, first, tokens = time.monotonic(), None, 0
+        try:
+            async with aclosing(run.chunks()) as chunks:
+                async for chunk in chunks:
+                    if chunk.token_ids and first is None:
+                        first = time.monotonic()
+                    tokens += len(chunk.token_ids)
+                    yield chunk
+        finally:
+            run.close()
+            self.samples.append(_sample(start, first, tokens))
+
+
+def _sample(start: float, first: float | None, tokens: int) -> RequestSample:
+    end = time.monotonic()
+    tpot = (end - first) / (tokens - 1) if first is not None and tokens > 1 else None
+    return RequestSample(time.time(), None if first is None else first - start, tpot)

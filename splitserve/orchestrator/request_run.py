@@ -1,0 +1,312 @@
+"""One request's life on the pools, owned by one coroutine (DESIGN.md §1 steps 5–8 and "Failure
+paths"): `RequestRun` holds the route in use (and so its pending counts), the tokens delivered
+so far and the workers that failed this request, and replaces the route when a worker is lost.
+
+  * Prefill: a prefill worker that fails, or does not answer within `prefill_timeout_s`, is
+    excluded and the request placed again (at most `PREFILL_ATTEMPTS` times); a request the
+    engine refuses (ConfigError) fails at once, as every worker would refuse it.
+  * Decode: a decode worker that dies, fails, sends nothing for `inactivity_timeout_s`, or
+    ends the stream unasked, is excluded (one that only went silent is taken again when no
+    other can, its silent attempt aborted) and the request migrates: placed again by its whole
+    context (prompt + delivered tokens; through a prefill worker when the policy finds it worth
+    it) with the delivered tokens as `outputs`, so the new worker continues right after them
+    (seeded sampling too: the engine fast-forwards the request's generator). Up to
+    `migration_limit` moves, each under its own engine id (`<id>~<move>`); past the limit, or
+    with no worker left, `ServiceUnavailable`.
+  * However the caller leaves, closing the stream (each level closed by `aclosing`, at once)
+    aborts the request where it still runs; the decode worker settles the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator, NamedTuple
+
+from splitserve.router.directory import Route
+from splitserve.orchestrator.trace import RequestTrace
+from splitserve.kv_transfer.base import TransferError
+from splitserve.router.policy import NoCapacity
+from splitserve.types import ConfigError, FinishReason, Request, ServiceUnavailable, TokenChunk, WorkerId
+
+log = logging.getLogger(__name__)
+PREFILL_ATTEMPTS = 3  # prefill workers one request may fail on before it gives up
+PLACE_WAIT_S = 5.0  # how long a request placed again waits for a worker to come back into placement
+LATE_RESULT_WAIT_S = 60.0  # how long an abandoned prefill's result is waited for, to release it
+ABORT_WAIT_S = 2.0  # how long an abort sent to a worker is waited for (a stalled one may never answer)
+
+
+class DecodeLost(Exception):
+    """The decode worker stopped serving this request (died, failed, went silent)."""
+
+    def __init__(self, why: str, worker_may_run: bool) -> None:
+        super().__init__(why)
+        self.why = why
+        self.worker_may_run = worker_may_run  # it may still be working on it: tell it to stop
+
+
+class Prefilled(NamedTuple):
+    result: Any  # PrefillResult
+    worker: Any  # the WorkerRecord that computed it
+
+
+class RequestRun:
+    def __init__(self, o, req: Request, route: Route, trace: RequestTrace) -> None:
+        if req.prompt_hashes is None and route.hashes is not None:  # the engines reuse the ingress's hashes
+            req = dataclasses.replace(req, prompt_hashes=route.hashes)
+        self.o, self.req, self.route, self.trace = o, req, route, trace
+        self.delivered: list[int] = []
+        self.failed: set[WorkerId] = set()  # workers this request must not be placed on again
+        self.stalled: set[WorkerId] = set()  # went silent on it: taken again only when no other can
+        self._prefill_failures = 0
+        self._last_at: float | None = None  # when the last token was delivered
+        self._lost_at: float | None = None  # the last delivery before a migration
+
+    def close(self) -> None:
+        self.route.close()
+
+    async def chunks(self) -> AsyncIterator[TokenChunk]:
+        while True:
+            try:
+                async with aclosing(self._attempt()) as attempt:
+                    async for chunk in attempt:
+                        yield chunk
+                return
+            except DecodeLost as lost:
+                await self._migrate(lost.why)
+
+    # -- one attempt: (prefill →) decode on the current route -----------------------------------
+    async def _attempt(self) -> AsyncIterator[TokenChunk]:
+        pre = await self._prefilled()
+        if pre is None:
+            gen, first = self._start_decode(None, None), None
+        else:
+            r = pre.result
+            self.trace.prefill_worker, self.trace.transport = str(pre.worker.id), self.route.transport
+            self.trace.prefill_done_to_first_token_s = time.time() - r.done_at
+            if r.handoff is None:  # finished during prefill (EOS, max_tokens)
+                self._deliver(r.chunk)
+                yield r.chunk
+                return
+            # The pull starts now, while the first token is on its way to the caller.
+            gen, first = self._start_decode(r.handoff, pre.worker.handle), r.chunk
+        try:
+            async with aclosing(self._decode(gen, first)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except DecodeLost:
+            if pre is not None:  # free its source blocks now, before it may be prefilled there again
+                await _bounded(pre.worker.handle.ack.remote(pre.result.handoff.lease_id))
+            raise
+
+    async def _prefilled(self) -> Prefilled | None:
+        """The prefill result and its worker, or None when the request runs aggregated."""
+        while self.route.prefill is not None:
+            worker = self.route.prefill
+            result = await self._prefill(worker)
+            if result is not None:
+                return Prefilled(result, worker)
+            self._prefill_failures += 1
+            self.failed.add(worker.id)
+            if self._prefill_failures >= PREFILL_ATTEMPTS:
+                raise ServiceUnavailable(f"{self._prefill_failures} prefill workers failed this request")
+            self._replace(await self._place("its prefill worker failed"))
+        return None
+
+    async def _prefill(self, worker):
+        """Its PrefillResult, or None when the worker failed (it leaves placement)."""
+        reader = self.route.decode.info
+        readers = 1 + len(reader.ranks) if reader is not None else 1  # its tensor-parallel size
+        ref = worker.handle.prefill.remote(self.req, self.route.transport, tuple(self.delivered), readers)
+        try:
+            result = await asyncio.wait_for(_awaitable(ref), self.o.prefill_timeout_s)
+        except asyncio.CancelledError:  # the caller left: stop the prefill (and its lease) now
+            _abandon(ref, worker)
+            raise
+        except ConfigError as e:  # the request is at fault, not the worker: all would refuse it
+            raise getattr(e, "cause", e) from None  # (Ray's wrapper carries the remote traceback)
+        except Exception as e:  # the actor died, its engine failed, or it did not answer in time
+            _abandon(ref, worker)
+            log.warning("prefill of %s on %s failed (%s); placing it again", self.req.request_id, worker.id,
+                        type(e).__name__)
+            self.o.prefill_failures += 1
+            self.o.directory.mark_failed(worker.id)
+            return None
+        self.route.confirm(worker.id)
+        return result
+
+    def _start_decode(self, handoff, prefill_handle):
+        """The decode worker's stream; `outputs` as of now (with a handoff: before its first token)."""
+        d = self.route.decode
+        self.trace.decode_worker = str(d.id)
+        return d.handle.generate.options(num_returns="streaming").remote(self.req, handoff, prefill_handle,
+                                                                         tuple(self.delivered))
+
+    async def _decode(self, gen, first: TokenChunk | None) -> AsyncIterator[TokenChunk]:
+        """The decode stream's chunks (after `first`, the prefill worker's token). Whatever ends
+        it early — the caller leaving, the worker going silent — tells the worker to stop."""
+        decode, stop_worker, stalled = self.route.decode, True, False
+        try:
+            if first is not None:
+                self._deliver(first)
+                yield first
+            first_at = time.monotonic()
+            async with aclosing(_within(gen, self.o.inactivity_timeout_s)) as chunks:
+                async for chunk in chunks:
+                    self.route.confirm(decode.id)
+                    if chunk.finish_reason is FinishReason.ABORT:  # nobody here asked for that
+                        raise DecodeLost("ended the stream", worker_may_run=False)
+                    if first is not None and self.trace.first_to_second_token_s is None and chunk.token_ids:
+                        self.trace.first_to_second_token_s = time.monotonic() - first_at
+                    self._deliver(chunk)
+                    yield chunk
+                    if chunk.finished:
+                        stop_worker = False
+                        return
+            raise DecodeLost("ended the stream early", worker_may_run=False)
+        except Exception as e:
+            lost = _classify(e)
+            stop_worker = stalled = lost.worker_may_run
+            log.warning("decode worker %s lost %s (%s)", decode.id, self.req.request_id, lost.why)
+            (self.stalled if lost.worker_may_run else self.failed).add(decode.id)
+            self.o.directory.mark_failed(decode.id)
+            raise lost from None
+        finally:
+            if stalled:  # it gets the abort when it resumes; the request moves on now
+                _fire(decode.handle.abort.remote(self.req.request_id))
+            elif stop_worker:  # the caller left: stopped before its slot is given back (bounded)
+                await _bounded(decode.handle.abort.remote(self.req.request_id))
+
+    # -- deliveries and moves -------------------------------------------------------------------
+    def _deliver(self, chunk: TokenChunk) -> None:
+        if not chunk.token_ids:
+            return
+        now = time.monotonic()
+        if self._lost_at is not None:  # the first token after a migration
+            self.trace.migration_gaps_s.append(now - self._lost_at)
+            self._lost_at = None
+        self._last_at = now
+        self.delivered.extend(chunk.token_ids)
+
+    async def _migrate(self, why: str) -> None:
+        what = f"the decode worker serving this request {why}"
+        if self.trace.migrations >= self.o.migration_limit:
+            raise ServiceUnavailable(f"{what}; it had moved {self.trace.migrations} times already, the limit")
+        if self._lost_at is None:  # the gap the client sees: from the last token it got
+            self._lost_at = self._last_at or time.monotonic()
+        self._replace(await self._place(what))
+        self.trace.migrations += 1
+        # Each move runs under its own engine id: an abort sent to a worker that went silent on
+        # this request can never meet the attempt that replaced it, on that worker or another.
+        self.req = dataclasses.replace(self.req, request_id=f"{self.trace.request_id}~{self.trace.migrations}")
+        self.trace.migrated_after.append(len(self.delivered))
+        self.o.migrations += 1
+        log.info("request %s migrates to %s after %d tokens (%s)", self.req.request_id, self.route.decode.id,
+                 len(self.delivered), why)
+
+    async def _place(self, why: str) -> Route:
+        """Placed again by its whole context, as a new request of that length would be: through a
+        prefill worker when the policy finds it worth it, else on a decode worker that computes
+        what its prefix cache lacks; never on a worker that failed it, and on one that only went
+        silent on it (slow, not broken: a survivor busy with a lost worker's streams) only when
+        no other can take it. With none to take it now, it waits up to PLACE_WAIT_S for one (a
+        survivor whose probe went unanswered is out of placement for a moment, not gone)."""
+        context = dataclasses.replace(self.req, prompt_token_ids=self.req.prompt_token_ids + tuple(self.delivered),
+                                      prompt_hashes=None)  # hashed whole by the placement
+        deadline = time.monotonic() + PLACE_WAIT_S
+        while True:
+            for exclude in (self.failed | self.stalled, self.failed):
+                try:
+                    return self.o.directory.place(context, exclude=frozenset(exclude))
+                except NoCapacity:
+                    pass
+            if time.monotonic() >= deadline:
+                raise ServiceUnavailable(f"{why}, and no other worker can take this request now") from None
+            await asyncio.sleep(0.05)
+
+    def _replace(self, route: Route) -> None:
+        self.route.close()
+        self.route = route
+
+
+def _classify(e: Exception) -> DecodeLost:
+    """A decode stream's failure: the request's own (raised as is) or the worker's (DecodeLost)."""
+    if isinstance(e, DecodeLost):
+        return e
+    if isinstance(e, (ConfigError, TransferError)):  # moving the request would not help
+        raise getattr(e, "cause", None) or e from None
+    if _is_actor_death(e):
+        return DecodeLost("was lost", worker_may_run=False)
+    return DecodeLost(f"failed ({type(e).__name__})", worker_may_run=False)  # it aborted it itself
+
+
+async def _within(gen, timeout_s: float) -> AsyncIterator[TokenChunk]:
+    """A decode stream's chunks, each within `timeout_s` of the one before (else DecodeLost)."""
+    it = gen.__aiter__()
+    while True:
+        try:
+            ref = await asyncio.wait_for(it.__anext__(), timeout_s)
+            chunk = await asyncio.wait_for(_awaitable(ref), timeout_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise DecodeLost(f"sent nothing for {timeout_s:g} s", worker_may_run=True) from None
+        yield chunk
+
+
+async def _awaitable(ref: Any) -> Any:
+    return await ref
+
+
+def _is_actor_death(e: BaseException) -> bool:
+    try:
+        import ray
+
+        return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+    except ImportError:
+        return False
+
+
+async def _bounded(ref: Any) -> None:
+    """Wait for a call to a worker, but not long: it may be gone or stalled."""
+    try:
+        await asyncio.wait_for(_awaitable(ref), ABORT_WAIT_S)
+    except Exception:  # gone or stalled: nothing more to do there now
+        pass
+
+
+_background: set[asyncio.Task] = set()  # work nobody waits for, referenced until it settles
+
+
+def _in_background(coro) -> None:
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+def _fire(ref: Any) -> None:
+    _in_background(_bounded(ref))
+
+
+def _abandon(ref, worker) -> None:
+    """Stop a prefill nobody waits for any more; a result that arrives anyway has its lease
+    acknowledged at once (its blocks would otherwise stay pinned until the lease lapses)."""
+    try:
+        import ray
+
+        ray.cancel(ref)  # an async actor method gets CancelledError and frees what it holds
+    except Exception:  # not a Ray ref (tests), or already finished
+        pass
+
+    async def release_late() -> None:
+        try:
+            result = await asyncio.wait_for(_awaitable(ref), LATE_RESULT_WAIT_S)
+        except BaseException:  # cancelled, failed or stalled: it frees its blocks itself (or its lease lapses)
+            return
+        if getattr(result, "handoff", None) is not None:
+            await _bounded(worker.handle.ack.remote(result.handoff.lease_id))
+
+    _in_background(release_late())

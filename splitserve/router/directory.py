@@ -1,0 +1,242 @@
+"""A router replica's view of the cluster (DESIGN.md §4 "Ray": router replicas read the
+registry and worker load in the background, never on the request path).
+
+Two kinds of background task keep it fresh:
+  * the registry watcher asks the Controller for the registry when its version changes (every
+    `registry_interval_s`): workers that appear get a poller, workers that leave (drained,
+    dead) leave placement and the KV index;
+  * one poller per registered worker pulls its load and KV events (`snapshot`, at least once
+    delivery, see worker/kv_events.py) every `load_interval_s`; one slow worker delays only
+    its own view. A worker whose calls fail leaves placement at once.
+
+`place` runs the placement policy over these views without waiting on anything. It also counts
+what this router placed on each worker and has not yet seen in that worker's reported load
+(`Pending`), so a burst of simultaneous requests spreads over the pool instead of landing on
+the worker that looked idle in the last snapshot. With a `SharedLoad` (Redis), the counts the
+other router replicas placed are added in too, read in the background like everything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from splitserve.control.registry import RegistrySnapshot, WorkerRecord
+from splitserve.kv_transfer import choose_transport
+from splitserve.router.pending import Pending
+from splitserve.router.policy import RouteRequest, Router, WorkerView
+from splitserve.router.view_cache import ViewCache
+from splitserve.types import PromptHashes, Request, Role, WorkerId, WorkerState, WorkerStats
+
+log = logging.getLogger(__name__)
+
+
+class RegistrySource(Protocol):
+    async def fetch(self, known_version: int) -> RegistrySnapshot | None:
+        """The registry if its version differs from `known_version`, else None."""
+
+
+@dataclass
+class Route:
+    """Where one request runs: its prefill worker (None: the decode worker prefills it), its
+    decode worker, the prompt tokens expected cached where it is prefilled, and the KV
+    transport for the pair. Holds this router's pending counts until `close`."""
+
+    prefill: WorkerRecord | None
+    decode: WorkerRecord
+    cached_tokens: int
+    transport: str | None
+    _directory: "Directory" = field(repr=False)
+    hashes: PromptHashes | None = field(default=None, repr=False)  # the placed context's, as routed
+    _tickets: dict = field(default_factory=dict, repr=False)
+
+    def confirm(self, wid: WorkerId) -> None:
+        """The worker has the request: from its next snapshot on, its own load counts it."""
+        if wid in self._tickets:
+            self._directory.pending.confirm(wid, self._tickets[wid])
+
+    def close(self) -> None:
+        for wid, t in self._tickets.items():
+            self._directory.pending.done(wid, t)
+        self._tickets.clear()
+
+
+class Directory:
+    def __init__(self, source: RegistrySource, policy: Router, block_size: int = 16,
+                 registry_interval_s: float = 0.2, load_interval_s: float = 0.05, answer_timeout_s: float = 5.0,
+                 clock=time.monotonic) -> None:
+        self.source, self.policy, self.block_size = source, policy, block_size
+        self.registry_interval_s, self.load_interval_s, self.answer_timeout_s = (
+            registry_interval_s, load_interval_s, answer_timeout_s)
+        self.router_id = uuid.uuid4().hex  # each router replica acknowledges KV events on its own
+        self._clock = clock
+        self.pending = Pending(clock=clock, on_change=self._stale)
+        self._views = ViewCache(lambda wid: self.view(self.records[wid]), self.pending, clock)
+        self.version = -1
+        self.records: dict[WorkerId, WorkerRecord] = {}
+        self._stats: dict[WorkerId, WorkerStats] = {}
+        self._acked: dict[WorkerId, int] = {}
+        self._seen_at: dict[WorkerId, float] = {}
+        self._failed: set[WorkerId] = set()  # its calls fail: out of placement until it answers
+        self._pollers: dict[WorkerId, asyncio.Task] = {}
+        self._watcher: asyncio.Task | None = None
+        self.autoscale = None  # the Controller's last AutoscaleReport (None: fixed pools)
+        self.shared = None  # shared_state.SharedLoad, set before start: the other replicas' pending counts (None: this one's only)
+        self._sharer: asyncio.Task | None = None
+
+    # -- background -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """First registry read (waits for it), then the background tasks."""
+        self.apply_registry(await self.source.fetch(self.version))
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_registry())
+        if self.shared is not None:
+            self._sharer = asyncio.get_running_loop().create_task(self.shared.run(self._my_pending, self._others_moved))
+
+    def _my_pending(self) -> dict[str, int]:
+        counts = {str(w): self.pending.count(w, self._seen_at.get(w)) for w in self.records}
+        return {w: n for w, n in counts.items() if n}
+
+    def _others_moved(self, workers: set[str]) -> None:
+        for wid in self.records:
+            if str(wid) in workers:
+                self._stale(wid)
+
+    def stop(self) -> None:
+        for task in [self._watcher, self._sharer, *self._pollers.values()]:
+            if task is not None:
+                task.cancel()
+        self._pollers.clear()
+
+    async def _watch_registry(self) -> None:
+        while True:
+            await asyncio.sleep(self.registry_interval_s)
+            try:
+                self.apply_registry(await self.source.fetch(self.version))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the Controller is away: keep routing on what we know
+                log.warning("registry refresh failed: %s", e)
+
+    def apply_registry(self, snap: RegistrySnapshot | None) -> None:
+        if snap is None or snap.version == self.version:
+            return
+        self.version = snap.version
+        self.autoscale = snap.autoscale
+        records = {w.id: w for w in snap.workers if w.state in (WorkerState.READY, WorkerState.DRAINING)}
+        for wid in set(self.records) - set(records):
+            self._forget(wid)
+            task = self._pollers.pop(wid, None)
+            if task is not None:
+                task.cancel()
+        self.records = records
+        self._stale()
+        for wid in records:
+            if wid not in self._pollers:
+                self._pollers[wid] = asyncio.get_running_loop().create_task(self._poll(wid))
+
+    def _forget(self, wid: WorkerId) -> None:
+        self._stale(wid)
+        self._stats.pop(wid, None)
+        self._acked.pop(wid, None)  # so its next answer is a full listing
+        self._seen_at.pop(wid, None)
+        self.pending.forget(wid)
+        self.policy.index.remove_worker(wid)
+
+    async def _poll(self, wid: WorkerId) -> None:
+        asked = None  # a call still unanswered is waited on again, never sent twice
+        while wid in self.records:
+            if asked is None:
+                sent = self._clock()
+                asked = asyncio.ensure_future(self.records[wid].handle.snapshot.remote(self._acked.get(wid),
+                                                                                      self.router_id))
+            done, _ = await asyncio.wait({asked}, timeout=self.answer_timeout_s)
+            if done:
+                self._apply_snapshot(wid, asked, sent)
+                asked = None
+            await asyncio.sleep(self.load_interval_s)
+
+    def _apply_snapshot(self, wid: WorkerId, answer: asyncio.Future, sent: float) -> None:
+        if wid not in self.records:
+            return
+        try:
+            snap = answer.result()
+        except Exception as e:  # dead or failing: out of placement now, its cache forgotten
+            if wid not in self._failed:
+                log.warning("worker %s does not answer: %s", wid, type(e).__name__)
+            self._failed.add(wid)
+            self._forget(wid)
+            return
+        self._failed.discard(wid)
+        self._stale(wid)
+        self._stats[wid] = snap.stats
+        self._acked[wid] = snap.seq
+        self._seen_at[wid] = sent
+        if snap.reset:
+            self.policy.index.remove_worker(wid)
+        self.policy.index.apply(wid, snap.events)
+
+    # -- reading ----------------------------------------------------------------------------------
+    def mark_failed(self, wid: WorkerId) -> None:
+        """A request's call to this worker failed: out of placement until it answers again."""
+        self._failed.add(wid)
+        self._stale(wid)
+
+    def stats(self, wid: WorkerId) -> WorkerStats | None:
+        return self._stats.get(wid)
+
+    def view(self, rec: WorkerRecord) -> WorkerView:
+        wid = rec.id
+        pending = self.pending.count(wid, self._seen_at.get(wid))
+        if self.shared is not None:
+            pending += self.shared.others.get(str(wid), 0)
+        healthy = rec.state is WorkerState.READY and rec.responsive and wid not in self._failed
+        return WorkerView.of(wid, rec.role, rec.node_ip, self._stats.get(wid), pending, healthy,
+                             rec.state is WorkerState.DRAINING)
+
+    def views(self, role: Role | None = None) -> tuple[WorkerView, ...]:
+        """The workers' views (of one role), the same objects until a worker's facts change:
+        the policy re-scores only the views that are new (router/policy.py Pool)."""
+        return self._views.pool(role, lambda: (r.id for r in self.records.values() if role is None or r.role is role))
+
+    def _stale(self, wid: WorkerId | None = None) -> None:
+        """A worker's facts changed (None: any worker's): its view is built again when next asked."""
+        self._views.stale(wid)
+
+    def ready(self) -> bool:
+        return any(v.healthy for v in self.views(Role.DECODE))
+
+    # -- placing ----------------------------------------------------------------------------------
+    def route_request(self, req: Request) -> RouteRequest:
+        """The policy's view of `req`: its block hashes, computed here once (or carried by a
+        request placed again) and then carried to the engines in the Route."""
+        ph = req.prompt_hashes
+        if ph is not None and ph.block_size == self.block_size:
+            hashes = ph.hashes
+        else:  # as far as any worker may hold the prefix; the engine hashes the rest
+            hashes = self.policy.index.routable_hashes(req.prompt_token_ids, self.block_size, req.cache_salt)
+        return RouteRequest(req.request_id, len(req.prompt_token_ids), hashes, self.block_size)
+
+    def place(self, req: Request, route_req: RouteRequest | None = None,
+              exclude: frozenset[WorkerId] = frozenset()) -> Route:
+        """The policy's placement over the current views (raises NoCapacity), counted as pending
+        on the workers it names. `exclude`: workers that already failed this request."""
+        def views(role: Role) -> tuple[WorkerView, ...]:
+            every = self.views(role)
+            return tuple(v for v in every if v.worker_id not in exclude) if exclude else every
+
+        rr = route_req or self.route_request(req)
+        pl = self.policy.place(rr, views(Role.PREFILL), views(Role.DECODE))
+        p = self.records[pl.prefill] if pl.prefill is not None else None
+        d = self.records[pl.decode]
+        transport = None
+        if p is not None:
+            transport = choose_transport(p.node_ip == d.node_ip, p.info.transports, d.info.transports)
+        route = Route(p, d, pl.cached_tokens, transport, self, PromptHashes(rr.block_size, rr.block_hashes))
+        for rec in (p, d):
+            if rec is not None:
+                route._tickets[rec.id] = self.pending.add(rec.id)
+        return route

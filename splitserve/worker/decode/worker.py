@@ -1,0 +1,296 @@
+"""The decode worker: an Engine in decode role (DESIGN.md §1 steps 6–8).
+
+`generate(req, handoff, prefill)` lands the prompt's KV pulled from the prefill worker (the
+handoff state machine, `handoff.py`: allocate → pull → verify → ready, or recompute, or
+aborted), then yields TokenChunks as the continuous batch produces them. Without a handoff it
+computes the prompt itself: the aggregated path, and a migrated request (`outputs`: the tokens
+another worker already streamed; generation continues right after them, seeded sampling
+included). A failed pull recomputes locally with policy `recompute` (the first token is kept);
+with `fail` a TransferError reaches the caller. Whatever happens, the lease is settled exactly
+once and a caller that goes away aborts the request here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any, AsyncIterator, Sequence
+
+from splitserve.config import EngineConfig
+from splitserve.worker.decode.handoff import FINAL, Handoff, HandoffState
+from splitserve.engine.kv_cache import OutOfBlocks
+from splitserve.kv_transfer.base import KVHandoff, TransferError, TransferState
+from splitserve.kv_transfer.head_slices import sliced_kind
+from splitserve.kv_transfer.verify import check_header, verify_landed
+from splitserve.engine.parallel import kv_slices
+from splitserve.engine.parallel.rank_calls import on_all_ranks
+from splitserve.worker import rank_kv
+from splitserve.types import ConfigError, FinishReason, PhaseTimes, Request, TokenChunk
+from splitserve.worker.kv_worker import KVWorker
+
+log = logging.getLogger(__name__)
+POLICIES = ("recompute", "fail")
+S = HandoffState
+
+
+class DecodeWorker(KVWorker):
+    def __init__(self, config: EngineConfig, transports: Sequence[str], on_transfer_failure: str = "recompute",
+                 transport_options: dict | None = None, host: str | None = None, node_id: str = "",
+                 start_ranks=None) -> None:
+        if on_transfer_failure not in POLICIES:
+            raise ValueError(f"on_transfer_failure must be one of {POLICIES}, got {on_transfer_failure!r}")
+        super().__init__(config, transports, transport_options, host, node_id, start_ranks)
+        self._streams = 0  # generate() calls in progress: a draining worker waits for them
+        self.transfers_by_transport: dict[str, int] = {}
+        self.policy = on_transfer_failure
+        self.transfer_failures: dict[str, int] = {}
+        self.handoffs: dict[str, Handoff] = {}  # landing now
+        self.handoff_outcomes: collections.Counter[HandoffState] = collections.Counter()
+        self._early_aborts: collections.OrderedDict[str, bool] = collections.OrderedDict()
+
+    async def generate(self, req: Request, handoff: KVHandoff | None = None, prefill: Any = None,
+                       outputs: tuple[int, ...] = ()) -> AsyncIterator[TokenChunk]:
+        rid = req.request_id
+        finished = False
+        self._streams += 1
+        try:
+            if self._early_aborts.pop(rid, False):  # aborted before it got here
+                if handoff is not None:
+                    await self._settle(handoff, prefill)
+                finished = True
+                yield TokenChunk(rid, (), finish_reason=FinishReason.ABORT)
+                return
+            started = time.monotonic()
+            outputs = tuple(outputs)
+            q = await (self._admit_pulled(req, handoff, prefill, outputs) if handoff else
+                       self.loop.submit(req, outputs=outputs))
+            if q is None:  # aborted during the handoff: its blocks are free already
+                finished = True
+                yield TokenChunk(rid, (), finish_reason=FinishReason.ABORT)
+                return
+            phases = None
+            if handoff is not None:
+                moved = len(handoff.block_ids) * self.layout.num_layers * 2 * self.layout.block_bytes
+                phases = PhaseTimes(transfer_s=time.monotonic() - started, transfer_bytes=moved)
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                if phases is not None:  # the transfer's time rides on the first chunk after it
+                    item, phases = dataclasses.replace(item, phases=phases.merged(item.phases)), None
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams -= 1
+            if not finished:
+                await self.loop.abort(rid)
+
+    def held(self) -> int:
+        return super().held() + self._streams
+
+    # -- the handoff ----------------------------------------------------------------------------
+    async def _admit_pulled(self, req: Request, h: KVHandoff, prefill: Any, outputs: tuple[int, ...]
+                            ) -> asyncio.Queue | None:
+        """Land the handoff's KV: the request's queue, or None if it was aborted meanwhile. Every
+        way out ends the state machine, so the blocks are handed over or freed exactly once."""
+        rid = req.request_id
+        ho = self.handoffs[rid] = Handoff(rid)
+        try:
+            return await self._land(req, h, prefill, ho, outputs)
+        finally:
+            try:
+                if ho.state not in FINAL:  # failed or cancelled midway (finish keeps an earlier end)
+                    await _uncancelled(self.loop.call(ho.finish, self.engine, S.ABORTED))
+            finally:
+                del self.handoffs[rid]
+                self.handoff_outcomes[ho.state] += 1
+
+    async def _land(self, req: Request, h: KVHandoff, prefill: Any, ho: Handoff, outputs: tuple[int, ...]
+                    ) -> asyncio.Queue | None:
+        rid = req.request_id
+        try:
+            dst = await self.loop.call(ho.allocate, self.engine, req, (*outputs, h.first_token))
+        except BaseException as e:  # nothing was allocated; the source blocks go now, not when the lease lapses
+            await self._settle(h, prefill)
+            if not isinstance(e, OutOfBlocks):
+                raise
+            return await self._recompute(req, (*outputs, h.first_token), ho)  # the scheduler computes it
+        q = self.loop.watch(rid)
+        if ho.abort_requested:  # before any byte moved
+            await self._settle(h, prefill)
+            return await self._end(ho, S.ABORTED, q)
+        ho.move(S.PULLING)
+        try:
+            await self._pull(h, dst, prefill, ho)
+        except TransferError as e:
+            if e.kind == "aborted":
+                return await self._end(ho, S.ABORTED, q)
+            self.transfer_failures[e.kind] = self.transfer_failures.get(e.kind, 0) + 1
+            if self.policy == "fail":
+                raise  # ends ABORTED on the way out
+            log.warning("KV pull for %s failed (%s): recomputing locally", rid, e)
+            return await self._end(ho, S.RECOMPUTE, q)
+        return await self._end(ho, S.READY, q)
+
+    async def _end(self, ho: Handoff, outcome: HandoffState, q: asyncio.Queue) -> asyncio.Queue | None:
+        final = await self.loop.call(ho.finish, self.engine, outcome)
+        if final is S.ABORTED:
+            self.loop.forget(ho.request_id)
+            return None
+        self.loop.wake()
+        return q
+
+    async def _recompute(self, req: Request, outputs: tuple[int, ...], ho: Handoff) -> asyncio.Queue | None:
+        if await self.loop.call(ho.finish, self.engine, S.RECOMPUTE) is S.ABORTED:
+            return None
+        if ho.abort_requested:  # came while finish ran: nothing was submitted, nothing to free
+            return None
+        # No await between the check and submit: a later abort finds the request in the loop.
+        return await self.loop.submit(req, outputs=outputs)
+
+    async def _pull(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
+        """Read, then settle the lease, then verify. Raises TransferError; never leaves a
+        transfer writing into blocks the engine may hand to someone else."""
+        sliced = bool(h.ranks)  # a tensor-parallel source or reader
+        try:
+            check_header(h, self.layout, heads_may_differ=sliced)
+            if sliced:  # each rank here pulls its KV heads from the source ranks holding them, and checks them
+                await self._read_sliced(h, dst, prefill, ho)
+            elif self.engine.tp.size > 1:
+                raise TransferError("header", "this decode worker is tensor-parallel: it reads handoffs that "
+                                              "carry every source rank's part only")
+            else:
+                await self._read(h, dst, prefill, ho)
+        finally:
+            live = await self._settle(h, prefill)
+        if not live:
+            raise TransferError("lease_expired", f"lease {h.lease_id} lapsed before the read was acknowledged")
+        ho.move(S.VERIFYING)
+        if sliced:
+            return  # every head was checked as it landed
+        # Off the engine thread: running decodes keep stepping while a long prompt's KV is
+        # checked. Nothing writes these blocks meanwhile (they join the batch only once READY);
+        # an abort now frees them, and then the verdict is never used.
+        await asyncio.to_thread(verify_landed, self.engine.kv.storage, self.layout, h, dst)
+
+    async def _read_sliced(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
+        """The heterogeneous-TP pull: the plan of which heads each rank here takes from which
+        source rank; with one rank here in a thread, with several on the engine thread (every
+        rank pulls at once; the decode steps wait meanwhile). The lease is renewed meanwhile;
+        an abort is seen once no rank writes the blocks any more."""
+        e = self.engine
+        ep = e.config.expert_parallel  # both pools run one engine configuration
+        try:
+            plan = kv_slices.plan(e.model_config, len(h.ranks), e.tp.size, ep, ep)
+        except (ConfigError, AssertionError) as err:
+            raise TransferError("header", f"no slice plan from {len(h.ranks)} source ranks to {e.tp.size}: {err}")
+        kind = sliced_kind(h.endpoint.transport)
+        self.transfers_by_transport[kind] = self.transfers_by_transport.get(kind, 0) + 1
+        renewing = asyncio.ensure_future(self._renew(h, prefill))
+        try:
+            if e.tp.size == 1:  # to its end even if cancelled: the blocks it writes are freed only after it
+                await _uncancelled(asyncio.to_thread(rank_kv.pull, e, h, plan, dst, kind, self.kv_secret))
+            else:  # on the engine thread: whatever frees the blocks runs there after it
+                await self.loop.call(on_all_ranks, e, rank_kv.pull, h, plan, dst, kind, self.kv_secret)
+        finally:
+            renewing.cancel()
+        if ho.abort_requested:
+            raise TransferError("aborted", "the request was aborted during the transfer")
+
+    async def _renew(self, h: KVHandoff, prefill: Any) -> None:
+        """Keep the source blocks pinned while a pull runs (fire and forget)."""
+        if prefill is None:
+            return
+        every = max(0.05, (h.lease_expires_at - time.time()) / 3)
+        while True:
+            await asyncio.sleep(every)
+            prefill.renew.remote(h.lease_id)
+
+    async def _read(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
+        transport = self.transports.get(h.endpoint.transport)
+        if transport is None:
+            raise TransferError("unreachable", f"handoff over {h.endpoint.transport!r}; this worker reads "
+                                f"{list(self.transports)}")
+        kind = h.endpoint.transport
+        self.transfers_by_transport[kind] = self.transfers_by_transport.get(kind, 0) + 1
+        handle = transport.read(h, dst)
+        renewing = asyncio.ensure_future(self._renew(h, prefill))
+        try:
+            while (st := transport.poll(handle)).state is TransferState.PENDING:
+                if ho.abort_requested:
+                    break  # release() below stops the transfer before the blocks are freed
+                await asyncio.sleep(0.0005)
+        finally:
+            renewing.cancel()
+            transport.release(handle)
+            await _uncancelled(_stopped(transport, handle, h.request_id))
+        if ho.abort_requested:
+            raise TransferError("aborted", "the request was aborted during the transfer")
+        if st.state is TransferState.FAILED:
+            raise st.reason or TransferError("internal", "transfer failed without a reason")
+
+    async def _settle(self, h: KVHandoff, prefill: Any) -> bool:
+        """Acknowledge the lease (frees the source blocks). A dead prefill worker counts as a
+        lapsed lease: its memory may be gone or reused."""
+        if prefill is None:
+            return True
+        try:
+            return bool(await prefill.ack.remote(h.lease_id))
+        except Exception as e:  # the prefill actor died: nothing to free there any more
+            log.warning("acknowledging lease %s failed: %s", h.lease_id, type(e).__name__)
+            return False
+
+    # -- control --------------------------------------------------------------------------------
+    async def abort(self, request_id: str) -> None:
+        """Abort wherever the request is: during a handoff, the state machine frees it once no
+        transfer can write its blocks; before its stream began here (Ray does not order an
+        async actor's calls), when it begins."""
+        ho = self.handoffs.get(request_id)
+        if ho is not None:
+            if ho.request_abort():  # it has already entered the engine
+                await self.loop.abort(request_id)
+        elif self.loop.has(request_id):
+            await self.loop.abort(request_id)
+        else:
+            self._early_aborts[request_id] = True
+            while len(self._early_aborts) > 4096:  # bounded: most belong to requests long finished
+                self._early_aborts.popitem(last=False)
+
+    async def check_invariants(self) -> dict:
+        counts = await self.loop.call(self.engine.block_counts)
+        return {**counts, "handoffs": len(self.handoffs), "transfer_failures": dict(self.transfer_failures),
+                "transfers_by_transport": dict(self.transfers_by_transport)}
+
+
+async def _stopped(transport, handle, request_id: str) -> None:
+    """Until a released transfer has stopped moving bytes (a NIXL read already posted cannot be
+    recalled): only then may its blocks be freed, however long that takes. Every transport ends
+    a released read."""
+    waited = time.monotonic()
+    while transport.poll(handle).state is TransferState.PENDING:
+        if time.monotonic() - waited > 5.0:
+            log.warning("a released KV read for %s is still in flight", request_id)
+            waited = time.monotonic()
+        await asyncio.sleep(0.001)
+
+
+async def _uncancelled(aw) -> None:
+    """Run `aw` to the end even if this task is cancelled meanwhile (then re-raise the cancel):
+    cleanup that frees blocks must not stop halfway."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError

@@ -1,0 +1,215 @@
+"""The prefill worker: an Engine in prefill role (DESIGN.md §1 step 5).
+
+`prefill(req)` runs chunked prefill (reusing this worker's prefix cache), samples the first
+token and returns a `PrefillResult`: either the request already finished (EOS or max_tokens 1)
+or a `KVHandoff` — first token, source blocks pinned under a lease, this worker's transport
+endpoint, header and checksum. The blocks stay pinned until the reader acknowledges (`ack`) or
+the lease lapses; a background task frees lapsed leases. Plain Python; `control.actors` wraps it in a
+Ray actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from splitserve.config import EngineConfig
+from splitserve.worker.kv_worker import KVWorker
+from splitserve.kv_transfer.base import KVHandoff, TransferHeader, TransportEndpoint
+from splitserve.kv_transfer.head_slices import RankSource
+from splitserve.engine.parallel.rank_calls import on_all_ranks
+from splitserve.engine.parallel.shard import Shard
+from splitserve.worker import rank_kv
+from splitserve.kv_transfer.regions import kv_checksum
+from splitserve.worker.prefill.leases import LeaseTable
+from splitserve.types import ConfigError, Request, TokenChunk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    chunk: TokenChunk  # the first token (finished already if finish_reason is set)
+    handoff: KVHandoff | None  # None when the request finished during prefill
+    done_at: float  # time.time() when the first token was sampled, to measure its delivery
+
+
+class PrefillWorker(KVWorker):
+    serves_kv = True
+
+    def __init__(self, config: EngineConfig, transports: Sequence[str], lease_s: float = 30.0,
+                 host: str | None = None, transport_options: dict | None = None, node_id: str = "",
+                 start_ranks=None) -> None:
+        # Every transport this worker offers; the router picks one per handoff (by locality).
+        super().__init__(config, transports, transport_options, host, node_id, start_ranks)
+        self.leases = LeaseTable(lease_s)
+        self._reaper: asyncio.Task | None = None
+        self._prefilling: set[str] = set()  # prefill() calls in progress
+        self._releasing: dict[str, asyncio.Task] = {}  # acknowledged leases whose blocks are being freed
+
+    def held(self) -> int:
+        return super().held() + len(self._prefilling) + len(self.leases) + len(self._releasing)
+
+    def endpoint(self, transport: str | None) -> TransportEndpoint:
+        """The endpoint a reader pulls this handoff through (None: this worker's first)."""
+        if transport is None:
+            return next(iter(self.endpoints.values()))
+        if transport not in self.endpoints:
+            raise ConfigError(f"KV transport {transport!r} is not offered by this worker; it offers "
+                              f"{', '.join(self.endpoints)}")
+        return self.endpoints[transport]
+
+    async def prefill(self, req: Request, transport: str | None = None, outputs: tuple[int, ...] = (),
+                      reader_ranks: int = 1) -> PrefillResult:
+        """`outputs`: tokens the request already generated elsewhere (it migrated): computed as
+        context, and the token sampled here is the one after them. `reader_ranks`: the
+        tensor-parallel size of the decode worker that reads the handoff (more than 1, or more
+        than one rank here: the handoff carries every rank's part, head_slices.RankSource)."""
+        endpoint = self.endpoint(transport)
+        self._ensure_reaper()
+        self._prefilling.add(req.request_id)
+        try:
+            return await self._prefill(req, endpoint, tuple(outputs), reader_ranks)
+        finally:
+            self._prefilling.discard(req.request_id)
+
+    async def _prefill(self, req: Request, endpoint: TransportEndpoint, outputs: tuple[int, ...],
+                       reader_ranks: int) -> PrefillResult:
+        q = await self.loop.submit(req, prefill_only=True, outputs=outputs)
+        try:
+            item = await q.get()
+        except BaseException:  # cancelled: the caller is gone
+            await self.loop.abort(req.request_id)
+            raise
+        if isinstance(item, Exception):
+            await self.loop.abort(req.request_id)
+            raise item
+        done_at = time.time()
+        if item.kv_blocks is None:
+            return PrefillResult(item, None, done_at)
+        try:
+            return PrefillResult(item, await self._handoff(req, item, endpoint, reader_ranks), done_at)
+        except BaseException:  # cancelled or failed after the blocks were detached: nobody will ack
+            # (a lease _handoff granted before failing, it ended on its way out)
+            await self.loop.call(self.engine.release_detached, req.request_id)
+            raise
+
+    async def _handoff(self, req: Request, chunk: TokenChunk, endpoint: TransportEndpoint,
+                       reader_ranks: int) -> KVHandoff:
+        blocks = chunk.kv_blocks
+        checksum, ranks = 0, ()
+        if reader_ranks > 1 or self.engine.tp.size > 1:  # sliced: every rank's heads checksummed instead
+            ranks = await self._rank_sources(blocks)
+        else:  # off the engine thread (prefills keep running): detached blocks are written by no one
+            checksum = await asyncio.to_thread(kv_checksum, self.engine.kv.storage, self.layout, blocks)
+        lease = self.leases.grant(req.request_id)
+        for t in self.transports.values():  # its reader may read these blocks, and only while leased
+            t.allow(lease.token, blocks)
+        if self.engine.tp.size > 1:  # and those of the other ranks' caches
+            try:
+                await self.loop.call(on_all_ranks, self.engine, rank_kv.allow, lease.token, blocks)
+            except BaseException:  # cancelled or failed: no reader gets this lease (the caller frees the blocks)
+                self.leases.settle(lease.lease_id)
+                for t in self.transports.values():
+                    t.revoke(lease.token)
+                raise
+        header = TransferHeader(req.request_id, self.layout.model_fingerprint, self.layout.dtype,
+                                self.layout.block_size, self.layout.num_layers, len(blocks), lease.epoch)
+        return KVHandoff(req.request_id, chunk.token_ids[0], chunk.logprobs[0] if chunk.logprobs else None,
+                         chunk.num_prompt_tokens, chunk.num_cached_tokens, tuple(blocks), endpoint,
+                         lease.lease_id, lease.expires_at, header, checksum, lease.token, ranks)
+
+    async def _rank_sources(self, blocks) -> tuple[RankSource, ...]:
+        """Every rank's part of the handoff: its endpoints, its KV heads, a checksum per head
+        (on the engine thread: the other ranks take theirs between steps)."""
+        e, size = self.engine, self.engine.tp.size
+        if size == 1:  # a tensor-parallel reader of this one rank: off the engine thread
+            sums = [await asyncio.to_thread(rank_kv.checksums, e, blocks)]
+        else:
+            sums = await self.loop.call(on_all_ranks, e, rank_kv.checksums, blocks)
+        heads = [Shard.of(e.model_config, r, size, e.config.expert_parallel).kv_heads for r in range(size)]
+        return tuple(RankSource(r, heads[r], self.rank_endpoints[r], sums[r]) for r in range(size))
+
+    async def ack(self, lease_id: str) -> bool:
+        """The reader is done. True if the lease was live (its copy is good); the blocks are freed
+        either way (soon, or by the reaper for a lapsed lease). Answered without waiting for
+        this engine: freeing takes its thread, which may be inside a prefill step of seconds,
+        and the reader's request must not wait for that to start decoding."""
+        lease = self.leases.settle(lease_id)
+        if lease is None:
+            await self._reap()
+            return False
+        rid = lease.request_id
+        # registered at once (check_invariants counts these blocks as being freed); the task
+        # runs only after the revokes below, at this coroutine's return
+        self._releasing[rid] = asyncio.get_running_loop().create_task(self._release(rid, lease.token))
+        for t in self.transports.values():
+            t.revoke(lease.token)  # nothing reads these blocks from now on
+        return True
+
+    async def _release(self, request_id: str, token: bytes) -> None:
+        try:
+            await self.loop.call(self._free, request_id, token)
+        except Exception:  # the engine has stopped: the worker is replaced, its memory with it
+            log.warning("could not free the blocks of a finished handoff", exc_info=True)
+        finally:
+            self._releasing.pop(request_id, None)
+
+    async def renew(self, lease_id: str) -> bool:
+        return self.leases.renew(lease_id)
+
+    def _ensure_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.leases.ttl_s / 4))
+            await self._reap()
+
+    async def _reap(self) -> None:
+        for lease in self.leases.expire():
+            try:
+                await self._end(lease)
+            except Exception:  # the engine stopped: the worker is replaced, its memory with it
+                log.warning("could not free the blocks of a lapsed lease", exc_info=True)
+
+    async def _end(self, lease) -> None:
+        """A lease is over: its token reads nothing more, then its blocks are free."""
+        for t in self.transports.values():
+            t.revoke(lease.token)
+        await self.loop.call(self._free, lease.request_id, lease.token)
+
+    def _free(self, request_id: str, token: bytes) -> None:
+        """On the engine thread: the other ranks' transports forget the token (rank 0's did
+        already), then the blocks are free."""
+        if self.engine.tp.size > 1:
+            on_all_ranks(self.engine, rank_kv.revoke, token)
+        self.engine.release_detached(request_id)
+
+    async def check_invariants(self) -> dict:
+        """Raises if the block invariant is broken (also: blocks detached for a handoff that no
+        lease covers, which nothing would ever free; a transport letting more tokens read than
+        there are leases); returns the counts for the caller's checks."""
+        def check() -> dict:
+            unleased = (set(self.engine.detached_requests()) - self.leases.request_ids() - self._prefilling
+                        - set(self._releasing))
+            if unleased:
+                raise AssertionError(f"blocks detached with no lease for requests {sorted(unleased)}")
+            return self.engine.block_counts()
+
+        def check_rank_grants() -> None:  # the other ranks forget an acknowledged lease's token as its blocks are freed
+            if self.engine.tp.size == 1:
+                return
+            over = max(on_all_ranks(self.engine, rank_kv.granted)) - len(self.leases) - len(self._releasing)
+            if over > 0:
+                raise AssertionError(f"{over} lease tokens more than there are leases can read a rank's KV")
+
+        grants = max((t.granted() for t in self.transports.values()), default=0)
+        if grants > len(self.leases):
+            raise AssertionError(f"{grants} lease tokens can read KV, {len(self.leases)} leases are live")
+        await self.loop.call(check_rank_grants)
+        return {**await self.loop.call(check), "leases": len(self.leases), "grants": grants}
