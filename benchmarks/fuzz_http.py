@@ -27,7 +27,7 @@ from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
 from splitserve.config import EngineConfig  # noqa: E402
-from splitserve.ingress.backend import LocalBackend  # noqa: E402
+from splitserve.orchestrator.local_backend import LocalBackend  # noqa: E402
 from splitserve.ingress.http import OpenAIServer  # noqa: E402
 from tests.tiny_models import build_checkpoint  # noqa: E402
 from tests.unit.test_fuzz_http import CHECKS  # noqa: E402

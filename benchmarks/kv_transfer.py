@@ -79,7 +79,7 @@ def serve(conn, args, num_blocks: int, names: list[str]) -> None:
     for name in names:
         t, why = try_transport(name)
         try:
-            endpoints[name] = t.register(kv.storage, lay, platform.node()) if t else why
+            endpoints[name] = t.register(kv, lay, platform.node()) if t else why
             transports[name] = t
         except Exception as e:  # noqa: BLE001
             endpoints[name] = f"{type(e).__name__}: {e}"
@@ -178,7 +178,7 @@ def run(args) -> list[dict]:
                 print(f"{name}: skipped ({ep if isinstance(ep, str) else why})")
                 continue
             try:
-                reader.register(kv.storage, lay, platform.node())
+                reader.register(kv, lay, platform.node())
                 rows += bench_transport(args, name, reader, ep, parent, kv, lay, per_block)
             except Exception as e:  # noqa: BLE001 - one broken transport must not hide the others
                 print(f"{name}: failed: {type(e).__name__}: {e}")

@@ -88,7 +88,7 @@ def main() -> None:
     for w in a.workers:
         shared = [tuple(block_hashes(system, BLOCK)) for system in systems]
         router, prefills, decodes = populated(w, a.index_hashes, shared, seed=w)
-        gc.freeze()  # as the ingress does once started (cluster/backend.py)
+        gc.freeze()  # as the ingress does once started (orchestrator/cluster_backend.py)
         for n in a.prompt_tokens:
             hash_us, place_us = [], []
             for d in range(-20, a.decisions):  # the first 20 warm up (first use builds the pools)

@@ -199,6 +199,11 @@ class TokenChunk:
         return self.finish_reason is not None
 
 
+# The terms of an engine's fitted step time (engine/step_model.py), in the order of
+# WorkerStats.step_time_coeffs: what the router's admission and /metrics name them by.
+STEP_TERMS = ("const", "prefill_tokens", "decode_seqs", "decode_ctx_tokens", "prefill_attention_pairs")
+
+
 @dataclass(frozen=True)
 class WorkerStats:
     """A snapshot of an engine's load, for the router and the admission cost models."""
@@ -214,7 +219,7 @@ class WorkerStats:
     steps_total: int
     # Fitted step time (engine/step_model.py): seconds ≈ c0 + c1·prefill tokens + c2·decode seqs
     # + c3·decode context tokens + c4·prefill attention pairs
-    step_time_coeffs: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    step_time_coeffs: tuple[float, ...] = (0.0,) * len(STEP_TERMS)
     pending_prefill_tokens: int = 0  # prompt tokens admitted or queued but not yet computed
     decode_context_tokens: int = 0  # context the running decodes read each step
     token_budget: int = 2048  # max_num_batched_tokens

@@ -1,23 +1,37 @@
-"""The ingress as a Ray Serve application (DESIGN.md §4 "Ray"): `Ingress` replicas (as many as
+"""The ingress as a Ray Serve application (DESIGN.md §4 "Ray") and its builder, `build_app` — the
+import path a KubeRay RayService's `serveConfigV2` names (`splitserve.deploy:build_app`, a shim to
+this one), what `serve run splitserve.deploy:build_app model=DIR prefill=1 decode=1` runs, and what
+`splitserve serve` deploys (one path, not two). Its args are the keys of `splitserve serve
+--config` (DeployConfig: model, pools, transport, policy, SLOs, resources, engine settings,
+ingress_replicas ...). Building starts nothing:
+
+    applications:
+      - name: splitserve
+        route_prefix: /
+        import_path: splitserve.deploy:build_app
+        args: {model: /models/llama, prefill: 2, decode: 4, decode_resources: {decode_node: 1}}
+
+`Ingress` replicas (as many as
 `ingress_replicas`) each hold a router — a `ClusterBackend` over the registry of the app's
 Controller, its own KV index and worker views — and answer HTTP through Serve's HTTP proxy
 (the OpenAI ASGI app) and gRPC through Serve's gRPC proxy (`Generate` / `Health`).
 
 A replica starting gets or creates the app's Controller (which creates the pools) and attaches
 to it as an owner; a replica stopping detaches, and when the app is deleted the last one
-leaving makes the Controller stop every worker. `splitserve.deploy:build_app` binds it.
+leaving makes the Controller stop every worker.
 """
 
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import ray
 from ray import serve
 
 from splitserve.control import controller as controller_mod
 from splitserve.orchestrator.cluster_backend import ClusterBackend, ControllerSource
-from splitserve.config import DeployConfig
+from splitserve.control.deploy_config import DeployConfig
 from splitserve.router.admission import Admission, AdmissionConfig
 from splitserve.ingress.grpc_service import GenerationService, RpcFailure, authorization
 from splitserve.ingress.http import OpenAIServer
@@ -79,3 +93,14 @@ class Ingress:
             self.controller.detach.remote(owner)
         except Exception:
             pass
+
+
+def build_app(args: dict[str, Any]):
+    """Serve's application builder: exactly one parameter, the app's args."""
+    return bind_app(DeployConfig.from_options(dict(args or {})))
+
+
+def bind_app(cfg: DeployConfig, joined: bool = True):
+    """The app for a checked config. `joined=False`: the driver started this Ray cluster, so a
+    GPU asked for and absent is an error rather than something to wait for."""
+    return Ingress.options(num_replicas=cfg.ingress_replicas).bind(cfg, joined)

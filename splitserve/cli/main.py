@@ -21,7 +21,8 @@ import sys
 from typing import Sequence
 
 from splitserve import __version__
-from splitserve.config import ATTENTION_BACKENDS, ENGINE_FLAG_KEYS
+from splitserve.config import ATTENTION_BACKENDS
+from splitserve.control.deploy_config import ENGINE_FLAG_KEYS
 
 
 class Parser(argparse.ArgumentParser):
@@ -69,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-# engine settings `serve` also takes as flags (server._engine_options)
+# engine settings `serve` also takes as flags (cli.serve._engine_options)
 ENGINE_FLAGS = set(ENGINE_FLAG_KEYS)
 
 

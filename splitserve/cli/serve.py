@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from splitserve.cli.main import ENGINE_FLAGS
+from splitserve.control.deploy_config import ENGINE_FLAG_KEYS
 from splitserve.router.admission import AdmissionConfig
 
 
@@ -38,11 +38,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _engine_options(args: argparse.Namespace) -> dict:
     """Engine settings: the flags (the config file's values for them already folded in, see
-    cli._with_config_file) and the rest of the file's `engine:` section."""
+    cli.main._with_config_file) and the rest of the file's `engine:` section."""
     engine = dict(args.engine or {})
     if "model" in engine:
         raise ValueError("set the model with --model (or `model:` at the top of the config file), not under engine:")
-    return {**{k: getattr(args, k) for k in ENGINE_FLAGS}, **engine}
+    return {**{k: getattr(args, k) for k in ENGINE_FLAG_KEYS}, **engine}
 
 
 def _say(msg: str) -> None:
@@ -63,7 +63,7 @@ def _listening(args: argparse.Namespace, name: str) -> None:
 
 
 def deploy_options(args: argparse.Namespace, model: str) -> dict:
-    """The app's args (config.DeployConfig keys) from the serve flags and the config file."""
+    """The app's args (control.deploy_config.DeployConfig keys) from the serve flags and the config file."""
     keys = ("prefill", "decode", "prefill_resources", "decode_resources", "transport", "policy",
             "disagg_min_tokens", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
             "ingress_replicas", "no_admission", "migration_limit", "decode_inactivity_timeout_s", "prefill_timeout_s",
@@ -82,8 +82,8 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
     from splitserve.control import controller as controller_mod
     from splitserve.control.launch import connect_ray, precheck, wait_ready
     from splitserve.cli.app import GRPC_SERVICER
-    from splitserve.config import DeployConfig
-    from splitserve.deploy import bind_app
+    from splitserve.control.deploy_config import DeployConfig
+    from splitserve.cli.app import bind_app
 
     cfg = DeployConfig.from_options(deploy_options(args, model))
     _say_keys(cfg.api_keys)
@@ -148,7 +148,7 @@ def _wait_for_signal() -> None:
 def _serve_in_process(args: argparse.Namespace, model: str, admission: AdmissionConfig) -> int:
     from splitserve.config import EngineConfig
     from splitserve.router.admission import Admission
-    from splitserve.ingress.backend import LocalBackend
+    from splitserve.orchestrator.local_backend import LocalBackend
     from splitserve.ingress.http import OpenAIServer
 
     from splitserve.tenancy import KeyRing

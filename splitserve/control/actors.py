@@ -16,10 +16,9 @@ from typing import Any, NamedTuple
 
 import ray
 
-from splitserve.control.tp_ranks import bundles, placement, start_ray_group
-from splitserve.config import DeployConfig, EngineConfig
-from splitserve.worker.decode.worker import DecodeWorker
-from splitserve.worker.prefill.worker import PrefillWorker
+from splitserve.control.bundles import bundles, placement
+from splitserve.config import EngineConfig
+from splitserve.control.deploy_config import DeployConfig
 from splitserve.types import ConfigError, Role, WorkerId
 
 
@@ -27,7 +26,16 @@ def _where() -> tuple[str, str]:
     return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
 
-_DEFAULT = {Role.PREFILL: PrefillWorker, Role.DECODE: DecodeWorker}
+def default_class(role: Role) -> type:
+    # imported here: the worker classes load the engine (torch), which the Controller and the
+    # ingress replicas that import this module never run
+    if role is Role.PREFILL:
+        from splitserve.worker.prefill.worker import PrefillWorker
+
+        return PrefillWorker
+    from splitserve.worker.decode.worker import DecodeWorker
+
+    return DecodeWorker
 
 
 @functools.cache
@@ -36,6 +44,8 @@ def actor_class(worker_cls: type):
     runs (its KV server listens on that node's IP)."""
     class Shell(worker_cls):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
+            from splitserve.control.tp_ranks import start_ray_group  # in the worker's process
+
             ip, node = _where()
             # a tensor-parallel engine's other ranks: actors of this one's placement group
             super().__init__(*args, host=ip, node_id=node, start_ranks=start_ray_group, **kwargs)
@@ -48,18 +58,18 @@ def worker_class(cfg: DeployConfig, role: Role) -> type:
     """The pool's worker class: the real one, or the `worker_classes` entry (module:Class)."""
     path = cfg.worker_classes.get(role.value)
     if path is None:
-        return _DEFAULT[role]
+        return default_class(role)
     module, name = path.split(":")
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"worker_classes: {role.value}: cannot import {path!r}: {e}") from None
-    if not (isinstance(cls, type) and issubclass(cls, _DEFAULT[role])):
-        raise ConfigError(f"worker_classes: {role.value}: {path!r} is not a {_DEFAULT[role].__name__}")
+    if not (isinstance(cls, type) and issubclass(cls, default_class(role))):
+        raise ConfigError(f"worker_classes: {role.value}: {path!r} is not a {default_class(role).__name__}")
     return cls
 
 
-class Placement(NamedTuple):
+class ActorPlacement(NamedTuple):
     engine: EngineConfig
     transports: list[str]
     resources: dict  # Ray actor options
@@ -67,7 +77,7 @@ class Placement(NamedTuple):
 
 def resolve_transports(name: str) -> list[str]:
     """The transports every worker offers. `auto`: all that work here, in order of preference;
-    each handoff then takes the one that suits its pair (kv_transfer.choose_transport)."""
+    each handoff then takes the one that suits its pair (router.transport_choice)."""
     if name != "auto":
         return [name]
     try:
@@ -97,7 +107,7 @@ def gpu_share(device: str, cluster_gpus: float, workers: int, joined: bool, grow
     return 1.0 / math.ceil(workers / cluster_gpus) if workers > cluster_gpus else 1.0
 
 
-def worker_placement(cfg: DeployConfig, role: Role, transports: list[str], share: float) -> Placement:
+def worker_placement(cfg: DeployConfig, role: Role, transports: list[str], share: float) -> ActorPlacement:
     """What a worker runs, which KV transports it offers, what it asks Ray for (`gpu_share`).
     Inside the actor Ray's GPU is device 0: `cuda:N` becomes `cuda`. shm shares CPU caches
     only, so a GPU worker offers the others (tcp stages through host memory, nixl reads GPU
@@ -118,7 +128,7 @@ def worker_placement(cfg: DeployConfig, role: Role, transports: list[str], share
     options = {"num_cpus": 1, "num_gpus": share}
     if cfg.resources(role.value):
         options["resources"] = cfg.resources(role.value)
-    return Placement(engine, offered, options)
+    return ActorPlacement(engine, offered, options)
 
 
 class Spawned(NamedTuple):
@@ -132,7 +142,7 @@ def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float)
     Not detached: its owner, the Controller, takes it along if it goes. Every worker is a
     placement group of one bundle per rank on one node (STRICT_PACK), the actor in bundle 0 —
     so whether Ray has placed it is known (`group.ready()`) before its model has loaded; a
-    tensor-parallel one starts the other ranks itself (cluster/tp_ranks.py)."""
+    tensor-parallel one starts the other ranks itself (control/tp_ranks.py)."""
     from ray.util.placement_group import placement_group
 
     p = worker_placement(cfg, wid.role, transports, share)

@@ -13,7 +13,7 @@ Every `probe_interval_s` it reconciles:
     once idle (nothing running, waiting, pulling or leased) for `drain_grace_s` (routers have
     seen it leave by then) its block counts are checked and recorded and it STOPs;
   * a pool below target spawns workers; one Ray has not placed within `PLACEMENT_GRACE_S` is
-    diagnosed (cluster/unplaced.py) and `status` says why — on a cluster we started, a worker
+    diagnosed (control/unplaced.py) and `status` says why — on a cluster we started, a worker
     no node could ever hold ends its pool's growth with that reason, as a refusal does.
 
 With `autoscale` set, every `interval_s` its `Autoscaler` reads the READY workers' last loads
@@ -22,7 +22,7 @@ a smaller pool drains (no request fails), a larger one spawns workers — on Kub
 Ray cannot place yet stays pending, and Ray's autoscaler adds a node of its pool's group.
 
 The Serve ingress replicas are its owners (`attach` / `detach`, from their constructor and
-`__del__`; one whose actor died is detached too, cluster/owners.py): when the last one leaves —
+`__del__`; one whose actor died is detached too, control/owners.py): when the last one leaves —
 the app was deleted — it stops every worker and exits.
 """
 
@@ -40,8 +40,9 @@ from splitserve.control.admin import find  # noqa: F401  (drivers look the app u
 from splitserve.control.owners import Owners
 from splitserve.control.status import ClusterStatus, status_row
 from splitserve.control.unplaced import PLACEMENT_GRACE_S, Unplaced, demand, diagnose
-from splitserve.control.registry import Registry, RegistrySnapshot, WorkerRecord
-from splitserve.config import DeployConfig
+from splitserve.control.registry import Registry
+from splitserve.router.snapshot import RegistrySnapshot, WorkerRecord
+from splitserve.control.deploy_config import DeployConfig
 from splitserve.types import ConfigError, Role, WorkerId, WorkerLoad, WorkerState
 
 log = logging.getLogger(__name__)

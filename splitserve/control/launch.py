@@ -16,7 +16,7 @@ from typing import Callable
 
 import ray
 
-from splitserve.config import DeployConfig
+from splitserve.control.deploy_config import DeployConfig
 from splitserve.types import ConfigError, Role
 
 
@@ -111,7 +111,7 @@ def precheck(cfg: DeployConfig, joined: bool) -> None:
 def wait_ready(controller, on_ready: Callable[[int, int], None] | None = None, timeout_s: float | None = None,
                unplaced_s: float | None = 10.0, on_unplaced: Callable[[str], None] | None = None) -> None:
     """Until every pool has its target of READY workers; a pool that cannot grow raises. A worker
-    Ray cannot place (the Controller says why, cluster/unplaced.py) raises ConfigError with that
+    Ray cannot place (the Controller says why, control/unplaced.py) raises ConfigError with that
     reason once it has been unplaced for `unplaced_s` — at once when no node could ever hold it;
     with `unplaced_s` None (a cluster whose autoscaler may add nodes) it is only reported."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s

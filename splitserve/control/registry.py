@@ -14,11 +14,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 from splitserve.types import Role, WorkerId, WorkerLoad, WorkerState
-from splitserve.worker.info import WorkerInfo
+from splitserve.router.snapshot import RegistrySnapshot, WorkerRecord
 
 S = WorkerState
 ALLOWED = {
@@ -28,38 +27,6 @@ ALLOWED = {
     S.STOPPED: set(),
     S.DEAD: set(),
 }
-
-
-@dataclass(frozen=True)
-class WorkerRecord:
-    id: WorkerId
-    state: WorkerState
-    handle: Any = None  # the Ray actor handle (a value Ray can send anywhere)
-    info: WorkerInfo | None = None  # set when READY
-    load: WorkerLoad | None = None  # the last health probe's answer
-    since: float = 0.0  # time.time() of the last state change
-    responsive: bool = True  # False: its last health probe went unanswered (out of placement)
-    reason: str = ""  # why it is DEAD (or STOPPED)
-    final_counts: dict | None = None  # a drained worker's block counts, checked before it stopped
-
-    @property
-    def role(self) -> Role:
-        return self.id.role
-
-    @property
-    def node_ip(self) -> str:
-        return self.info.node_ip if self.info else ""
-
-
-@dataclass(frozen=True)
-class RegistrySnapshot:
-    version: int
-    workers: tuple[WorkerRecord, ...]  # live ones (STARTING, READY, DRAINING)
-    targets: tuple[tuple[Role, int], ...]
-    autoscale: Any = None  # autoscale.AutoscaleReport when the pools autoscale
-
-    def role(self, role: Role, state: WorkerState | None = None) -> list[WorkerRecord]:
-        return [w for w in self.workers if w.role is role and (state is None or w.state is state)]
 
 
 class IllegalTransition(RuntimeError):

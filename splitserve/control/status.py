@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.control.autoscale import AutoscaleReport
-from splitserve.control.registry import WorkerRecord
+from splitserve.router.snapshot import WorkerRecord
 from splitserve.control.unplaced import Unplaced
 
 

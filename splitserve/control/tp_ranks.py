@@ -1,7 +1,7 @@
 """A tensor-parallel worker on Ray: its ranks 1..T-1 are actors in bundles 1..T-1 of the
 worker's placement group (STRICT_PACK: one node, so the group's collectives stay on it), started
 by rank 0 — the worker actor, in bundle 0 — from inside its Engine (`start_ray_group` is that
-Engine's rank launcher, parallel/launch.py). Rank 0 owns them: when the worker actor dies Ray
+Engine's rank launcher, engine/parallel/launch.py). Rank 0 owns them: when the worker actor dies Ray
 takes its ranks along, and the Controller removes the placement group with the worker.
 
 A rank that dies breaks the group: rank 0's next collective fails (its engine stops), and
@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 
 import ray
-from ray.util.placement_group import PlacementGroup, get_current_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import get_current_placement_group
 
 from splitserve.engine.parallel.group import DistGroup, GroupSpec, TPGroup
 from splitserve.engine.parallel.launch import end_followers, free_address, on_cuda, rank_main
+from splitserve.control.bundles import placement
 from splitserve.types import RankPlace
 
 
@@ -27,18 +27,6 @@ class TPRank:
 
     def run(self, config, spec: GroupSpec) -> int:
         return rank_main(config, spec, gpu=0)  # Ray shows an actor only its own GPU, as device 0
-
-
-def bundles(size: int, cpus: float, gpus: float, resources: dict) -> list[dict]:
-    """One bundle per rank; the pool's own resources (its node group's) on rank 0's alone, so a
-    node of that group holds as many groups as it has of that resource."""
-    one = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-    return [{**one, **(resources if r == 0 else {})} for r in range(size)]
-
-
-def placement(pg: PlacementGroup, rank: int) -> PlacementGroupSchedulingStrategy:
-    return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank,
-                                            placement_group_capture_child_tasks=False)
 
 
 class RayRanks:

@@ -13,6 +13,7 @@ import functools
 import os
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -44,7 +45,7 @@ from splitserve.types import ConfigError, Request, SamplingParams, as_token_ids
 class Engine(EngineCore):
     """`tp`: this process's rank of a tensor-parallel group (parallel/); None with
     tensor_parallel_size > 1: this engine is rank 0 and starts the other ranks with
-    `start_ranks` (parallel/launch.py; local processes unless told otherwise). Rank 0 runs
+    `start_ranks` (engine/parallel/launch.py; local processes unless told otherwise). Rank 0 runs
     everything; the others only the forward passes (`follow`)."""
 
     def __init__(self, config: EngineConfig, tp: TPGroup | None = None, start_ranks=None) -> None:
@@ -112,6 +113,9 @@ class Engine(EngineCore):
         self.sampler = Sampler()
         self.step_model = StepTimeModel()
         self._moe_layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        # what others attached to this engine and must release before its cache goes (the
+        # transports a follower rank serves its cache through): run once, by close()
+        self.on_close: list[Callable[[], None]] = []
 
     def warmup(self, prompt_lens: tuple[int, ...] = (16, 64, 256), max_tokens: int = 4) -> None:
         """Run synthetic requests through the real path before serving, one at a time and then
@@ -179,7 +183,10 @@ class Engine(EngineCore):
 
     def close(self) -> None:
         """Release what outlives the process otherwise (a shared-memory KV file; the ranks it
-        started)."""
+        started); first what was attached to it (`on_close`)."""
+        hooks, self.on_close = self.on_close, []
+        for hook in hooks:
+            hook()
         self.kv.close()
         self._stop_ranks()
 

@@ -3,7 +3,7 @@ attention batch, and logits for exactly the sequences whose next token is due.
 
 Under tensor parallelism rank 0 flattens the step (`FlatStep`: plain ids, no sequences) and
 sends it to the other ranks, and every rank runs the same forward pass on its shard
-(`run_flat`; parallel/follower.py is the other ranks' loop)."""
+(`run_flat`; engine/parallel/follower.py is the other ranks' loop)."""
 
 from __future__ import annotations
 

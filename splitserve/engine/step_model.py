@@ -15,8 +15,9 @@ from collections import deque
 
 from splitserve.engine.least_squares import nonneg_least_squares
 from splitserve.engine.step_shape import StepShape
+from splitserve.types import STEP_TERMS
 
-FEATURES = ("const", "prefill_tokens", "decode_seqs", "decode_ctx_tokens", "prefill_attention_pairs")
+FEATURES = STEP_TERMS
 
 
 def features(s: StepShape) -> tuple[float, ...]:

@@ -22,13 +22,12 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from splitserve.text.detokenizer import RequestText
-from splitserve.engine.step_model import FEATURES as STEP_TERMS
 from splitserve.metrics import Metrics
 from splitserve.router.admission import Admission, Decision, Plan
 from splitserve.ingress.backend import Backend
 from splitserve.ingress.protocol import APIError, RequestDefaults, RequestOptions
 from splitserve.tenancy import KeyRing, RateLimiter, Tenant, Unauthenticated
-from splitserve.types import ConfigError, PhaseTimes, Request, ServiceUnavailable, as_token_ids
+from splitserve.types import STEP_TERMS, ConfigError, PhaseTimes, Request, ServiceUnavailable, as_token_ids
 
 log = logging.getLogger(__name__)
 

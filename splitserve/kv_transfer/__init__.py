@@ -3,12 +3,10 @@ computed them (DESIGN.md §1 steps 5–6, §4 "KV transfer").
 
 `base` is the contract, `regions` plans which bytes move, `verify` guards their use; the
 transports (`shm` same host, `tcp` anywhere, `nixl` RDMA/UCX) only move bytes. Which transport a
-(prefill, decode) pair uses is policy: `choose_transport` by locality, or `make_transport` by name.
+(prefill, decode) pair uses is policy (`router.transport_choice`); `make_transport` makes one by name.
 """
 
 from __future__ import annotations
-
-from typing import Sequence
 
 from splitserve.kv_transfer.base import (
     KVHandoff,
@@ -21,43 +19,45 @@ from splitserve.kv_transfer.base import (
     TransferStatus,
     TransportEndpoint,
 )
-from splitserve.kv_transfer.jobs import wait_transfer
-from splitserve.kv_transfer.regions import Segment, block_runs, kv_checksum, plan_segments, plan_transfer
-from splitserve.kv_transfer.shm import ShmTransport
-from splitserve.kv_transfer.tcp import TcpTransport
-from splitserve.kv_transfer.verify import check_handoff, check_header, verify_landed
+from splitserve.config import KV_TRANSPORTS as KNOWN_TRANSPORTS
 
-KNOWN_TRANSPORTS = ("nixl", "shm", "tcp")
+# The transports and their helpers load torch (and NIXL its own stack): imported when first
+# named, so that a process that only reads the contract's types (an ingress replica reading
+# worker endpoints) never loads them.
+_LAZY = {
+    "wait_transfer": "jobs",
+    "Segment": "regions", "block_runs": "regions", "kv_checksum": "regions", "plan_segments": "regions",
+    "plan_transfer": "regions",
+    "ShmTransport": "shm",
+    "TcpTransport": "tcp",
+    "check_handoff": "verify", "check_header": "verify", "verify_landed": "verify",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"splitserve.kv_transfer.{_LAZY[name]}"), name)
+    raise AttributeError(name)
 
 
 def make_transport(name: str, **opts) -> KVTransport:
     """A transport by name; `opts` go to its constructor. NIXL is imported only when asked for,
     so machines without it never touch its dependencies."""
     if name == "shm":
+        from splitserve.kv_transfer.shm import ShmTransport
+
         return ShmTransport(**opts)
     if name == "tcp":
+        from splitserve.kv_transfer.tcp import TcpTransport
+
         return TcpTransport(**opts)
     if name == "nixl":
         from splitserve.kv_transfer.nixl import NixlTransport
 
         return NixlTransport(**opts)
-    raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(KNOWN_TRANSPORTS)}")
-
-
-def choose_transport(same_node: bool, source: Sequence[str], reader: Sequence[str]) -> str:
-    """The transport for one (prefill, decode) pair, from what each offers: shared memory when
-    both run on one node, else NIXL, else TCP. A pair that shares only one takes that one (a
-    transport chosen by name)."""
-    common = [t for t in source if t in reader]
-    if len(common) == 1:
-        return common[0]
-    if same_node and "shm" in common:
-        return "shm"
-    for name in ("nixl", "tcp"):
-        if name in common:
-            return name
-    raise ValueError(f"no KV transport in common: the source offers {list(source)}, the reader {list(reader)}; "
-                     f"known: {', '.join(KNOWN_TRANSPORTS)}")
+    raise ValueError(f"unknown KV transport {name!r}; known: {', '.join(sorted(KNOWN_TRANSPORTS))}")
 
 
 __all__ = [
@@ -77,7 +77,6 @@ __all__ = [
     "block_runs",
     "check_handoff",
     "check_header",
-    "choose_transport",
     "kv_checksum",
     "make_transport",
     "plan_segments",

@@ -1,5 +1,5 @@
 """The KV handoff between tensor-parallel groups of different sizes: each destination rank pulls
-the KV heads it holds, slice by slice (parallel/kv_slices.py says which heads from which source
+the KV heads it holds, slice by slice (engine/parallel/kv_slices.py says which heads from which source
 rank), through the pair's transport, and checks every head that landed against the checksum
 its source rank took of it.
 

@@ -32,7 +32,7 @@ from splitserve.kv_transfer.regions import block_runs, check_transfer, storage_t
 
 _HOW_TO = ("ShmTransport needs KV storage backed by a shared-memory file: allocate it with "
            "KVCacheTensors.allocate(..., shm_path='/dev/shm/<unique name>') and register that "
-           "KVCacheTensors (or its .storage); use the 'tcp' transport otherwise")
+           "KVCacheTensors itself, not its .storage; use the 'tcp' transport otherwise")
 
 
 @dataclass
@@ -111,7 +111,7 @@ class ShmTransport(UngatedReads, PooledTransport):
     # -- registration -------------------------------------------------------------------------
 
     def register(self, storage, layout: KVLayout, host: str, serve: bool = True) -> TransportEndpoint:
-        """`storage`: a KVCacheTensors or its storage tensor, allocated with `shm_path`. `serve`
+        """`storage`: a KVCacheTensors allocated with `shm_path` (a bare tensor does not say its file). `serve`
         changes nothing here: the file is this host's, opened by the same user's processes."""
         tensor, path = _resolve_shm(storage)
         if tensor.numel() * tensor.element_size() != layout.storage_bytes:
@@ -193,11 +193,9 @@ def _check_size(path: str, size: int, need: int) -> None:
 
 
 def _resolve_shm(storage):
-    """(tensor, shm file path) of a KVCacheTensors or a storage tensor; ValueError if not shm."""
-    from splitserve.engine.kv_cache.tensors import shm_path_of  # kv_transfer stays importable alone
-
+    """(tensor, shm file path) of a shm-backed KVCacheTensors; ValueError otherwise."""
     tensor = storage_tensor(storage)
-    path = getattr(storage, "shm_path", None) or shm_path_of(tensor)
+    path = getattr(storage, "shm_path", None)  # a KVCacheTensors knows its file; a bare tensor does not
     if path is None:
         raise ValueError(_HOW_TO)
     if not tensor.is_contiguous():

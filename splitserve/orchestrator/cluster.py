@@ -14,7 +14,7 @@ import uuid
 from typing import Any, Sequence
 
 from splitserve.orchestrator.cluster_backend import ClusterBackend, ControllerSource
-from splitserve.config import DeployConfig
+from splitserve.control.deploy_config import DeployConfig
 from splitserve.text.detokenizer import RequestText
 from splitserve.llm import RequestOutput, _as_params_list, _as_prompt_list, request_output
 from splitserve.types import ConfigError, Request, Role, SamplingParams, WorkerState

@@ -1,5 +1,5 @@
 """`ClusterBackend`: what the HTTP and gRPC ingresses generate with on a Ray cluster — the
-`router.backend.Backend` protocol over this replica's `Directory` (registry + worker views,
+`ingress.backend.Backend` protocol over this replica's `Directory` (registry + worker views,
 refreshed in the background) and the request `Orchestrator`."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import AsyncIterator
 
 from splitserve.router.directory import Directory
 from splitserve.orchestrator.orchestrator import Orchestrator
-from splitserve.control.registry import RegistrySnapshot
-from splitserve.config import DeployConfig
+from splitserve.router.snapshot import RegistrySnapshot
+from splitserve.control.deploy_config import DeployConfig
 from splitserve.router.admission import Plan
 from splitserve.router.policy import NoCapacity, WorkerView, make_router
 from splitserve.ingress.protocol import APIError
@@ -50,7 +50,7 @@ class ClusterBackend:
         self.max_new_tokens = mc.max_new_tokens
         policy = make_router(cfg.policy, disagg_min_tokens=cfg.disagg_min_tokens)
         self.directory = Directory(source, policy, int(cfg.engine.get("block_size") or 16))
-        self.redis = None  # shared_state.RedisLink, with cfg.redis_url: the replicas' shared load and limits
+        self.redis = None  # ingress.shared.RedisLink, with cfg.redis_url: the replicas' shared load and limits
         if cfg.redis_url:
             from splitserve.ingress.shared import RedisLink, SharedLoad
 

@@ -25,8 +25,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from splitserve.control.registry import RegistrySnapshot, WorkerRecord
-from splitserve.kv_transfer import choose_transport
+from splitserve.router.snapshot import RegistrySnapshot, WorkerRecord
+from splitserve.router.transport_choice import choose_transport
 from splitserve.router.pending import Pending
 from splitserve.router.policy import RouteRequest, Router, WorkerView
 from splitserve.router.view_cache import ViewCache
@@ -85,7 +85,7 @@ class Directory:
         self._pollers: dict[WorkerId, asyncio.Task] = {}
         self._watcher: asyncio.Task | None = None
         self.autoscale = None  # the Controller's last AutoscaleReport (None: fixed pools)
-        self.shared = None  # shared_state.SharedLoad, set before start: the other replicas' pending counts (None: this one's only)
+        self.shared = None  # ingress.shared.SharedLoad, set before start: the other replicas' pending counts (None: this one's only)
         self._sharer: asyncio.Task | None = None
 
     # -- background -----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """`Pending`: the placements a router made that a worker's reported load may not show yet.
 
-A worker's load arrives as snapshots, late and at intervals (cluster/directory.py polls them;
+A worker's load arrives as snapshots, late and at intervals (router/directory.py polls them;
 the simulator hands them on its own clock); without these counts a burst of simultaneous
 requests would all see the worker that looked idle in the last snapshot. Pure Python.
 """

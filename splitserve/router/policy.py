@@ -36,7 +36,7 @@ from splitserve.types import Role, WorkerId, WorkerStats
 @dataclass(frozen=True, slots=True)
 class WorkerView:
     """One worker as the router sees it: the registry's facts (role, node) and its last
-    reported load, plus what this router placed there since (see cluster/directory.py)."""
+    reported load, plus what this router placed there since (see router/directory.py)."""
 
     worker_id: WorkerId
     role: Role

@@ -1,7 +1,7 @@
 """SimRouter: one router replica's view of the simulated pools, running the real placement
 policy (router/policy.py: filters, scorers, the PD decider) over the real KV index fed with the
 workers' KV events, the real `Pending` counts, `WorkerView.of` and `ViewCache`, as
-cluster/directory.py does on a Ray cluster — only the snapshots arrive by simulated reports
+router/directory.py does on a Ray cluster — only the snapshots arrive by simulated reports
 instead of polls."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (a request is charged its prompt tokens plus the most it may generate, as OpenAI's limits
 count). A request either fits both buckets and is charged, or is refused with the time until it
 would fit (HTTP 429 + Retry-After). These buckets are one ingress replica's; with Redis, every
-replica charges the same ones (`shared_state/limits.py`), and these decide while Redis is away."""
+replica charges the same ones (`ingress/shared/tenant_limits.py`), and these decide while Redis is away."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ class KVWorker:
 
     def __init__(self, config: EngineConfig, transports: Sequence[str], transport_options: dict | None = None,
                  host: str | None = None, node_id: str = "", start_ranks=None) -> None:
-        # start_ranks: how a tensor-parallel engine starts its other ranks (parallel/launch.py)
+        # start_ranks: how a tensor-parallel engine starts its other ranks (engine/parallel/launch.py)
         self.loop = EngineLoop.start(config, start_ranks=start_ranks)
         self.engine = self.loop.engine
         self.layout = layout_of(self.engine)
@@ -41,7 +41,7 @@ class KVWorker:
             options["tcp"] = {"bind_host": host, **options.get("tcp", {})}
         self.transports = {t: make_transport(t, **options.get(t, {})) for t in transports}
         self.endpoints: dict[str, TransportEndpoint] = {
-            t: tr.register(self.engine.kv.storage, self.layout, self.host, serve=self.serves_kv)
+            t: tr.register(self.engine.kv, self.layout, self.host, serve=self.serves_kv)
             for t, tr in self.transports.items()}
         self.outboxes = RouterOutboxes()  # touched on the engine thread only
         self.kv_secret = options.get("tcp", {}).get("secret")  # what a sliced TCP pull answers challenges with

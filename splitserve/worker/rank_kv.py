@@ -1,5 +1,5 @@
 """What a tensor-parallel worker's ranks do for the KV handoff (each runs as a RankCall on every
-rank, parallel/rank_calls.py): a prefill group's ranks 1..T-1 serve their caches through
+rank, engine/parallel/rank_calls.py): a prefill group's ranks 1..T-1 serve their caches through
 transports of their own and let a lease's token read its blocks; every rank checksums its heads
 of a handoff's blocks; a decode group's ranks each pull their heads (kv_transfer/head_slices.py).
 Rank 0's own transports are the worker's; these functions leave them to it."""
@@ -17,6 +17,7 @@ def _own(engine) -> dict:
     """The transports this rank serves its cache through (none on rank 0: the worker's are)."""
     if not hasattr(engine, "rank_transports"):
         engine.rank_transports = {}
+        engine.on_close.append(lambda: close(engine))  # before the cache they serve is freed
     return engine.rank_transports
 
 
@@ -28,7 +29,7 @@ def serve_kv(engine, kinds: Sequence[str], options: dict, host: str):
     for kind in kinds:
         if kind in SLICED_TRANSPORTS and kind not in own:
             own[kind] = make_transport(kind, **options.get(kind, {}))
-    return tuple(t.register(engine.kv.storage, layout, host, serve=True) for t in own.values())
+    return tuple(t.register(engine.kv, layout, host, serve=True) for t in own.values())
 
 
 def allow(engine, token: bytes, blocks: Sequence[int]) -> None:

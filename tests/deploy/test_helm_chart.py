@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.config import DeployConfig, EngineConfig
+from splitserve.config import EngineConfig
+
+from splitserve.control.deploy_config import DeployConfig
 
 from .chart import CHART, NAMESPACE, Case, Rendered, helm_template
 

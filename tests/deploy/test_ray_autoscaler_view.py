@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.config import DeployConfig
+from splitserve.control.deploy_config import DeployConfig
 from splitserve.types import Role
 
 from .chart import Rendered

@@ -40,7 +40,7 @@ def test_a_leaked_app_is_reported_against_the_test_that_leaked_it(ray_session, l
         """))
     pytester.makepyfile(test_inner=textwrap.dedent(f"""\
         from splitserve.control import controller
-        from splitserve.config import DeployConfig
+        from splitserve.control.deploy_config import DeployConfig
 
 
         def test_leaks_an_app(ray_session):

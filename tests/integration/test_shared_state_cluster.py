@@ -1,5 +1,5 @@
 """Two ingress replicas of one app on the local Ray cluster, sharing a real Redis (rate limits
-and in-flight load, `shared_state/`): while their streams run, Redis is killed, then started
+and in-flight load, `ingress/shared/`): while their streams run, Redis is killed, then started
 again. Every stream completes with the single engine's tokens (no error reaches a client);
 each replica counts the other's placements while Redis is there, goes on alone while it is
 away, and counts them again once it is back — neither replica restarted."""

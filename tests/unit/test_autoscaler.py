@@ -6,7 +6,7 @@ import pytest
 
 from splitserve.control.autoscale import (AutoscaleConfig, Autoscaler, Bounds, LatencyWindow, Reason, RequestSample,
                                   SignalObserver)
-from splitserve.config import DeployConfig
+from splitserve.control.deploy_config import DeployConfig
 from splitserve.metrics import Metrics
 from splitserve.types import ConfigError, Role, WorkerStats
 from tests.tiny_models import build_checkpoint

@@ -17,7 +17,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 )
 
 from splitserve.config import EngineConfig  # noqa: E402
-from splitserve.ingress.backend import LocalBackend  # noqa: E402
+from splitserve.orchestrator.local_backend import LocalBackend  # noqa: E402
 from splitserve.ingress.http import OpenAIServer  # noqa: E402
 
 # per operation and mode (valid, invalid): about 600 cases in all, ~30 s on 2 cores; the long

@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.config import EngineConfig
 from splitserve.router.admission import Admission, AdmissionConfig
-from splitserve.ingress.backend import LocalBackend
+from splitserve.orchestrator.local_backend import LocalBackend
 from splitserve.ingress.grpc_service import SERVICE_NAME, GenerationService, serve
 from splitserve.ingress.http import OpenAIServer
 from splitserve.v1 import generation_pb2 as pb

@@ -12,7 +12,7 @@ openai = pytest.importorskip("openai")
 
 from splitserve.engine.step_model import FEATURES  # noqa: E402
 from splitserve.config import EngineConfig  # noqa: E402
-from splitserve.ingress.backend import LocalBackend  # noqa: E402
+from splitserve.orchestrator.local_backend import LocalBackend  # noqa: E402
 from splitserve.ingress.http import OpenAIServer  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""The heterogeneous KV handoff's plan (parallel/kv_slices.py): every decode rank's KV heads,
+"""The heterogeneous KV handoff's plan (engine/parallel/kv_slices.py): every decode rank's KV heads,
 each exactly once, from prefill ranks holding them, for the TP pairs the issue names — moved
 here between tensors cut as each rank's cache is cut, and compared with the whole cache."""
 

@@ -17,6 +17,7 @@ import torch
 from tests.fakes.tcp_faults import DroppingServer, StallingServer, TruncatingServer
 
 from splitserve.engine.kv_cache.tensors import KVCacheTensors
+from splitserve.router.transport_choice import choose_transport
 from splitserve.kv_transfer import (
     KVHandoff,
     KVLayout,
@@ -28,7 +29,6 @@ from splitserve.kv_transfer import (
     TransportEndpoint,
     block_runs,
     check_header,
-    choose_transport,
     kv_checksum,
     make_transport,
     plan_segments,

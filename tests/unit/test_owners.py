@@ -1,4 +1,4 @@
-"""The Controller's owners (cluster/owners.py): an ingress replica whose actor died is detached
+"""The Controller's owners (control/owners.py): an ingress replica whose actor died is detached
 even though its own detach never came, and the app counts as gone only after the grace; a
 replica that is merely slow to answer stays attached."""
 

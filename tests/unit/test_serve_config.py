@@ -57,7 +57,7 @@ def test_engine_flags_reach_the_engine_options(tmp_path):
 def test_the_app_config_reads_serve_run_strings_and_refuses_bad_values(tiny_checkpoint):
     """build_app's args arrive as strings from `serve run ... key=value`; the same keys as the
     config file; a bad key or value is a ConfigError naming it, before any actor starts."""
-    from splitserve.config import DeployConfig
+    from splitserve.control.deploy_config import DeployConfig
     from splitserve.types import ConfigError
 
     model = str(tiny_checkpoint("llama"))
@@ -82,7 +82,7 @@ def test_autoscale_flag_and_config_key_reach_the_app_config(tmp_path, tiny_check
     """`--autoscale` alone: the default bounds; `--autoscale MAPPING` or `autoscale:` in the
     file: those; either way the app's config holds a checked AutoscaleConfig."""
     from splitserve.control.autoscale import Bounds
-    from splitserve.config import DeployConfig
+    from splitserve.control.deploy_config import DeployConfig
     from splitserve.cli.serve import deploy_options
 
     model = str(tiny_checkpoint("llama"))
@@ -109,7 +109,7 @@ def test_max_tokens_default_flag_and_config_key_reach_the_app_config(tmp_path, t
     generation_config.json max_new_tokens is read as its own default."""
     import json
 
-    from splitserve.config import DeployConfig
+    from splitserve.control.deploy_config import DeployConfig
     from splitserve.engine.model.config import ModelConfig
     from splitserve.cli.serve import deploy_options
     from splitserve.types import ConfigError

@@ -224,7 +224,7 @@ def test_the_cli_writes_the_summary_json_and_png(tmp_path):
 # -- the same placements as the live router --------------------------------------------------------
 def test_the_simulated_router_places_as_the_live_directory_on_a_recorded_event_sequence():
     """Record a simulation's router inputs — each worker's reports (load + KV events) and each
-    decision's pending counts — and replay them into the live router (cluster/directory.py, over
+    decision's pending counts — and replay them into the live router (router/directory.py, over
     fake workers answering its polls): every decision is the same pair of workers."""
     from splitserve.router.policy import make_router
     from tests.fakes.cluster import FakeSource

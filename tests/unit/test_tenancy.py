@@ -10,8 +10,10 @@ import grpc
 import httpx
 import pytest
 
-from splitserve.config import DeployConfig, EngineConfig
-from splitserve.ingress.backend import LocalBackend
+from splitserve.config import EngineConfig
+
+from splitserve.control.deploy_config import DeployConfig
+from splitserve.orchestrator.local_backend import LocalBackend
 from splitserve.ingress.grpc_service import GenerationService, serve
 from splitserve.ingress.http import OpenAIServer
 from splitserve.tenancy import KeyRing, RateLimiter, Tenant, load_keys

@@ -5,7 +5,7 @@ transports their cache can serve."""
 
 import pytest
 
-from splitserve.config import DeployConfig
+from splitserve.control.deploy_config import DeployConfig
 from splitserve.types import ConfigError, Role
 
 actors = pytest.importorskip("splitserve.control.actors")

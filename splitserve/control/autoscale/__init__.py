@@ -4,10 +4,10 @@ simulator) samples every interval, the policy that turns them into target pool s
 
 from splitserve.control.autoscale.autoscaler import AutoscaleReport, Autoscaler
 from splitserve.control.autoscale.observer import SignalObserver
-from splitserve.control.autoscale.policy import AutoscaleConfig, AutoscalePolicy, Bounds, Decision, Reason
+from splitserve.control.autoscale.policy import AutoscaleConfig, AutoscalePolicy, Bounds, AutoscaleDecision, Reason
 from splitserve.control.autoscale.signals import DecodeSignals, PrefillSignals, Signals, StepFit
 from splitserve.control.autoscale.window import LatencyWindow, RequestSample
 
-__all__ = ["AutoscaleConfig", "AutoscalePolicy", "AutoscaleReport", "Autoscaler", "Bounds", "Decision", "Reason",
+__all__ = ["AutoscaleConfig", "AutoscalePolicy", "AutoscaleReport", "Autoscaler", "Bounds", "AutoscaleDecision", "Reason",
            "DecodeSignals", "LatencyWindow", "PrefillSignals", "RequestSample", "SignalObserver", "Signals",
            "StepFit"]

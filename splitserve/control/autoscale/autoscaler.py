@@ -8,7 +8,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from splitserve.control.autoscale.observer import SignalObserver
-from splitserve.control.autoscale.policy import AutoscaleConfig, AutoscalePolicy, Decision, Reason
+from splitserve.control.autoscale.policy import AutoscaleConfig, AutoscalePolicy, AutoscaleDecision, Reason
 from splitserve.control.autoscale.window import LatencyWindow, RequestSample
 from splitserve.types import Role, WorkerStats
 
@@ -19,8 +19,8 @@ class AutoscaleReport:
 
     targets: tuple[tuple[Role, int], ...]
     decisions: tuple[tuple[Role, Reason, int], ...]  # how many decisions had each reason, ever
-    last: Decision | None
-    changes: tuple[Decision, ...] = ()  # the recent decisions that changed a target, oldest first
+    last: AutoscaleDecision | None
+    changes: tuple[AutoscaleDecision, ...] = ()  # the recent decisions that changed a target, oldest first
 
 
 class Autoscaler:
@@ -29,8 +29,8 @@ class Autoscaler:
         self.policy = AutoscalePolicy(config)
         self.window = LatencyWindow(config.window_s)
         self.observer = SignalObserver(config.rate_window_s)
-        self.last: Decision | None = None
-        self.changes: deque[Decision] = deque(maxlen=32)
+        self.last: AutoscaleDecision | None = None
+        self.changes: deque[AutoscaleDecision] = deque(maxlen=32)
         self._counts: Counter = Counter()
 
     def initial(self, role: Role, n: int) -> int:
@@ -41,7 +41,7 @@ class Autoscaler:
         self.window.add(samples)
 
     def tick(self, now: float, targets: dict[Role, int], prefill: dict[str, WorkerStats],
-             decode: dict[str, WorkerStats], starting: dict[Role, int] | None = None) -> Decision:
+             decode: dict[str, WorkerStats], starting: dict[Role, int] | None = None) -> AutoscaleDecision:
         decision = self.policy.decide(self.observer.observe(now, targets, prefill, decode, self.window, starting))
         for role in Role:
             self._counts[role, decision.reason(role)] += 1

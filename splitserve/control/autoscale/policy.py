@@ -127,7 +127,7 @@ def _bounds(role: str, b, default: Bounds) -> Bounds:
 
 
 @dataclass(frozen=True)
-class Decision:
+class AutoscaleDecision:
     at: float
     prefill: int
     decode: int
@@ -153,9 +153,9 @@ class AutoscalePolicy:
     config: AutoscaleConfig
     _pools: dict = field(default_factory=lambda: {Role.PREFILL: _Pool(), Role.DECODE: _Pool()})
 
-    def decide(self, s: Signals) -> Decision:
+    def decide(self, s: Signals) -> AutoscaleDecision:
         (p, p_reason, p_why), (d, d_reason, d_why) = self._prefill(s), self._decode(s)
-        decision = Decision(s.at, p, d, p_reason, d_reason, f"prefill: {p_why}; decode: {d_why}")
+        decision = AutoscaleDecision(s.at, p, d, p_reason, d_reason, f"prefill: {p_why}; decode: {d_why}")
         changed = p != s.prefill.workers or d != s.decode.workers
         (log.info if changed else log.debug)("autoscale: prefill %d→%d (%s), decode %d→%d (%s) — %s",
                                              s.prefill.workers, p, p_reason, s.decode.workers, d, d_reason,

@@ -15,17 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# data_ptr -> shm file, so that a transport handed only the storage tensor can find its file.
-_SHM_FILES: dict[int, str] = {}
-
-
-def shm_path_of(storage: torch.Tensor) -> str | None:
-    """The shared-memory file that backs `storage` (the whole allocation), or None."""
-    return _SHM_FILES.get(storage.data_ptr()) if storage.device.type == "cpu" else None
-
-
-def _release_shm_file(path: str, data_ptr: int) -> None:
-    _SHM_FILES.pop(data_ptr, None)
+def _release_shm_file(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -65,9 +55,8 @@ class KVCacheTensors:
             os.unlink(shm_path)
             raise
         storage = flat.view(shape)
-        _SHM_FILES[storage.data_ptr()] = shm_path
         kv = cls(storage, shm_path=shm_path)
-        kv._unlink = weakref.finalize(kv, _release_shm_file, shm_path, storage.data_ptr())
+        kv._unlink = weakref.finalize(kv, _release_shm_file, shm_path)
         return kv
 
     def close(self) -> None:

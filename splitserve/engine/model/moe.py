@@ -47,7 +47,7 @@ class Experts(nn.Module):
         return out
 
 
-class Router(nn.Module):
+class ExpertGate(nn.Module):
     """The router's weights, on every rank: `weight` [E, H], and DeepSeek-V3's per-expert
     `e_score_correction_bias` (added to the scores for the choice only)."""
 
@@ -63,7 +63,7 @@ class SparseMoE(nn.Module):
         m = cfg.moe
         assert m is not None
         self.moe = m
-        self.gate = Router(cfg.hidden_size, m.num_experts, m.score_bias)
+        self.gate = ExpertGate(cfg.hidden_size, m.num_experts, m.score_bias)
         held = range(m.num_experts) if shard is None else shard.experts
         self.experts = Experts(held, cfg.hidden_size, m.expert_intermediate_size)
         self.shared_expert = None

@@ -1,5 +1,5 @@
 """What a tensor-parallel rank other than 0 does: hold its shard of the model and of the KV
-cache, and run every forward pass rank 0 sends — and every `RankCall` (parallel/rank_calls.py),
+cache, and run every forward pass rank 0 sends — and every `RankCall` (engine/parallel/rank_calls.py),
 answered back to rank 0 — until rank 0 sends None (closing) or the group breaks (a rank died:
 the collective raises, and this rank exits rather than wait)."""
 

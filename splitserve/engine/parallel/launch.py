@@ -2,7 +2,7 @@
 Engine); ranks 1..T-1 are started by a *launcher*, a callable `(config) -> (DistGroup, Ranks)`
 that starts them, joins the group as rank 0 and returns the group and a handle on the ranks.
 This module's launcher runs them as local processes (`start_local_group`: one host, no Ray);
-on a Ray cluster they are actors of the worker's placement group (cluster/tp_ranks.py). Either
+on a Ray cluster they are actors of the worker's placement group (control/tp_ranks.py). Either
 way each rank runs `rank_main`: the same Engine on its rank, following rank 0's steps."""
 
 from __future__ import annotations
@@ -106,8 +106,5 @@ def rank_main(config, spec: GroupSpec, gpu: int | None = 0) -> int:
     try:
         return follow(engine)
     finally:
-        from splitserve.worker import rank_kv
-
-        rank_kv.close(engine)  # the transports it served its cache through
-        engine.kv.close()
+        engine.close()  # and what was attached to it: the transports it served its cache through
         tp.close()

@@ -1,4 +1,4 @@
-"""Router state several ingress replicas share through Redis (`--redis-url`; DESIGN.md §4
+"""State the ingress replicas share through Redis (`--redis-url`; DESIGN.md §4
 "Router state"): the tenants' rate-limit buckets and the in-flight load each replica has
 placed. Every use degrades to the replica's own view when Redis is away, and picks the shared
 one up again when it is back; without a URL nothing here runs. No Ray, no torch."""

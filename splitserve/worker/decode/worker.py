@@ -32,7 +32,7 @@ from splitserve.types import ConfigError, FinishReason, PhaseTimes, Request, Tok
 from splitserve.worker.kv_worker import KVWorker
 
 log = logging.getLogger(__name__)
-POLICIES = ("recompute", "fail")
+ON_TRANSFER_FAILURE = ("recompute", "fail")
 S = HandoffState
 
 
@@ -40,8 +40,8 @@ class DecodeWorker(KVWorker):
     def __init__(self, config: EngineConfig, transports: Sequence[str], on_transfer_failure: str = "recompute",
                  transport_options: dict | None = None, host: str | None = None, node_id: str = "",
                  start_ranks=None) -> None:
-        if on_transfer_failure not in POLICIES:
-            raise ValueError(f"on_transfer_failure must be one of {POLICIES}, got {on_transfer_failure!r}")
+        if on_transfer_failure not in ON_TRANSFER_FAILURE:
+            raise ValueError(f"on_transfer_failure must be one of {ON_TRANSFER_FAILURE}, got {on_transfer_failure!r}")
         super().__init__(config, transports, transport_options, host, node_id, start_ranks)
         self._streams = 0  # generate() calls in progress: a draining worker waits for them
         self.transfers_by_transport: dict[str, int] = {}

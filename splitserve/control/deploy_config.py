@@ -1,0 +1,206 @@
+"""One splitserve application's configuration (`DeployConfig`): what `serve --config`, the Serve
+app's args (`splitserve.deploy:build_app`, a RayService's serveConfigV2) and `Cluster.start` hold.
+Frozen and checked where it is made (the driver), so a bad key or value fails before any actor
+starts. It names the app's parts by their names (a routing policy, a transport, the autoscaler's
+bounds, the API keys), so it lives with the Controller that runs them, above the ground floor."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.config import KV_TRANSPORTS, EngineConfig
+from splitserve.types import ConfigError
+
+POOL_KEYS = ("prefill", "decode")
+TRANSPORTS = ("auto",) + KV_TRANSPORTS
+ENGINE_FLAG_KEYS = ("dtype", "device", "attention_backend", "kv_cache_memory_gib", "gpu_memory_utilization",
+                    "host_kv_blocks", "tensor_parallel_size")
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    """One splitserve application on Ray: what `serve --config` and the Serve app's args
+    (`splitserve.deploy:build_app`, a RayService's serveConfigV2) hold. Frozen and checked here,
+    so a bad key or value fails before any actor starts."""
+
+    model: str
+    served_model_name: str | None = None
+    prefill: int = 1
+    decode: int = 1
+    prefill_tp: int = 1  # tensor-parallel ranks per prefill worker (one placement group, one node)
+    decode_tp: int = 1
+    prefill_resources: dict = dataclasses.field(default_factory=dict)  # extra Ray resources per worker
+    decode_resources: dict = dataclasses.field(default_factory=dict)
+    transport: str = "auto"
+    policy: str = "cache_aware"
+    disagg_min_tokens: int = 32
+    engine: dict = dataclasses.field(default_factory=dict)  # EngineConfig keys (model aside)
+    max_inflight: int = 256
+    # max_tokens of a request that sets none (chat; completions too): None, the model's
+    # generation_config.json max_new_tokens, else up to the context (completions: 16)
+    max_tokens_default: int | None = None
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    admission: bool = True
+    ingress_replicas: int = 1
+    name: str = "splitserve"  # the Serve app's name and its Controller's
+    namespace: str = "splitserve"  # the Ray namespace the Controller is named in
+    on_transfer_failure: str = "recompute"
+    lease_s: float = 30.0
+    probe_interval_s: float = 0.5  # Controller health probes
+    probe_timeout_s: float = 1.0  # a probe unanswered this long: the worker leaves placement until it answers
+    dead_after_s: float = 5.0  # no answer for this long: the worker is DEAD (killed, replaced)
+    drain_grace_s: float = 1.0  # a draining worker idle this long (routers have seen it leave) stops
+    prefill_timeout_s: float = 120.0  # a prefill call unanswered this long: its worker failed, place again
+    decode_inactivity_timeout_s: float = 30.0  # no token for this long mid-stream: migrate the request
+    migration_limit: int = 3  # how many times one request may move to another decode worker
+    # Pool autoscaling (autoscale.AutoscaleConfig; a mapping is read into one): None, the pools
+    # stay at prefill / decode (and `splitserve scale`); set, those are the starting sizes.
+    autoscale: Any = None
+    # The worker class of a pool, as "module:Class" (a PrefillWorker / DecodeWorker subclass):
+    # what tests use to put fault-injecting fakes into real actors. Empty: the real ones.
+    worker_classes: dict = dataclasses.field(default_factory=dict)
+    # API keys: a key file's path, its content, or a KeyRing; read into the tenancy.KeyRing the
+    # ingress checks (plus SPLITSERVE_API_KEY where this config is made); none: the ingress is open.
+    api_keys: Any = None
+    # The secret every worker's TCP KV server challenges its readers for (hex; one per app,
+    # made here unless given); never printed.
+    kv_secret: str = dataclasses.field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    # Redis, where the ingress replicas share rate limits and in-flight load (None: each its own).
+    redis_url: str | None = None
+
+    def __post_init__(self) -> None:
+        from splitserve.router.policy import POLICIES
+        from splitserve.tenancy import KeyRing
+
+        object.__setattr__(self, "api_keys", KeyRing.from_options(self.api_keys).with_env())
+        try:
+            if len(bytes.fromhex(self.kv_secret)) < 16:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ConfigError("kv_secret must be at least 32 hex digits") from None
+        if self.redis_url is not None and not str(self.redis_url).startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis_url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
+
+        def integer(name: str, low: int) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}")
+
+        for name, low in (("prefill", 0), ("decode", 1), ("disagg_min_tokens", 0), ("max_inflight", 1),
+                          ("ingress_replicas", 1), ("migration_limit", 0),
+                          ("prefill_tp", 1), ("decode_tp", 1)):
+            integer(name, low)
+        if self.max_tokens_default is not None:
+            integer("max_tokens_default", 1)
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.on_transfer_failure not in ("recompute", "fail"):
+            raise ConfigError(f"on_transfer_failure must be recompute or fail, got {self.on_transfer_failure!r}")
+        for role in POOL_KEYS:
+            _check_resources(f"{role}_resources", getattr(self, f"{role}_resources"))
+        _check_worker_classes(self.worker_classes)
+        for name in ("lease_s", "probe_interval_s", "probe_timeout_s", "dead_after_s", "drain_grace_s",
+                     "prefill_timeout_s", "decode_inactivity_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
+        if self.dead_after_s < self.probe_timeout_s:
+            raise ConfigError(f"dead_after_s ({self.dead_after_s}) must be >= probe_timeout_s ({self.probe_timeout_s})")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0):
+                raise ConfigError(f"{name} must be a positive number of milliseconds, got {v!r}")
+        if self.autoscale is not None:
+            object.__setattr__(self, "autoscale", self._autoscale_config())
+        if not isinstance(self.engine, dict) or "model" in self.engine:
+            raise ConfigError("engine: must be a mapping of engine settings (the model is set by model:)")
+        ecfg = EngineConfig.from_dict({"model": self.model, **self.engine})  # every engine key checked now
+        if ecfg.tensor_parallel_size > 1:
+            raise ConfigError("tensor_parallel_size is set per pool on a cluster: prefill_tp and decode_tp "
+                              "(serve --prefill-tp / --decode-tp)")
+        for role in POOL_KEYS:
+            EngineConfig.from_dict({"model": self.model, **self.engine, "tensor_parallel_size": self.tp(role)})
+        if self.transport == "nixl" and self.prefill and max(self.prefill_tp, self.decode_tp) > 1:
+            raise ConfigError("the KV handoff between tensor-parallel groups moves over shm or tcp (transport auto "
+                              "picks them for such a pair), not nixl yet")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "DeployConfig":
+        """From a config file's or the Serve app's args. Values may be strings (`serve run ...
+        prefill=2 decode_resources='{"decode_node": 1}'`): each is read as YAML then. Engine
+        settings may sit at the top level too (dtype, device, ...: the serve flags)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        opts, engine = {}, dict(_as_value(options.get("engine"), "engine") or {})
+        for key, value in options.items():
+            if key in ENGINE_FLAG_KEYS:
+                if value is not None:
+                    engine.setdefault(key, _as_value(value, key) if key != "device" else str(value))
+            elif key == "no_admission":
+                opts["admission"] = not _as_value(value, key)
+            elif key not in known:
+                raise ConfigError(f"unknown option {key!r}; known: {', '.join(sorted(known | set(ENGINE_FLAG_KEYS)))}")
+            elif key != "engine":
+                opts[key] = value if types[key] in ("str", "str | None") else _as_value(value, key)
+        if not opts.get("model"):
+            from splitserve.engine.model.demo import ensure_demo_model
+
+            opts["model"] = str(ensure_demo_model())
+        return cls(**opts, engine=engine)
+
+    def _autoscale_config(self):
+        from splitserve.control.autoscale import AutoscaleConfig
+
+        if isinstance(self.autoscale, AutoscaleConfig):
+            return self.autoscale
+        ms = lambda v: None if v is None else v / 1000  # noqa: E731
+        return AutoscaleConfig.from_dict(self.autoscale, ms(self.ttft_slo_ms), ms(self.tpot_slo_ms))
+
+    def resources(self, role: str) -> dict:
+        return dict(getattr(self, f"{role}_resources"))
+
+    def tp(self, role: str) -> int:
+        """Tensor-parallel ranks per worker of pool `role`."""
+        return getattr(self, f"{role}_tp")
+
+    def ranks(self, prefill: int, decode: int) -> int:
+        """The processes (each a CPU, or a GPU) `prefill` and `decode` workers take."""
+        return prefill * self.prefill_tp + decode * self.decode_tp
+
+
+def _as_value(value: Any, key: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    import yaml
+
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}: cannot read {value!r}: {e}") from None
+
+
+def _check_resources(name: str, res: Any) -> None:
+    if not isinstance(res, dict):
+        raise ConfigError(f"{name} must be a mapping of Ray resource names to amounts, got {res!r}")
+    for k, v in res.items():
+        if k in ("CPU", "GPU", "memory"):
+            raise ConfigError(f"{name}: {k!r} is set by splitserve itself (device / one CPU per worker)")
+        if not isinstance(k, str) or not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise ConfigError(f"{name}: {k!r}: {v!r} must be a positive amount")
+
+
+def _check_worker_classes(classes: Any) -> None:
+    if not isinstance(classes, dict):
+        raise ConfigError(f"worker_classes must be a mapping of pool (prefill, decode) to 'module:Class', "
+                          f"got {classes!r}")
+    for role, path in classes.items():
+        if role not in POOL_KEYS:
+            raise ConfigError(f"worker_classes: unknown pool {role!r}; pools: {', '.join(POOL_KEYS)}")
+        if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+            raise ConfigError(f"worker_classes: {role}: {path!r} is not 'module:Class'")
