@@ -45,6 +45,42 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+class GrammarKind(str, enum.Enum):
+    """What a grammar spec's text is."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON Schema, as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object (the text is empty)
+    REGEX = "regex"
+    CHOICE = "choice"  # one of several strings, as a JSON list
+    GRAMMAR = "grammar"  # a Lark / EBNF grammar (llguidance's dialect)
+
+
+MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex or grammar's text: bounded, documented
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's bound)
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on a request's output (structured output, a forced tool call): what travels
+    with the request to every worker that samples for it — the prefill worker's first token, the
+    decode worker's rest, a migration's new worker — each of which builds its matcher from this
+    and the tokens already accepted. `text/grammar.py` checks and translates it."""
+
+    kind: GrammarKind
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", GrammarKind(self.kind))
+        _check(isinstance(self.text, str), "a grammar's text must be a string")
+        _check(len(self.text.encode()) <= MAX_GRAMMAR_BYTES,
+               f"the {self.kind.value} is {len(self.text.encode())} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
+
+    @property
+    def key(self) -> str:
+        """Equal specs share one compiled grammar."""
+        return f"{self.kind.value}:{self.text}"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens; names and defaults follow vLLM / the OpenAI API."""
@@ -66,12 +102,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top alternatives; 0 = only the chosen token's
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # structured output: every token is one the grammar allows
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100) added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(self, "logit_bias", tuple(tuple(kv) for kv in self.logit_bias))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -105,6 +146,20 @@ class SamplingParams:
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
         )
+        _check(self.grammar is None or isinstance(self.grammar, GrammarSpec), "grammar must be a GrammarSpec")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS,
+               f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for kv in self.logit_bias:
+            _check(len(kv) == 2, "logit_bias must map token ids to numbers")
+            tok, bias = kv
+            _check(isinstance(tok, int) and not isinstance(tok, bool) and tok >= 0,
+                   f"logit_bias: {tok!r} is not a token id")
+            _check(isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100,
+                   f"logit_bias: the bias of token {tok} must be a number in [-100, 100], got {bias!r}")
+        _check(len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias names a token twice")
 
     def for_choice(self, i: int) -> "SamplingParams":
         """The params of the i-th of n samples: seeded samples must differ from each other and

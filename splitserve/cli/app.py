@@ -62,7 +62,8 @@ class Ingress:
 
             limiter = SharedRateLimiter(self.backend.redis)
         self.http = OpenAIServer(self.backend, admission=Admission(admission_config(cfg)), keys=cfg.api_keys,
-                                 limiter=limiter, max_tokens_default=cfg.max_tokens_default)
+                                 limiter=limiter, max_tokens_default=cfg.max_tokens_default,
+                                 tool_call_parser=cfg.tool_call_parser)
         self.grpc = GenerationService(self.http.front)
 
     def __serve_build_asgi_app__(self):

@@ -22,6 +22,7 @@ from typing import Sequence
 
 from splitserve import __version__
 from splitserve.config import ATTENTION_BACKENDS
+from splitserve.text.tool_calls import FORMATS
 from splitserve.control.deploy_config import ENGINE_FLAG_KEYS
 
 
@@ -175,6 +176,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="max_tokens of a request that sets none (a request may ask for more, up to the context; "
                         "default: the model's generation_config.json max_new_tokens, else up to the context; "
                         "legacy completions: 16)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
+                   help="how the model writes tool calls (default: what its chat template writes, else hermes)")
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times one stream may move to another decode worker when its worker is lost "
                         "(default: %(default)s)")

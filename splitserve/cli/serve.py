@@ -67,7 +67,7 @@ def deploy_options(args: argparse.Namespace, model: str) -> dict:
     keys = ("prefill", "decode", "prefill_resources", "decode_resources", "transport", "policy",
             "disagg_min_tokens", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
             "ingress_replicas", "no_admission", "migration_limit", "decode_inactivity_timeout_s", "prefill_timeout_s",
-            "autoscale", "api_keys", "redis_url", "max_tokens_default")
+            "autoscale", "api_keys", "redis_url", "max_tokens_default", "tool_call_parser")
     engine = _engine_options(args)
     tp = engine.pop("tensor_parallel_size", 1)  # on a cluster each pool has its own
     pools_tp = {f"{r}_tp": getattr(args, f"{r}_tp", None) or tp for r in ("prefill", "decode")}
@@ -162,7 +162,8 @@ def _serve_in_process(args: argparse.Namespace, model: str, admission: Admission
 
         limiter = SharedRateLimiter(RedisLink(args.redis_url))
     http = OpenAIServer(LocalBackend(ecfg, args.served_model_name), admission=Admission(admission), keys=keys,
-                        limiter=limiter, max_tokens_default=args.max_tokens_default)
+                        limiter=limiter, max_tokens_default=args.max_tokens_default,
+                      tool_call_parser=args.tool_call_parser)
     _listening(args, http.backend.model_name)
     asyncio.run(_run_both(http, args))
     return 0

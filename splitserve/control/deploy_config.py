@@ -42,6 +42,7 @@ class DeployConfig:
     # max_tokens of a request that sets none (chat; completions too): None, the model's
     # generation_config.json max_new_tokens, else up to the context (completions: 16)
     max_tokens_default: int | None = None
+    tool_call_parser: str | None = None  # how the model writes tool calls (text/tool_calls.py); None: from its template
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     admission: bool = True
@@ -96,6 +97,10 @@ class DeployConfig:
             integer(name, low)
         if self.max_tokens_default is not None:
             integer("max_tokens_default", 1)
+        if self.tool_call_parser is not None:
+            from splitserve.text.tool_calls import format_for
+
+            format_for(None, self.tool_call_parser)  # ConfigError names the known ones
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
         if self.policy not in POLICIES:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -39,7 +40,10 @@ from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.launch import Ranks, start_local_group
 from splitserve.engine.parallel.shard import Shard
 from splitserve.engine.parallel.shard import check as check_tp
-from splitserve.types import ConfigError, Request, SamplingParams, as_token_ids
+from splitserve.types import ConfigError, FinishReason, Request, SamplingParams, TokenChunk, as_token_ids
+
+if TYPE_CHECKING:
+    from splitserve.engine.grammar import GrammarMasks
 
 
 class Engine(EngineCore):
@@ -111,6 +115,7 @@ class Engine(EngineCore):
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len,
                                               functools.partial(cuda_graph_capture, pool=torch.cuda.graph_pool_handle()))
         self.sampler = Sampler()
+        self._grammar_lock = threading.Lock()
         self.step_model = StepTimeModel()
         self._moe_layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
         # what others attached to this engine and must release before its cache goes (the
@@ -141,19 +146,41 @@ class Engine(EngineCore):
             self.host.drain_events()
         self.scheduler.prefix_query_tokens = self.scheduler.prefix_hit_tokens = 0
 
+    def grammar_masks(self) -> GrammarMasks:
+        """This model's grammar compiler, made on first use (most engines never need one)."""
+        with self._grammar_lock:
+            if self.sampler.masks is None:
+                from splitserve.engine.grammar import GrammarMasks
+
+                mc = self.model_config
+                self.sampler.masks = GrammarMasks(Path(self.config.model) / "tokenizer.json", mc.vocab_size,
+                                                  mc.eos_token_ids)
+            return self.sampler.masks
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Compile a request's grammar (any thread; cached), so that adding it only copies."""
+        if params.grammar is not None:
+            self.grammar_masks().compile(params.grammar)
+
     def check_request(self, req: Request, outputs: tuple[int, ...] = ()) -> int:
         """Everything about a request that can be wrong regardless of engine state; reads only
         configuration, so any thread may call it. Returns the effective max_tokens."""
-        as_token_ids(req.prompt_token_ids, self.model_config.vocab_size)
-        as_token_ids(outputs, self.model_config.vocab_size)
+        vocab = self.model_config.vocab_size
+        as_token_ids(req.prompt_token_ids, vocab)
+        as_token_ids(outputs, vocab)
+        outside = [t for t, _ in req.params.logit_bias if t >= vocab]
+        if outside:
+            raise ConfigError(f"logit_bias: token id {outside[0]} is outside the vocabulary (size {vocab})")
         return self.check_lengths(req)
 
     # -- the model: what EngineCore leaves to its subclass ----------------------------------
     def _new_seq(self, req: Request, outputs: tuple[int, ...] = ()) -> Sequence:
         max_tokens = self.check_request(req, outputs)
+        grammar = None if req.params.grammar is None else self.grammar_masks().matcher(req.params.grammar, outputs)
         sampling = SamplingState(params=req.params, prompt_token_ids=req.prompt_token_ids,
                                  output_token_ids=list(outputs), eos_token_ids=self.model_config.eos_token_ids,
-                                 generator=make_generator(req.params, num_output_tokens=len(outputs)))
+                                 generator=make_generator(req.params, num_output_tokens=len(outputs)),
+                                 grammar=grammar)
         return Sequence(request=req, order=next(self._order), sampling=sampling, max_tokens=max_tokens,
                         token_ids=list(req.prompt_token_ids) + list(outputs))
 
@@ -163,6 +190,17 @@ class Engine(EngineCore):
             return []
         out = self.sampler(result.logits, [s.sampling for s in result.sample_seqs])
         return list(zip(result.sample_seqs, out.token_ids, out.logprobs))
+
+    def _append(self, seq: Sequence, tok: int, lp) -> TokenChunk:
+        if seq.sampling.grammar is not None:
+            seq.sampling.grammar.accept(tok)
+        return super()._append(seq, tok, lp)
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> tuple[FinishReason | None, int | None]:
+        reason = super()._finish_reason(seq, tok)
+        if reason[0] is None and seq.sampling.grammar is not None and seq.sampling.grammar.done:
+            return FinishReason.STOP, None  # the grammar is complete: nothing else may follow
+        return reason
 
     def _observe(self, shape: StepShape, seconds: float) -> None:
         self.step_model.observe(shape, seconds)

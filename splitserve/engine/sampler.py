@@ -11,6 +11,9 @@ decode worker continues with `make_generator(params, num_output_tokens=1)`, so a
 request draws the same numbers whichever worker (or how many, after a migration) serves it.
 
 Per row, in order (vLLM v1 / OpenAI semantics):
+  0. logit_bias added; then a grammar's mask (structured output, engine/grammar.py): the tokens
+     its grammar does not allow get -inf (only rows that carry a grammar; a batch without one
+     does no mask work);
   1. penalties: repetition over prompt + output (positive logits divided, negative
      multiplied), then frequency and presence over the output (OpenAI: subtracted);
   2. min_tokens: EOS (unless ignore_eos) and stop ids get -inf while the output is short;
@@ -26,12 +29,15 @@ they use, and each group is handled with batched tensor ops.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
 from splitserve.types import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from splitserve.engine.grammar import GrammarMasks, GrammarMatcher
 
 # top-p histogram: logit buckets 1/64 nat wide over the 32 nats below each row's best.
 _BUCKETS = 2048
@@ -51,6 +57,7 @@ class SamplingState:
     output_token_ids: list[int]  # the engine appends after each step
     eos_token_ids: tuple[int, ...]  # masked by min_tokens unless params.ignore_eos
     generator: torch.Generator | None  # make_generator(params); None if no seed
+    grammar: GrammarMatcher | None = None  # params.grammar's matcher, advanced by the engine
     # The prompt as a tensor, built on first use: penalties need it every step.
     _prompt_tensor: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -85,7 +92,11 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless; one instance per engine. Call once per step with the batch's logits."""
+    """One instance per engine; call once per step with the batch's logits. It holds nothing
+    about requests: `masks` is the engine's grammar compiler, set once a request carries one."""
+
+    def __init__(self) -> None:
+        self.masks: GrammarMasks | None = None
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
@@ -97,9 +108,13 @@ class Sampler:
         if plan.plain_greedy:  # the common decode batch: one argmax, nothing else
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
         x = logits.to(torch.float32, memory_format=torch.contiguous_format)
-        if (plan.penalized or plan.min_token_cells[0]) and x.data_ptr() == logits.data_ptr():
+        if plan.modifies and x.data_ptr() == logits.data_ptr():
             x = x.clone()  # the caller's logits stay raw: logprobs are computed from them
         owned = x.data_ptr() != logits.data_ptr()
+        if plan.biased:
+            _apply_logit_bias(x, plan.biased, states)
+        if plan.constrained:
+            self.masks.apply(x, plan.constrained, [states[i].grammar for i in plan.constrained])
         if plan.penalized:
             _apply_penalties(x, plan.penalized, states)
         if plan.min_token_cells[0]:
@@ -125,10 +140,12 @@ class _Plan:
     penalized: list[int]
     with_logprobs: list[int]
     min_token_cells: tuple[list[int], list[int]]  # (rows, token ids) to set to -inf
+    biased: list[int]  # rows with a logit_bias
+    constrained: list[int]  # rows with a grammar
 
     @staticmethod
     def of(states: Sequence[SamplingState], vocab: int) -> _Plan:
-        greedy, random, penalized, with_logprobs = [], [], [], []
+        greedy, random, penalized, with_logprobs, biased, constrained = [], [], [], [], [], []
         rows: list[int] = []
         cols: list[int] = []
         for i, s in enumerate(states):
@@ -138,16 +155,25 @@ class _Plan:
                 penalized.append(i)
             if p.logprobs is not None:
                 with_logprobs.append(i)
+            if p.logit_bias:
+                biased.append(i)
+            if s.grammar is not None:
+                constrained.append(i)
             if len(s.output_token_ids) < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(s.eos_token_ids))
                 ids = sorted(t for t in banned if t < vocab)  # an id past the vocab can't be drawn
                 rows += [i] * len(ids)
                 cols += ids
-        return _Plan(greedy, random, penalized, with_logprobs, (rows, cols))
+        return _Plan(greedy, random, penalized, with_logprobs, (rows, cols), biased, constrained)
+
+    @property
+    def modifies(self) -> bool:
+        """Some row's logits change before sampling."""
+        return bool(self.penalized or self.min_token_cells[0] or self.biased or self.constrained)
 
     @property
     def plain_greedy(self) -> bool:
-        return not (self.random or self.penalized or self.with_logprobs or self.min_token_cells[0])
+        return not (self.random or self.with_logprobs or self.modifies)
 
 
 def _rows(x: torch.Tensor, rows: list[int], owned: bool) -> torch.Tensor:
@@ -162,6 +188,18 @@ def _assign(dst: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
         dst.copy_(values)
     else:
         dst[torch.tensor(rows, device=dst.device)] = values
+
+
+# ---------------------------------------------------------------- logit bias
+
+
+def _apply_logit_bias(x: torch.Tensor, rows: list[int], states: Sequence[SamplingState]) -> None:
+    vocab = x.shape[1]
+    cells = [(r, tok, bias) for r in rows for tok, bias in states[r].params.logit_bias if tok < vocab]
+    if cells:
+        r, tok, bias = zip(*cells)
+        idx = (torch.tensor(r, device=x.device), torch.tensor(tok, device=x.device))
+        x.index_put_(idx, torch.tensor(bias, dtype=x.dtype, device=x.device), accumulate=True)
 
 
 # ---------------------------------------------------------------- penalties

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from splitserve.text.detokenizer import RequestText
+from splitserve.text.tool_calls import ToolFormat
 from splitserve.metrics import Metrics
 from splitserve.router.admission import Admission, Decision, Plan
 from splitserve.ingress.backend import Backend
@@ -53,13 +54,16 @@ class Choice:
     released: bool = False
     tenant: str = "default"
     request_id: str = ""  # the engine request's
+    tools: ToolFormat | None = None  # a chat with tools: how its model writes calls
 
     def take_text(self) -> str:
         """The text not streamed yet, holding back what a stop string might still claim until
-        the request is done."""
+        the request is done — and, in a chat with tools, everything from where a call may begin."""
         t = self.text
         hold = 0 if t.finished else max((len(s) - 1 for s in t.params.stop), default=0)
         upto = max(self.emitted, len(t.text) - hold)
+        if self.tools is not None and not t.finished:
+            upto = min(upto, _call_start(t.text, self.tools.open))
         new, self.emitted = t.text[self.emitted:upto], upto
         return new
 
@@ -73,6 +77,17 @@ class Choice:
                "decode": None if self.first_at is None or self.ended_at is None else self.ended_at - self.first_at,
                "predicted_first_token": self.decision.predicted_ttft_s if self.decision is not None else None}
         return {k: v for k, v in out.items() if v is not None}
+
+
+def _call_start(text: str, marker: str) -> int:
+    """Where a tool call may begin in `text`: its marker, or a tail that may grow into it."""
+    at = text.find(marker)
+    if at >= 0:
+        return at
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
 
 
 def worst_timings(choices: list[Choice]) -> dict[str, float]:

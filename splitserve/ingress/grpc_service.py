@@ -69,6 +69,13 @@ def completion_body(req: pb.GenerateRequest, served_model: str) -> dict[str, Any
     if s.stop_token_ids:
         body["stop_token_ids"] = list(s.stop_token_ids)
     body["ignore_eos"] = s.ignore_eos
+    constraint = s.WhichOneof("constraint")
+    if constraint is not None:  # the same checks as HTTP's vLLM-style structured_outputs
+        value = getattr(s, constraint)
+        body["structured_outputs"] = {"json" if constraint == "json_schema" else constraint:
+                                      list(value.options) if constraint == "choice" else value}
+    if s.logit_bias:
+        body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
     if req.priority != pb.PRIORITY_UNSPECIFIED:
         body["priority"] = _PRIORITY.get(req.priority, f"unknown ({req.priority})")
     for name in ("ttft_slo_ms", "tpot_slo_ms"):

@@ -17,6 +17,7 @@ timing breakdown: `x-splitserve-<phase>-ms` headers on JSON responses, and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import weakref
@@ -36,7 +37,9 @@ from splitserve.ingress.backend import Backend
 from splitserve.ingress.frontend import Choice, Frontend, failure, worst_timings
 from splitserve.ingress.lease import RequestLease
 from splitserve.ingress.openapi import document
-from splitserve.ingress.protocol import APIError, RequestOptions, parse_chat, parse_completion
+from splitserve.ingress.protocol import APIError, ChatRequest, RequestOptions, parse_chat, parse_completion
+from splitserve.text import grammar as grammars
+from splitserve.text.tool_calls import ToolCall, ToolFormat, chat_inputs, format_for
 from splitserve.tenancy import KeyRing, RateLimiter, Tenant
 from splitserve.types import ConfigError
 
@@ -71,8 +74,10 @@ class OpenAIServer:
 
     def __init__(self, backend: Backend, metrics: Metrics | None = None, admission: Admission | None = None,
                  keys: KeyRing | None = None, limiter: RateLimiter | None = None,
-                 max_tokens_default: int | None = None) -> None:
+                 max_tokens_default: int | None = None, tool_call_parser: str | None = None) -> None:
         self.front = Frontend(backend, metrics, admission, keys, limiter, max_tokens_default)
+        # how this model writes tool calls: the named parser, else the one its template writes
+        self.tool_format = format_for(backend.tokenizer.chat_template, tool_call_parser)
         self.backend, self.metrics, self.admission = backend, self.front.metrics, self.front.admission
         self.app = Starlette(routes=[
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -135,21 +140,41 @@ class OpenAIServer:
         try:
             tenant = self._tenant(request)
             req = parse_chat(await read_json(request), [self.backend.model_name], self.front.defaults)
+            tools = req.tools.tools if req.tools else None
+            msgs, extra = chat_inputs(req.messages, tools, self.backend.tokenizer.chat_template)
             try:
-                ids = self.backend.tokenizer.encode_chat(list(req.messages))
+                ids = self.backend.tokenizer.encode_chat(msgs, **extra)
             except ConfigError as e:
                 raise APIError(400, str(e), "messages") from None
             prompts = [self.front.check_ids(tuple(ids), "messages")]
+            opts = self._forced_call(req).for_tenant(tenant)
         except APIError as e:
             return error_response(e)
-        return await self._serve(request, "chat.completion", req.options.for_tenant(tenant), prompts, echo=False)
+        return await self._serve(request, "chat.completion", opts, prompts, echo=False,
+                                 tools=self.tool_format if tools else None)
+
+    def _forced_call(self, req: ChatRequest) -> RequestOptions:
+        """A chat's options, with tool_choice required (or a named function) as a grammar that
+        only a valid call of those tools satisfies."""
+        if req.tools is None or not req.tools.forced:
+            return req.options
+        spec = self.tool_format.grammar(req.tools.forced, req.tools.parallel)
+        try:
+            grammars.check(spec)
+        except ConfigError as e:
+            raise APIError(400, f"'tools': the functions' parameters cannot constrain a call: {e}", "tools") from None
+        params = dataclasses.replace(req.options.params, grammar=spec)
+        return dataclasses.replace(req.options, params=params)
 
     # -- shared ---------------------------------------------------------------------------------
-    async def _serve(self, request: HTTPRequest, kind: str, opts: RequestOptions, prompts, echo: bool) -> Response:
+    async def _serve(self, request: HTTPRequest, kind: str, opts: RequestOptions, prompts, echo: bool,
+                     tools: ToolFormat | None = None) -> Response:
         try:
             rid, choices, reqs = self.front.requests(opts, prompts)
         except APIError as e:
             return error_response(e)
+        for c in choices:
+            c.tools = tools
         try:
             async with RequestLease(self.front, opts, reqs, choices) as lease:
                 if opts.stream:
@@ -188,8 +213,7 @@ class OpenAIServer:
                     failed = True
                     yield _sse(failure(item).to_dict())
                 else:
-                    event = self._delta(kind, rid, created, choices[item])
-                    if event is not None:
+                    for event in self._deltas(kind, rid, created, choices[item]):
                         yield _sse(event)
             if opts.include_usage and not failed:
                 yield _sse({"id": rid, "object": _chunk_kind(kind), "created": created, "model": opts.model,
@@ -201,18 +225,34 @@ class OpenAIServer:
             with anyio.CancelScope(shield=True):  # a second cancel must not leave a pump running
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _delta(self, kind: str, rid: str, created: int, c: Choice) -> dict | None:
+    def _deltas(self, kind: str, rid: str, created: int, c: Choice) -> list[dict]:
+        """The chunks this choice's new output makes: its new text; at its end in a chat with
+        tools, the calls it made — for each, its name first, then its arguments — and
+        finish_reason tool_calls."""
         t = c.text
         new = c.take_text()
         reason = t.finish_reason.value if t.finished else None
+        calls: list[ToolCall] = []
+        if t.finished and c.tools is not None:
+            content, calls = c.tools.parse(t.text)
+            if calls:  # the text before the calls, past what was streamed already
+                new, reason = content[len(t.text) - len(new):], ("tool_calls" if reason == "stop" else reason)
         if not new and reason is None:
-            return None
-        if kind == "chat.completion":
-            choice = {"index": c.index, "delta": {"role": "assistant", "content": new}, "finish_reason": reason}
-        else:
-            choice = {"index": c.index, "text": new, "finish_reason": reason}
-        return {"id": rid, "object": _chunk_kind(kind), "created": created, "model": self.backend.model_name,
-                "choices": [choice]}
+            return []
+        wrap = lambda choice: {"id": rid, "object": _chunk_kind(kind), "created": created,  # noqa: E731
+                               "model": self.backend.model_name, "choices": [choice]}
+        if kind != "chat.completion":
+            return [wrap({"index": c.index, "text": new, "finish_reason": reason})]
+        out = [wrap({"index": c.index, "delta": {"role": "assistant", "content": new}, "finish_reason": None})] if new else []
+        for i, call in enumerate(calls):
+            call = call.with_id()
+            head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            out.append(wrap({"index": c.index, "delta": {"tool_calls": [head]}, "finish_reason": None}))
+            args = {"index": i, "function": {"arguments": call.arguments}}
+            out.append(wrap({"index": c.index, "delta": {"tool_calls": [args]}, "finish_reason": None}))
+        if reason is not None:
+            out.append(wrap({"index": c.index, "delta": {}, "finish_reason": reason}))
+        return out
 
     def _full_body(self, kind, rid, opts, choices: list[Choice], echo: bool) -> dict:
         out = []
@@ -220,7 +260,8 @@ class OpenAIServer:
             t = c.text
             reason = t.finish_reason.value if t.finish_reason else None
             if kind == "chat.completion":
-                out.append({"index": c.index, "message": {"role": "assistant", "content": t.text},
+                message, reason = _message(c, reason)
+                out.append({"index": c.index, "message": message,
                             "logprobs": _chat_logprobs(t, self.backend.tokenizer), "finish_reason": reason})
             else:
                 prefix = self.backend.tokenizer.decode(c.prompt_ids) if echo else ""
@@ -282,6 +323,19 @@ async def _until_disconnected(request: HTTPRequest) -> None:
 async def _drain(stream: AsyncIterator[None]) -> None:
     async for _ in stream:
         pass
+
+
+def _message(c: Choice, reason: str | None) -> tuple[dict, str | None]:
+    """A chat choice's message, and its finish reason: tool_calls when it called tools."""
+    text = c.text.text
+    calls = c.tools.parse(text)[1] if c.tools is not None else []
+    if not calls:
+        return {"role": "assistant", "content": text}, reason
+    content = c.tools.parse(text)[0]
+    return ({"role": "assistant", "content": content or None,
+             "tool_calls": [{"id": k.id, "type": "function", "function": {"name": k.name, "arguments": k.arguments}}
+                            for k in (call.with_id() for call in calls)]},
+            "tool_calls" if reason == "stop" else reason)
 
 
 def _sse(obj: dict) -> bytes:

@@ -37,6 +37,25 @@ _SAMPLING: dict[str, Any] = {
                  "description": "capped by the API key's priority"},
     "ttft_slo_ms": {"type": "number", "exclusiveMinimum": 0},
     "tpot_slo_ms": {"type": "number", "exclusiveMinimum": 0},
+    # structured output (ingress/structured.py): at most one constraint per request
+    "response_format": {"oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"},
+            "json_schema": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}}]},
+    "structured_outputs": {"type": "object", "minProperties": 1, "maxProperties": 1,
+                           "description": "vLLM's extension: exactly one of these",
+                           "properties": {"json": {"type": ["object", "string"]},
+                                          "regex": {"type": "string", "minLength": 1},
+                                          "choice": {"type": "array", "items": {"type": "string", "minLength": 1},
+                                                     "minItems": 1, "maxItems": 256},
+                                          "grammar": {"type": "string", "minLength": 1},
+                                          "json_object": {"const": True}}},
+    "logit_bias": {"type": "object", "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                   "description": "token id -> bias; ids within the model's vocabulary"},
 }
 _TOKENS = {"type": "integer", "minimum": 1, "description": "at most the model's context minus the prompt"}
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}

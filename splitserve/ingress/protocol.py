@@ -10,11 +10,14 @@ integer), NaN or out-of-range numbers, unknown models (404), unsupported paramet
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from splitserve.ingress.structured import StructuredError, grammar_of, logit_bias_of
 from splitserve.tenancy.keys import OPEN, Tenant
+from splitserve.text.tool_calls import Tool, tools_of
 from splitserve.types import ConfigError, Priority, SamplingParams
 
 Prompt = str | tuple[int, ...]
@@ -96,10 +99,28 @@ class CompletionRequest:
 
 
 @dataclass(frozen=True)
+class ToolRequest:
+    """A chat request's tools and what it asks of them (`tool_choice`)."""
+
+    tools: tuple[Tool, ...]
+    choice: str = "auto"  # auto | required | none | function (a named one)
+    function: str | None = None
+    parallel: bool = True
+
+    @property
+    def forced(self) -> tuple[Tool, ...]:
+        """The tools the answer must call one of (required, or a named function); () for auto."""
+        if self.choice == "required":
+            return self.tools
+        return tuple(t for t in self.tools if t.name == self.function) if self.choice == "function" else ()
+
+
+@dataclass(frozen=True)
 class ChatRequest:
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     options: RequestOptions
     logprobs: bool
+    tools: ToolRequest | None = None  # None: no tools offered (or tool_choice none)
 
 
 def _bad(param: str, msg: str) -> APIError:
@@ -137,7 +158,7 @@ def _int_list(v: Any, name: str) -> tuple[int, ...]:
 
 
 _NUM = (int, float)
-_UNSUPPORTED = ("suffix", "logit_bias", "tools", "functions", "response_format")
+_UNSUPPORTED = ("suffix", "functions", "function_call")  # the latter two: legacy; tools replace them
 
 
 def _options(body: dict, served: Sequence[str], logprobs: int | None, max_tokens: int | None,
@@ -166,6 +187,11 @@ def _options(body: dict, served: Sequence[str], logprobs: int | None, max_tokens
         return float(_get(body, name, _NUM, defaults.get(name, fallback)))
 
     try:
+        grammar, logit_bias = grammar_of(body), logit_bias_of(body)
+    except StructuredError as e:
+        raise _bad(e.param, str(e)) from None
+
+    try:
         params = SamplingParams(
             n=n, temperature=sampled("temperature", 1.0), top_p=sampled("top_p", 1.0),
             top_k=int(_get(body, "top_k", (int,), defaults.get("top_k", 0))), min_p=sampled("min_p", 0.0),
@@ -176,7 +202,8 @@ def _options(body: dict, served: Sequence[str], logprobs: int | None, max_tokens
             stop=_stop(body), stop_token_ids=_int_list(body.get("stop_token_ids") or [], "stop_token_ids"),
             ignore_eos=_get(body, "ignore_eos", (bool,), False),
             include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
-            logprobs=logprobs, skip_special_tokens=_get(body, "skip_special_tokens", (bool,), True))
+            logprobs=logprobs, skip_special_tokens=_get(body, "skip_special_tokens", (bool,), True),
+            grammar=grammar, logit_bias=logit_bias)
     except ConfigError as e:
         raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
     return RequestOptions(model, params, stream, bool(_get(so, "include_usage", (bool,), False)),
@@ -253,12 +280,47 @@ def parse_chat(body: Any, served: Sequence[str], defaults: RequestDefaults = NO_
     given = _max_tokens(body, "max_completion_tokens", "max_tokens")
     opts = _options(body, served, (top or 0) if want else None, given or defaults.max_tokens, given is not None,
                     defaults.sampling)
-    return ChatRequest(tuple(_message(m, i) for i, m in enumerate(msgs)), opts, want)
+    tools = _tools(body)
+    if tools is not None and tools.forced and opts.params.grammar is not None:
+        raise _bad("tool_choice", "a forced tool call cannot be combined with response_format or structured_outputs")
+    return ChatRequest(tuple(_message(m, i) for i, m in enumerate(msgs)), opts, want, tools)
 
 
-def _message(m: Any, i: int) -> dict[str, str]:
+def _tools(body: dict) -> ToolRequest | None:
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    if raw in (None, []):
+        if choice not in (None, "none"):
+            raise _bad("tool_choice", "needs tools")
+        return None
+    try:
+        tools = tools_of(raw)
+    except ConfigError as e:
+        raise _bad("tools", str(e)) from None
+    parallel = _get(body, "parallel_tool_calls", (bool,), True)
+    if choice is None or choice in ("auto", "required"):
+        return ToolRequest(tools, choice or "auto", None, parallel)
+    if choice == "none":
+        return None
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise _bad("tool_choice", "expected none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if name not in {t.name for t in tools}:
+        raise _bad("tool_choice", f"names function {name!r}, which is not among the tools")
+    return ToolRequest(tools, "function", name, parallel)
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
         raise _bad(f"messages[{i}]", "each message needs a role of system, user, assistant, developer or tool")
+    extra: dict[str, Any] = {}
+    if m["role"] == "assistant" and m.get("tool_calls"):
+        extra["tool_calls"] = _calls(m["tool_calls"], i)
+        if m.get("content") is None:
+            return {"role": "assistant", "content": "", **extra}
+    if m["role"] == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise _bad(f"messages[{i}].tool_call_id", "a tool message needs the id of the call it answers")
+        extra["tool_call_id"] = m["tool_call_id"]
     content = m.get("content")
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -266,4 +328,23 @@ def _message(m: Any, i: int) -> dict[str, str]:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise _bad(f"messages[{i}].content", "expected a string or a list of text parts")
-    return {"role": m["role"], "content": content}
+    return {"role": m["role"], "content": content, **extra}
+
+
+def _calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's tool calls, in OpenAI's shape (arguments: JSON text of an object)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise _bad(where, "expected a list of tool calls")
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise _bad(where, "each call needs function.name and function.arguments (a JSON string)")
+        try:
+            args = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            raise _bad(where, f"the arguments of {fn['name']!r} are not JSON") from None
+        out.append({"id": str(c.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out

@@ -22,7 +22,9 @@ from typing import Any, Callable
 
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.types import ConfigError, FinishReason, Request, TokenChunk
+from splitserve.types import ConfigError, FinishReason, Request, SamplingParams, TokenChunk
+
+GRAMMAR_COMPILE_S = 10.0  # a structured-output grammar that takes longer to compile is refused
 
 
 class EngineBusy(RuntimeError):
@@ -65,8 +67,20 @@ class EngineLoop:
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
 
+    async def prepare(self, params: SamplingParams) -> None:
+        """Compile a request's grammar (structured output) off the event loop and the engine
+        thread, within GRAMMAR_COMPILE_S; the engine then only copies the cached result."""
+        if params.grammar is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.engine.prepare, params), GRAMMAR_COMPILE_S)
+        except asyncio.TimeoutError:
+            raise ConfigError(f"the request's {params.grammar.kind.value} did not compile within "
+                              f"{GRAMMAR_COMPILE_S:g} s; simplify it") from None
+
     async def submit(self, req: Request, **kwargs: Any) -> asyncio.Queue:
         """Add a request; its chunks arrive on the returned queue."""
+        await self.prepare(req.params)
         self._ensure_running()
         self.check_running()
         if len(self._queues) >= self.max_requests:

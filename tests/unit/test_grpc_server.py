@@ -100,6 +100,14 @@ BAD = [
     ("unknown priority", pb.GenerateRequest(text="x", priority=42), grpc.StatusCode.INVALID_ARGUMENT),
     ("negative SLO", pb.GenerateRequest(text="x", ttft_slo_ms=-5), grpc.StatusCode.INVALID_ARGUMENT),
     ("unknown model", pb.GenerateRequest(text="x", model="gpt-9"), grpc.StatusCode.NOT_FOUND),
+    ("regex that does not compile", pb.GenerateRequest(text="x", sampling=pb.SamplingParams(regex="(open")),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("unsupported JSON schema", pb.GenerateRequest(text="x", sampling=pb.SamplingParams(json_schema='{"type": "strang"}')),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("logit_bias out of range", pb.GenerateRequest(text="x", sampling=pb.SamplingParams(logit_bias={5: 101})),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("logit_bias outside the vocabulary", pb.GenerateRequest(text="x", sampling=pb.SamplingParams(logit_bias={10**6: 1})),
+     grpc.StatusCode.INVALID_ARGUMENT),
 ]
 
 
@@ -134,6 +142,27 @@ def test_overload_is_resource_exhausted_with_retry_after(http_server):
     assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused)
     assert all(int(dict(e.trailing_metadata())["retry-after"]) >= 1 for e in refused)
     assert http_server.admission.inflight == 0
+
+
+def test_structured_output_over_grpc(http_server):
+    """The proto's constraint fields reach the engine: every answer fits its constraint."""
+    import json
+    import re
+
+    async def go(stub):
+        out = []
+        for s in (pb.SamplingParams(regex="[0-9]{2}-[a-z]{3}", temperature=1.0, seed=4, max_tokens=20),
+                  pb.SamplingParams(choice=pb.Choices(options=["left", "right"]), max_tokens=10),
+                  pb.SamplingParams(json_schema=json.dumps({"type": "object", "properties": {"x": {"type": "boolean"}},
+                                                            "required": ["x"], "additionalProperties": False}),
+                                    temperature=0.8, seed=1, max_tokens=20)):
+            msgs = [m async for m in stub.Generate(pb.GenerateRequest(text="Answer:", sampling=s))]
+            out.append(("".join(m.text for m in msgs), msgs[-1].finish_reason))
+        return out
+
+    (regex, r1), (choice, r2), (js, r3) = run(http_server, go)
+    assert re.fullmatch("[0-9]{2}-[a-z]{3}", regex) and choice in ("left", "right")
+    assert isinstance(json.loads(js)["x"], bool) and (r1, r2, r3) == ("stop", "stop", "stop")
 
 
 def test_server_reflection_lists_the_service(http_server):

@@ -35,7 +35,7 @@ def test_shape_and_status(body, param, status):
     ("presence_penalty", 5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("seed", "x"), ("seed", 1.5), ("seed", -1798167052297361522275565699072), ("seed", 1 << 63),
     ("stop", 5), ("stop", [""]), ("stop", ["a"] * 17), ("logprobs", 6), ("logprobs", -1), ("echo", "yes"),
     ("stream", 1), ("stream_options", {"include_usage": True}), ("prompt", ""), ("prompt", []), ("prompt", [1, "a"]),
-    ("prompt", [[1, 2], []]), ("prompt", 7), ("prompt", None), ("suffix", "x"), ("logit_bias", {"1": 5}),
+    ("prompt", [[1, 2], []]), ("prompt", 7), ("prompt", None), ("suffix", "x"), ("logit_bias", {"1": 500}),
     ("priority", "urgent"), ("ttft_slo_ms", -5), ("stop_token_ids", [1.5]), ("ignore_eos", "no"),
 ])
 def test_bad_completion_fields(field, value):

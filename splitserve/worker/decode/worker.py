@@ -114,6 +114,7 @@ class DecodeWorker(KVWorker):
                     ) -> asyncio.Queue | None:
         rid = req.request_id
         try:
+            await self.loop.prepare(req.params)  # its grammar compiled off the engine thread
             dst = await self.loop.call(ho.allocate, self.engine, req, (*outputs, h.first_token))
         except BaseException as e:  # nothing was allocated; the source blocks go now, not when the lease lapses
             await self._settle(h, prefill)

@@ -1,0 +1,121 @@
+"""Grammar-constrained sampling (issue 29): per-row token masks from llguidance, against one
+model's tokenizer.
+
+`GrammarMasks` compiles a request's `GrammarSpec` once (text/grammar.py checks and translates
+it; the compiled matcher is kept in a bounded LRU by the spec's key and copied per request) and
+fills one step's bitmask for the rows that carry a grammar. A `GrammarMatcher` is one sequence's
+parser state: built from the spec and the tokens already accepted — so the decode worker that
+takes a handoff, or the worker a stream migrates to, continues exactly where the first left —
+advanced by each sampled token, stopped when the grammar is complete.
+
+The caller compiles off its event loop (`EngineLoop.prepare`), so the engine thread only copies a
+cached matcher; the offline `LLM` compiles inline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from splitserve.text import grammar as grammars
+from splitserve.types import ConfigError, GrammarSpec
+
+log = logging.getLogger(__name__)
+CACHE_SIZE = 128  # compiled grammars kept per engine (an LRU: a new spec evicts the oldest)
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher) -> None:
+        self._m = matcher
+
+    def accept(self, token: int) -> None:
+        if not self._m.consume_token(token):  # the mask allowed it, so this is a bug, not input
+            log.error("a sampled token left the request's grammar: %s", self._m.get_error())
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing but the end of the sequence may follow."""
+        return self._m.is_stopped()
+
+    @property
+    def raw(self):
+        return self._m
+
+
+class GrammarMasks:
+    """Compiled grammars and per-step masks for one model's vocabulary."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        import llguidance
+
+        if not Path(tokenizer_json).is_file():
+            raise ConfigError(f"structured output needs the model's tokenizer.json; {tokenizer_json} is missing")
+        self._llg = llguidance
+        self.tokenizer = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.vocab_size = vocab_size
+        self._executor = llguidance.LLExecutor()
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = 0  # grammars compiled (cache misses), for the tests and /metrics
+
+    def compile(self, spec: GrammarSpec):
+        """The compiled matcher of a spec (cached); ConfigError if it does not compile."""
+        with self._lock:
+            hit = self._compiled.get(spec.key)
+            if hit is not None:
+                self._compiled.move_to_end(spec.key)
+                return hit
+        compiled = self._build(spec)  # outside the lock: other specs compile meanwhile
+        with self._lock:
+            self._compiled[spec.key] = compiled
+            self.compiles += 1
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _build(self, spec: GrammarSpec):
+        m = self._llg.LLMatcher(self.tokenizer, grammars.check(spec), limits=grammars.limits(), log_level=0)
+        if m.is_error():
+            raise ConfigError(f"the {spec.kind.value} does not compile for this model: {m.get_error()[:300]}")
+        return m
+
+    def matcher(self, spec: GrammarSpec, accepted: Sequence[int] = ()) -> GrammarMatcher:
+        """A fresh matcher advanced over the tokens this sequence already has (a handoff's first
+        token; a migration's delivered ones)."""
+        m = self.compile(spec).deep_copy()
+        if accepted and not m.consume_tokens(list(accepted)):
+            raise ConfigError("the tokens already generated for this request do not fit its grammar")
+        return GrammarMatcher(m)
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[GrammarMatcher]) -> None:
+        """Mask the tokens the grammar of each of `rows` (one matcher each) does not allow to
+        -inf, in place. The masks are filled in parallel by llguidance (without the GIL) and
+        unpacked here without torch.compile (llguidance's own apply compiles a kernel on first
+        use: seconds, and a C compiler)."""
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+
+        mask = allocate_token_bitmask(len(rows), self.vocab_size)
+        fill_next_token_bitmask_par(self._executor, [(m.raw, i) for i, m in enumerate(matchers)], mask)
+        allowed = unpack(mask, logits.shape[1]).to(logits.device, non_blocking=True)
+        if len(rows) == logits.shape[0]:  # rows ascend, so these are all of them
+            logits.masked_fill_(~allowed, float("-inf"))
+        else:
+            idx = torch.tensor(list(rows), device=logits.device)
+            logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+
+
+def unpack(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, words] int32 bitmasks (bit b of word w: token 32·w + b) -> [rows, width] bool."""
+    bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, :width]).bool()
+    if width > bits.shape[1]:  # logits wider than the tokenizer's vocab: padding, never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, width - bits.shape[1]), value=False)
+    return allowed
