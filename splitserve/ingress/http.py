@@ -38,6 +38,8 @@ from splitserve.ingress.frontend import Choice, Frontend, failure, worst_timings
 from splitserve.ingress.lease import RequestLease
 from splitserve.ingress.openapi import document
 from splitserve.ingress.protocol import APIError, ChatRequest, RequestOptions, parse_chat, parse_completion
+from splitserve.ingress.responses import (ResponseStore, as_messages, call_item, chat_body, message_item, new_id,
+                                          output_items, response_object, usage_of)
 from splitserve.text import grammar as grammars
 from splitserve.text.tool_calls import ToolCall, ToolFormat, chat_inputs, format_for
 from splitserve.tenancy import KeyRing, RateLimiter, Tenant
@@ -78,11 +80,13 @@ class OpenAIServer:
         self.front = Frontend(backend, metrics, admission, keys, limiter, max_tokens_default)
         # how this model writes tool calls: the named parser, else the one its template writes
         self.tool_format = format_for(backend.tokenizer.chat_template, tool_call_parser)
+        self.stored = ResponseStore()  # /v1/responses' conversations, for previous_response_id
         self.backend, self.metrics, self.admission = backend, self.front.metrics, self.front.admission
         self.app = Starlette(routes=[
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
@@ -140,18 +144,77 @@ class OpenAIServer:
         try:
             tenant = self._tenant(request)
             req = parse_chat(await read_json(request), [self.backend.model_name], self.front.defaults)
-            tools = req.tools.tools if req.tools else None
-            msgs, extra = chat_inputs(req.messages, tools, self.backend.tokenizer.chat_template)
-            try:
-                ids = self.backend.tokenizer.encode_chat(msgs, **extra)
-            except ConfigError as e:
-                raise APIError(400, str(e), "messages") from None
-            prompts = [self.front.check_ids(tuple(ids), "messages")]
-            opts = self._forced_call(req).for_tenant(tenant)
+            opts, prompts, tools = self._chat_prompt(req, tenant)
         except APIError as e:
             return error_response(e)
-        return await self._serve(request, "chat.completion", opts, prompts, echo=False,
-                                 tools=self.tool_format if tools else None)
+        return await self._serve(request, "chat.completion", opts, prompts, echo=False, tools=tools)
+
+    def _chat_prompt(self, req: ChatRequest, tenant: Tenant) -> tuple[RequestOptions, list, ToolFormat | None]:
+        """A chat's options (a forced tool call as its grammar), its prompt, and how its calls
+        are read back (None: no tools offered)."""
+        tools = req.tools.tools if req.tools else None
+        msgs, extra = chat_inputs(req.messages, tools, self.backend.tokenizer.chat_template)
+        try:
+            ids = self.backend.tokenizer.encode_chat(msgs, **extra)
+        except ConfigError as e:
+            raise APIError(400, str(e), "messages") from None
+        prompts = [self.front.check_ids(tuple(ids), "messages")]
+        return self._forced_call(req).for_tenant(tenant), prompts, (self.tool_format if tools else None)
+
+    async def responses(self, request: HTTPRequest) -> Response:
+        """POST /v1/responses (ingress/responses.py): the chat path, answered as output items."""
+        try:
+            tenant = self._tenant(request)
+            body = await read_json(request)
+            chat, conversation = chat_body(body, self.stored)
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise APIError(400, "'stream': must be a boolean", "stream")
+            req = parse_chat(chat, [self.backend.model_name], self.front.defaults)
+            opts, prompts, tools = self._chat_prompt(req, tenant)
+            _, choices, reqs = self.front.requests(opts, prompts)
+        except APIError as e:
+            return error_response(e)
+        choices[0].tools = tools
+        turn = ResponseTurn(new_id("resp"), body, chat, conversation, choices[0], tools)
+        try:
+            async with RequestLease(self.front, opts, reqs, choices) as lease:
+                if stream:
+                    return LeasedStreamingResponse(lease, self._response_events(turn, lease))
+                if not await _run_to_end(request, lease.streams):
+                    return Response(status_code=499)
+        except Exception as e:  # refused or failed; the lease has given everything back
+            return error_response(failure(e))
+        return JSONResponse(self._finish_turn(turn, turn.final_output()))
+
+    def _finish_turn(self, turn: "ResponseTurn", output: list[dict]) -> dict:
+        c = turn.choice
+        done = "incomplete" if c.text.finish_reason is not None and c.text.finish_reason.value == "length" else "completed"
+        obj = response_object(turn.id, turn.body, turn.chat, output,
+                              usage_of(len(c.prompt_ids), len(c.text.token_ids), c.text.num_cached_tokens), done)
+        if turn.body.get("store", True) is not False:
+            self.stored.put(turn.id, list(turn.conversation) + as_messages(output))
+        return obj
+
+    async def _response_events(self, turn: "ResponseTurn", lease: RequestLease) -> AsyncIterator[bytes]:
+        """The typed events of a streamed response: created; the message's text deltas as they
+        come (held back where a tool call may begin); each call, name then arguments; completed."""
+        seq = iter(range(1 << 62))
+
+        def event(kind: str, **fields: Any) -> bytes:
+            return _sse({"type": kind, "sequence_number": next(seq), **fields})
+
+        yield event("response.created", response=response_object(turn.id, turn.body, turn.chat, [], None, "in_progress"))
+        try:
+            async for _ in lease.streams[0]:
+                for e in turn.text_events(turn.choice.take_text(), event):
+                    yield e
+        except Exception as e:  # as in chat: an error event, never a broken stream
+            yield _sse({"type": "error", "sequence_number": next(seq), **failure(e).to_dict()["error"]})
+            return
+        for e in turn.final_events(event):
+            yield e
+        yield event("response.completed", response=self._finish_turn(turn, turn.output))
 
     def _forced_call(self, req: ChatRequest) -> RequestOptions:
         """A chat's options, with tool_choice required (or a named function) as a grammar that
@@ -269,6 +332,66 @@ class OpenAIServer:
                             "finish_reason": reason, "stop_reason": t.stop_reason})
         return {"id": rid, "object": kind, "created": int(time.time()), "model": opts.model, "choices": out,
                 "usage": _usage(choices)}
+
+
+class ResponseTurn:
+    """One /v1/responses answer being built: its text streamed so far and its output items."""
+
+    def __init__(self, rid: str, body: dict, chat: dict, conversation: list, choice: Choice,
+                 tools: ToolFormat | None) -> None:
+        self.id, self.body, self.chat, self.conversation = rid, body, chat, conversation
+        self.choice, self.tools = choice, tools
+        self.streamed, self.message_id, self.output = "", None, []
+
+    def final_output(self) -> list[dict]:
+        content, calls = self.tools.parse(self.choice.text.text) if self.tools else (self.choice.text.text, [])
+        self.output = output_items(content, calls)
+        return self.output
+
+    def _open_message(self, event) -> list[bytes]:
+        if self.message_id is not None:
+            return []
+        self.message_id = new_id("msg")
+        return [event("response.output_item.added", output_index=0, item=message_item(self.message_id, "", "in_progress")),
+                event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
+                      part={"type": "output_text", "text": "", "annotations": []})]
+
+    def text_events(self, new: str, event) -> list[bytes]:
+        if not new:
+            return []
+        out = self._open_message(event)
+        self.streamed += new
+        out.append(event("response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0,
+                         delta=new, logprobs=[]))
+        return out
+
+    def final_events(self, event) -> list[bytes]:
+        text = self.choice.text.text
+        content, calls = self.tools.parse(text) if self.tools else (text, [])
+        out = self.text_events(content[len(self.streamed):] if calls else text[len(self.streamed):], event)
+        if not calls:
+            out += self._open_message(event)  # an empty answer is still one (empty) message
+        self.output = []
+        if self.message_id is not None:
+            part = {"type": "output_text", "text": self.streamed, "annotations": [], "logprobs": []}
+            item = message_item(self.message_id, self.streamed, "completed")
+            out += [event("response.output_text.done", item_id=self.message_id, output_index=0, content_index=0,
+                          text=self.streamed, logprobs=[]),
+                    event("response.content_part.done", item_id=self.message_id, output_index=0, content_index=0,
+                          part=part),
+                    event("response.output_item.done", output_index=0, item=item)]
+            self.output.append(item)
+        for call in calls:
+            call, index, item_id = call.with_id(), len(self.output), new_id("fc")
+            out += [event("response.output_item.added", output_index=index,
+                          item={**call_item(item_id, call, "in_progress"), "arguments": ""}),
+                    event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                          delta=call.arguments),
+                    event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                          arguments=call.arguments),
+                    event("response.output_item.done", output_index=index, item=call_item(item_id, call, "completed"))]
+            self.output.append(call_item(item_id, call, "completed"))
+        return out
 
 
 class LeasedStreamingResponse(StreamingResponse):

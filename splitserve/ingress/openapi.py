@@ -58,6 +58,19 @@ _SAMPLING: dict[str, Any] = {
                    "description": "token id -> bias; ids within the model's vocabulary"},
 }
 _TOKENS = {"type": "integer", "minimum": 1, "description": "at most the model's context minus the prompt"}
+_FUNCTION = {"type": "object", "required": ["name"],
+             "properties": {"name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                            "description": {"type": "string"}, "parameters": {"type": "object"}}}
+_TOOLS: dict[str, Any] = {
+    "tools": {"type": "array", "maxItems": 128, "items": {"type": "object", "required": ["type", "function"],
+                                                          "properties": {"type": {"const": "function"},
+                                                                         "function": _FUNCTION}}},
+    "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]},
+                              {"type": "object", "required": ["type", "function"],
+                               "properties": {"type": {"const": "function"}, "function": {
+                                   "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]},
+    "parallel_tool_calls": {"type": "boolean"},
+}
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 
@@ -86,17 +99,38 @@ def _schemas(model_name: str) -> dict[str, Any]:
                            "messages": {"type": "array", "minItems": 1, "items": _ref("Message")},
                            "max_tokens": _TOKENS, "max_completion_tokens": _TOKENS,
                            "logprobs": {"type": "boolean"},
-                           "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, **_SAMPLING}},
+                           "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, **_SAMPLING,
+                           **_TOOLS}},
+        "ResponsesRequest": {
+            "type": "object", "required": ["model", "input"],
+            "description": "the subset of OpenAI's Responses API the openai-agents SDK uses (ingress/responses.py)",
+            "properties": {"model": {"type": "string", "enum": [model_name]},
+                           "input": {"oneOf": [{"type": "string", "minLength": 1},
+                                               {"type": "array", "minItems": 1, "items": {"type": "object"}}]},
+                           "instructions": {"type": "string"}, "max_output_tokens": _TOKENS,
+                           "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+                           "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"],
+                                                                "properties": {"type": {"const": "function"},
+                                                                               **_FUNCTION["properties"]}}},
+                           "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
+                           "parallel_tool_calls": {"type": "boolean"}, "stream": {"type": "boolean"},
+                           "store": {"type": "boolean"}, "previous_response_id": {"type": "string"},
+                           "text": {"type": "object"}, "metadata": {"type": "object"}}},
         "Message": {
             "type": "object", "required": ["role", "content"],
-            "properties": {"role": {"type": "string", "enum": ["system", "user", "assistant", "developer", "tool"]},
+            "properties": {"tool_call_id": {"type": "string"}, "tool_calls": {"type": "array", "items": {"type": "object"}},
+                           "role": {"type": "string", "enum": ["system", "user", "assistant", "developer", "tool"]},
                            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
                                "type": "object", "required": ["type", "text"],
                                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}},
         "Completion": _answer("text_completion", {"text": {"type": "string"}}, usage),
         "ChatCompletion": _answer("chat.completion", {"message": {
             "type": "object", "required": ["role", "content"],
-            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}, usage),
+            "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                           "tool_calls": {"type": "array", "items": {"type": "object"}}}}}, usage),
+        "Response": {"type": "object", "required": ["id", "object", "output", "status"],
+                     "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                                    "status": {"type": "string"}, "output": {"type": "array"}}},
         "Models": {"type": "object", "required": ["object", "data"],
                    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
                        "type": "object", "required": ["id", "object"],
@@ -151,6 +185,7 @@ def document(model_name: str) -> dict[str, Any]:
         "paths": {
             "/v1/completions": _generate("CompletionRequest", "Completion", "Text completion"),
             "/v1/chat/completions": _generate("ChatRequest", "ChatCompletion", "Chat completion"),
+            "/v1/responses": _generate("ResponsesRequest", "Response", "A response (the Responses API's subset)"),
             "/v1/models": {"get": {"summary": "The served model", "security": [{"bearer": []}],
                                    "responses": _answers(json_of("Models"), (401,))}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "security": [{"bearer": []}, {}],

@@ -35,3 +35,54 @@ def test_openai_sdk_over_the_cluster(ray_session, tiny_checkpoint):
         assert streamed == ref[: ref.find(ref[5:8])]
         for s in cluster.check_invariants():
             assert s["in_use"] == 0 and s.get("leases", 0) == 0, s
+
+
+def test_structured_output_and_tools_over_the_split(ray_session, demo_model_dir):
+    """Issue 29 across the split, with the demo model: every prompt prefilled on the prefill
+    worker (which samples the first token under the request's grammar) and decoded on the decode
+    worker (which rebuilds the matcher from it): the SDK's pydantic parse, 8 sampled json_schema
+    answers valid against the schema, and a required tool call valid against its parameters."""
+    import json
+
+    import jsonschema
+    import pydantic
+
+    class Planet(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        moons: int = pydantic.Field(ge=0, le=200)
+
+    schema = Planet.model_json_schema()
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
+        "additionalProperties": False}}}
+    with Cluster.start(model=str(demo_model_dir), prefill=1, decode=1, transport="tcp", disagg_min_tokens=0,
+                       num_kv_blocks=512, name="structured-split") as cluster:
+        app = OpenAIServer(cluster.backend).app
+        name = cluster.backend.model_name
+
+        async def go():
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+            c = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http)
+            ask = [{"role": "user", "content": "Name a planet and how many moons it has."}]
+            parsed = await c.chat.completions.parse(model=name, messages=ask, response_format=Planet, temperature=0,
+                                                    max_tokens=60)
+            sampled = await c.chat.completions.create(
+                model=name, messages=ask, n=8, temperature=1.0, seed=9, max_tokens=60,
+                response_format={"type": "json_schema", "json_schema": {"name": "planet", "schema": schema}})
+            called = await c.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "Weather in Lima?"}], tools=[weather],
+                tool_choice="required", temperature=0, max_tokens=60)
+            return parsed, sampled, called
+
+        parsed, sampled, called = cluster.run(go())
+        assert isinstance(parsed.choices[0].message.parsed, Planet), parsed.choices[0].message.content
+        for ch in sampled.choices:
+            assert ch.finish_reason == "stop", ch.message.content
+            jsonschema.validate(json.loads(ch.message.content), schema)
+        call = called.choices[0].message.tool_calls[0]
+        assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), weather["function"]["parameters"])
+        traces = list(cluster.timings)
+        assert len(traces) == 10 and all(t.prefill_worker and t.decode_worker for t in traces), traces
+        for s in cluster.check_invariants():
+            assert s["in_use"] == 0 and s.get("leases", 0) == 0, s

@@ -150,3 +150,46 @@ def test_a_tool_result_goes_back_to_the_model(server):
     r = asyncio.run(go())
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert r.usage.prompt_tokens > 50  # the offer, the call and its result are all in the prompt
+
+
+def test_the_responses_api_answers_formats_and_calls_tools(server):
+    """/v1/responses through the SDK's responses.create: text, a json_schema answer, a forced
+    function call, and its output sent back with previous_response_id (the stored conversation)."""
+    tool = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+            "parameters": WEATHER["function"]["parameters"], "strict": True}
+
+    async def go():
+        c = client(server)
+        text = await c.responses.create(model=MODEL, input="Say hello.", instructions="Be brief.", max_output_tokens=20,
+                                        temperature=0)
+        js = await c.responses.create(model=MODEL, input="Describe an animal.", temperature=0, max_output_tokens=80,
+                                      text={"format": {"type": "json_schema", "name": "animal", "schema": SCHEMA}})
+        called = await c.responses.create(model=MODEL, input="Weather in Kyiv?", tools=[tool], tool_choice="required",
+                                          temperature=0, max_output_tokens=80)
+        call = next(o for o in called.output if o.type == "function_call")
+        after = await c.responses.create(model=MODEL, previous_response_id=called.id, tools=[tool], max_output_tokens=30,
+                                         temperature=0, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                                "output": json.dumps({"temperature_c": 3})}])
+        return text, js, called, call, after
+
+    text, js, called, call, after = asyncio.run(go())
+    assert text.status in ("completed", "incomplete") and text.output_text and text.usage.output_tokens > 0
+    jsonschema.validate(json.loads(js.output_text), SCHEMA)
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    assert after.usage.input_tokens > called.usage.input_tokens  # the stored conversation came along
+
+
+def test_a_streamed_response_comes_as_typed_events(server):
+    async def go():
+        s = await client(server).responses.create(model=MODEL, input="Name three colors.", stream=True,
+                                                  max_output_tokens=24, temperature=0)
+        return [ev async for ev in s]
+
+    events = asyncio.run(go())
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds and "response.output_text.done" in kinds
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
