@@ -56,6 +56,7 @@ class GrammarKind(str, enum.Enum):
 
 
 MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex or grammar's text: bounded, documented
+GRAMMAR_CACHE_SIZE = 128  # compiled grammars an engine keeps (an LRU: a new spec evicts the oldest)
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's bound)
 
 
@@ -282,6 +283,7 @@ class WorkerStats:
     host_hit_tokens_total: int = 0  # of the prefix hits, tokens loaded back from the host KV tier
     kv_host_blocks_cached: int = 0  # blocks the host tier holds now
     expert_tokens_total: tuple[int, ...] = ()  # a mixture of experts: tokens each expert took, over all layers
+    grammar_compile_s: float = 0.0  # a structured-output grammar's compile time on a cache miss (0: none yet)
 
     @property
     def kv_usage(self) -> float:

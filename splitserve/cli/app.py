@@ -56,14 +56,14 @@ class Ingress:
         await self.controller.start.remote()
         self.backend = ClusterBackend(cfg, ControllerSource(self.controller))
         await self.backend.start()
-        limiter = None
-        if self.backend.redis is not None:  # every replica charges the same buckets
-            from splitserve.ingress.shared import SharedRateLimiter
+        limiter = stored = None
+        if self.backend.redis is not None:  # every replica charges the same buckets, keeps the same responses
+            from splitserve.ingress.shared import SharedRateLimiter, SharedResponseStore
 
-            limiter = SharedRateLimiter(self.backend.redis)
+            limiter, stored = SharedRateLimiter(self.backend.redis), SharedResponseStore(self.backend.redis)
         self.http = OpenAIServer(self.backend, admission=Admission(admission_config(cfg)), keys=cfg.api_keys,
                                  limiter=limiter, max_tokens_default=cfg.max_tokens_default,
-                                 tool_call_parser=cfg.tool_call_parser)
+                                 tool_call_parser=cfg.tool_call_parser, responses=stored)
         self.grpc = GenerationService(self.http.front)
 
     def __serve_build_asgi_app__(self):

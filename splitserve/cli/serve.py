@@ -156,14 +156,15 @@ def _serve_in_process(args: argparse.Namespace, model: str, admission: Admission
     ecfg = EngineConfig.from_dict({"model": model, **_engine_options(args)})
     keys = KeyRing.from_options(args.api_keys).with_env()
     _say_keys(keys)
-    limiter = None
-    if args.redis_url:  # one in-process server has no peers to place with, but may share limits
-        from splitserve.ingress.shared import RedisLink, SharedRateLimiter
+    limiter = stored = None
+    if args.redis_url:  # one in-process server has no peers to place with, but may share limits and responses
+        from splitserve.ingress.shared import RedisLink, SharedRateLimiter, SharedResponseStore
 
-        limiter = SharedRateLimiter(RedisLink(args.redis_url))
+        link = RedisLink(args.redis_url)
+        limiter, stored = SharedRateLimiter(link), SharedResponseStore(link)
     http = OpenAIServer(LocalBackend(ecfg, args.served_model_name), admission=Admission(admission), keys=keys,
                         limiter=limiter, max_tokens_default=args.max_tokens_default,
-                      tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, responses=stored)
     _listening(args, http.backend.model_name)
     asyncio.run(_run_both(http, args))
     return 0

@@ -66,6 +66,10 @@ class EngineCore:
         """A mixture-of-experts model: tokens routed to each expert so far (summed over layers)."""
         return ()
 
+    def grammar_compile_s(self) -> float:
+        """A structured-output grammar's compile time here (0: none compiled yet)."""
+        return 0.0
+
     def _before_pull(self) -> None:
         """Blocks were just allocated for a transport to write into."""
 
@@ -245,6 +249,7 @@ class EngineCore:
             decode_context_tokens=sum(s.num_computed_tokens for s in self.scheduler.running),
             token_budget=self.token_budget,
             expert_tokens_total=self.expert_tokens(),
+            grammar_compile_s=self.grammar_compile_s(),
         )
 
     def block_counts(self) -> dict[str, int]:

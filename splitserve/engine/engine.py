@@ -185,11 +185,20 @@ class Engine(EngineCore):
                         token_ids=list(req.prompt_token_ids) + list(outputs))
 
     def _forward(self, sched: SchedulerOutput) -> list[Sampled]:
+        ahead = self._masks_ahead(sched)
         result = self.runner.run(sched)
         if not result.sample_seqs:
             return []
-        out = self.sampler(result.logits, [s.sampling for s in result.sample_seqs])
+        out = self.sampler(result.logits, [s.sampling for s in result.sample_seqs], ahead)
         return list(zip(result.sample_seqs, out.token_ids, out.logprobs))
+
+    def _masks_ahead(self, sched: SchedulerOutput):
+        """The grammar masks of the step's rows that will sample, filled while the model runs."""
+        if self.sampler.masks is None:
+            return None
+        matchers = [s.seq.sampling.grammar for s in sched.scheduled if s.seq.sampling.grammar is not None
+                    and s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+        return self.sampler.masks.fill_ahead(matchers) if matchers else None
 
     def _append(self, seq: Sequence, tok: int, lp) -> TokenChunk:
         if seq.sampling.grammar is not None:
@@ -213,6 +222,10 @@ class Engine(EngineCore):
         counts = [m.expert_tokens for m in self._moe_layers]
         return tuple(torch.stack(counts).sum(0).tolist()) if counts else ()
 
+    def grammar_compile_s(self) -> float:
+        masks = self.sampler.masks
+        return 0.0 if masks is None else masks.compile_s
+
     def _before_pull(self) -> None:
         if self.device.type == "cuda":
             # The blocks' last owner may still have KV writes queued on the GPU; a transport
@@ -225,6 +238,8 @@ class Engine(EngineCore):
         hooks, self.on_close = self.on_close, []
         for hook in hooks:
             hook()
+        if self.sampler.masks is not None:
+            self.sampler.masks.close()
         self.kv.close()
         self._stop_ranks()
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -24,10 +26,9 @@ import numpy as np
 import torch
 
 from splitserve.text import grammar as grammars
-from splitserve.types import ConfigError, GrammarSpec
+from splitserve.types import GRAMMAR_CACHE_SIZE, ConfigError, GrammarSpec
 
 log = logging.getLogger(__name__)
-CACHE_SIZE = 128  # compiled grammars kept per engine (an LRU: a new spec evicts the oldest)
 
 
 class GrammarMatcher:
@@ -65,6 +66,8 @@ class GrammarMasks:
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # grammars compiled (cache misses), for the tests and /metrics
+        self._ahead: ThreadPoolExecutor | None = None  # fills masks during the forward pass
+        self.compile_s = 0.0  # a miss's compile time, smoothed (admission adds it for an uncached spec)
 
     def compile(self, spec: GrammarSpec):
         """The compiled matcher of a spec (cached); ConfigError if it does not compile."""
@@ -73,11 +76,14 @@ class GrammarMasks:
             if hit is not None:
                 self._compiled.move_to_end(spec.key)
                 return hit
+        start = time.perf_counter()
         compiled = self._build(spec)  # outside the lock: other specs compile meanwhile
+        took = time.perf_counter() - start
         with self._lock:
             self._compiled[spec.key] = compiled
             self.compiles += 1
-            while len(self._compiled) > CACHE_SIZE:
+            self.compile_s = took if self.compiles == 1 else 0.8 * self.compile_s + 0.2 * took
+            while len(self._compiled) > GRAMMAR_CACHE_SIZE:
                 self._compiled.popitem(last=False)
         return compiled
 
@@ -95,21 +101,57 @@ class GrammarMasks:
             raise ConfigError("the tokens already generated for this request do not fit its grammar")
         return GrammarMatcher(m)
 
-    def apply(self, logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[GrammarMatcher]) -> None:
-        """Mask the tokens the grammar of each of `rows` (one matcher each) does not allow to
-        -inf, in place. The masks are filled in parallel by llguidance (without the GIL) and
-        unpacked here without torch.compile (llguidance's own apply compiles a kernel on first
-        use: seconds, and a C compiler)."""
+    def fill_ahead(self, matchers: Sequence[GrammarMatcher]) -> "PendingMasks":
+        """Start filling these matchers' masks on a thread while the caller runs the forward pass
+        (llguidance fills without the GIL; the matchers do not move until the step's tokens are
+        accepted, after `apply`)."""
+        if self._ahead is None:
+            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return PendingMasks(matchers, self._ahead.submit(self._fill, list(matchers)))
+
+    def _fill(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
         from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
 
-        mask = allocate_token_bitmask(len(rows), self.vocab_size)
+        mask = allocate_token_bitmask(len(matchers), self.vocab_size)
         fill_next_token_bitmask_par(self._executor, [(m.raw, i) for i, m in enumerate(matchers)], mask)
+        return mask
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[GrammarMatcher],
+              ahead: "PendingMasks | None" = None) -> None:
+        """Mask the tokens the grammar of each of `rows` (one matcher each) does not allow to
+        -inf, in place. The masks come from `ahead` (filled during the forward pass) where it has
+        them, else are filled now, in parallel by llguidance; they are unpacked here without
+        torch.compile (llguidance's own apply compiles a kernel on first use: seconds, and a C
+        compiler)."""
+        mask = ahead.masks_of(matchers) if ahead is not None else None
+        if mask is None:
+            mask = self._fill(matchers)
         allowed = unpack(mask, logits.shape[1]).to(logits.device, non_blocking=True)
         if len(rows) == logits.shape[0]:  # rows ascend, so these are all of them
             logits.masked_fill_(~allowed, float("-inf"))
         else:
             idx = torch.tensor(list(rows), device=logits.device)
             logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+
+    def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True)
+
+
+class PendingMasks:
+    """Masks being filled for a step's matchers (`GrammarMasks.fill_ahead`)."""
+
+    def __init__(self, matchers: Sequence[GrammarMatcher], future: Future) -> None:
+        self._row = {id(m): i for i, m in enumerate(matchers)}
+        self._future = future
+
+    def masks_of(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor | None:
+        """These matchers' masks, in their order (None: one was not filled ahead)."""
+        mask = self._future.result()
+        rows = [self._row.get(id(m)) for m in matchers]
+        if any(r is None for r in rows):
+            return None
+        return mask if rows == list(range(mask.shape[0])) else mask[rows]
 
 
 def unpack(mask: torch.Tensor, width: int) -> torch.Tensor:

@@ -99,7 +99,8 @@ class Sampler:
         self.masks: GrammarMasks | None = None
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState], ahead=None) -> SamplerOutput:
+        """`ahead`: grammar masks filled during the forward pass (GrammarMasks.fill_ahead)."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits must be [num_seqs={len(states)}, vocab], got {tuple(logits.shape)}")
         if not states:
@@ -114,7 +115,7 @@ class Sampler:
         if plan.biased:
             _apply_logit_bias(x, plan.biased, states)
         if plan.constrained:
-            self.masks.apply(x, plan.constrained, [states[i].grammar for i in plan.constrained])
+            self.masks.apply(x, plan.constrained, [states[i].grammar for i in plan.constrained], ahead)
         if plan.penalized:
             _apply_penalties(x, plan.penalized, states)
         if plan.min_token_cells[0]:

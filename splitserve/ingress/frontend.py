@@ -199,8 +199,9 @@ class Frontend:
         try:
             for req, c in zip(reqs, choices):
                 c.plan = await self.backend.plan(req)
+                grammar = None if req.params.grammar is None else req.params.grammar.key
                 d = self.admission.decide(c.plan, opts.priority, len(req.prompt_token_ids), opts.ttft_slo_ms,
-                                          opts.tpot_slo_ms)
+                                          opts.tpot_slo_ms, grammar)
                 if not d.admit:
                     self.backend.abandon(c.plan)
                     self.metrics.rejections.labels(reason=d.reason).inc()

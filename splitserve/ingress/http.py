@@ -39,9 +39,9 @@ from splitserve.ingress.lease import RequestLease
 from splitserve.ingress.openapi import document
 from splitserve.ingress.protocol import APIError, ChatRequest, RequestOptions, parse_chat, parse_completion
 from splitserve.ingress.responses import (ResponseStore, as_messages, call_item, chat_body, message_item, new_id,
-                                          output_items, response_object, usage_of)
+                                          output_items, previous, response_object, usage_of)
 from splitserve.text import grammar as grammars
-from splitserve.text.tool_calls import ToolCall, ToolFormat, chat_inputs, format_for
+from splitserve.text.tool_calls import FirstCallOnly, ToolCall, ToolFormat, chat_inputs, format_for
 from splitserve.tenancy import KeyRing, RateLimiter, Tenant
 from splitserve.types import ConfigError
 
@@ -76,11 +76,13 @@ class OpenAIServer:
 
     def __init__(self, backend: Backend, metrics: Metrics | None = None, admission: Admission | None = None,
                  keys: KeyRing | None = None, limiter: RateLimiter | None = None,
-                 max_tokens_default: int | None = None, tool_call_parser: str | None = None) -> None:
+                 max_tokens_default: int | None = None, tool_call_parser: str | None = None,
+                 responses: ResponseStore | None = None) -> None:
         self.front = Frontend(backend, metrics, admission, keys, limiter, max_tokens_default)
         # how this model writes tool calls: the named parser, else the one its template writes
         self.tool_format = format_for(backend.tokenizer.chat_template, tool_call_parser)
-        self.stored = ResponseStore()  # /v1/responses' conversations, for previous_response_id
+        # /v1/responses' conversations, for previous_response_id (shared through Redis: ingress/shared)
+        self.stored = responses or ResponseStore()
         self.backend, self.metrics, self.admission = backend, self.front.metrics, self.front.admission
         self.app = Starlette(routes=[
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -159,14 +161,17 @@ class OpenAIServer:
         except ConfigError as e:
             raise APIError(400, str(e), "messages") from None
         prompts = [self.front.check_ids(tuple(ids), "messages")]
-        return self._forced_call(req).for_tenant(tenant), prompts, (self.tool_format if tools else None)
+        if not tools:
+            return req.options.for_tenant(tenant), prompts, None
+        fmt = self.tool_format if req.tools.parallel else FirstCallOnly(self.tool_format)
+        return self._forced_call(req, fmt).for_tenant(tenant), prompts, fmt
 
     async def responses(self, request: HTTPRequest) -> Response:
         """POST /v1/responses (ingress/responses.py): the chat path, answered as output items."""
         try:
             tenant = self._tenant(request)
             body = await read_json(request)
-            chat, conversation = chat_body(body, self.stored)
+            chat, conversation = chat_body(body, await previous(body, self.stored, tenant.name))
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise APIError(400, "'stream': must be a boolean", "stream")
@@ -176,7 +181,7 @@ class OpenAIServer:
         except APIError as e:
             return error_response(e)
         choices[0].tools = tools
-        turn = ResponseTurn(new_id("resp"), body, chat, conversation, choices[0], tools)
+        turn = ResponseTurn(new_id("resp"), body, chat, conversation, choices[0], tools, tenant.name)
         try:
             async with RequestLease(self.front, opts, reqs, choices) as lease:
                 if stream:
@@ -185,15 +190,15 @@ class OpenAIServer:
                     return Response(status_code=499)
         except Exception as e:  # refused or failed; the lease has given everything back
             return error_response(failure(e))
-        return JSONResponse(self._finish_turn(turn, turn.final_output()))
+        return JSONResponse(await self._finish_turn(turn, turn.final_output()))
 
-    def _finish_turn(self, turn: "ResponseTurn", output: list[dict]) -> dict:
+    async def _finish_turn(self, turn: "ResponseTurn", output: list[dict]) -> dict:
         c = turn.choice
         done = "incomplete" if c.text.finish_reason is not None and c.text.finish_reason.value == "length" else "completed"
         obj = response_object(turn.id, turn.body, turn.chat, output,
                               usage_of(len(c.prompt_ids), len(c.text.token_ids), c.text.num_cached_tokens), done)
         if turn.body.get("store", True) is not False:
-            self.stored.put(turn.id, list(turn.conversation) + as_messages(output))
+            await self.stored.put(turn.tenant, turn.id, list(turn.conversation) + as_messages(output))
         return obj
 
     async def _response_events(self, turn: "ResponseTurn", lease: RequestLease) -> AsyncIterator[bytes]:
@@ -214,14 +219,14 @@ class OpenAIServer:
             return
         for e in turn.final_events(event):
             yield e
-        yield event("response.completed", response=self._finish_turn(turn, turn.output))
+        yield event("response.completed", response=await self._finish_turn(turn, turn.output))
 
-    def _forced_call(self, req: ChatRequest) -> RequestOptions:
+    def _forced_call(self, req: ChatRequest, fmt: ToolFormat) -> RequestOptions:
         """A chat's options, with tool_choice required (or a named function) as a grammar that
         only a valid call of those tools satisfies."""
         if req.tools is None or not req.tools.forced:
             return req.options
-        spec = self.tool_format.grammar(req.tools.forced, req.tools.parallel)
+        spec = fmt.grammar(req.tools.forced, req.tools.parallel)
         try:
             grammars.check(spec)
         except ConfigError as e:
@@ -338,9 +343,9 @@ class ResponseTurn:
     """One /v1/responses answer being built: its text streamed so far and its output items."""
 
     def __init__(self, rid: str, body: dict, chat: dict, conversation: list, choice: Choice,
-                 tools: ToolFormat | None) -> None:
+                 tools: ToolFormat | None, tenant: str) -> None:
         self.id, self.body, self.chat, self.conversation = rid, body, chat, conversation
-        self.choice, self.tools = choice, tools
+        self.choice, self.tools, self.tenant = choice, tools, tenant
         self.streamed, self.message_id, self.output = "", None, []
 
     def final_output(self) -> list[dict]:

@@ -31,28 +31,49 @@ def _bad(param: str, msg: str) -> APIError:
 
 
 class ResponseStore:
-    """Each stored response's whole conversation (its input, then its output as chat messages)."""
+    """Each stored response's whole conversation (its input, then its output as chat messages),
+    by tenant and id: one tenant cannot continue another's response. In this replica's memory,
+    an LRU of `size`; ingress/shared/response_store.py shares them through Redis."""
 
     def __init__(self, size: int = MAX_STORED) -> None:
-        self._items: OrderedDict[str, tuple[dict, ...]] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str], tuple[dict, ...]] = OrderedDict()
         self._size, self._lock = size, threading.Lock()
 
-    def get(self, response_id: str) -> tuple[dict, ...] | None:
+    async def get(self, tenant: str, response_id: str) -> tuple[dict, ...] | None:
+        return self.get_local(tenant, response_id)
+
+    async def put(self, tenant: str, response_id: str, conversation: list[dict]) -> None:
+        self.put_local(tenant, response_id, conversation)
+
+    def get_local(self, tenant: str, response_id: str) -> tuple[dict, ...] | None:
         with self._lock:
-            conv = self._items.get(response_id)
+            conv = self._items.get((tenant, response_id))
             if conv is not None:
-                self._items.move_to_end(response_id)
+                self._items.move_to_end((tenant, response_id))
             return conv
 
-    def put(self, response_id: str, conversation: list[dict]) -> None:
+    def put_local(self, tenant: str, response_id: str, conversation: list[dict]) -> None:
         with self._lock:
-            self._items[response_id] = tuple(conversation)
+            self._items[(tenant, response_id)] = tuple(conversation)
             while len(self._items) > self._size:
                 self._items.popitem(last=False)
 
 
-def chat_body(body: Any, store: ResponseStore) -> tuple[dict, list[dict]]:
-    """(the chat completion body this response request means, its conversation so far)."""
+async def previous(body: Any, store: ResponseStore, tenant: str) -> tuple[dict, ...]:
+    """The stored conversation a request continues (`previous_response_id`), or none."""
+    prev = body.get("previous_response_id") if isinstance(body, dict) else None
+    if prev is None:
+        return ()
+    conv = await store.get(tenant, prev) if isinstance(prev, str) and len(prev) <= 128 else None
+    if conv is None:
+        raise APIError(404, f"no stored response {str(prev)[:128]!r} (responses are kept for a while, "
+                            f"the last {MAX_STORED} on each server)", "previous_response_id", code="not_found")
+    return conv
+
+
+def chat_body(body: Any, prior: tuple[dict, ...] = ()) -> tuple[dict, list[dict]]:
+    """(the chat completion body this response request means, its conversation so far), after
+    the `prior` conversation it continues."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     for name in _UNSUPPORTED:
@@ -63,14 +84,7 @@ def chat_body(body: Any, store: ResponseStore) -> tuple[dict, list[dict]]:
     reasoning = body.get("reasoning")
     if reasoning not in (None, {}) and (not isinstance(reasoning, dict) or reasoning.get("effort") not in (None, "none")):
         raise _bad("reasoning", "this model does not reason; leave it unset")
-    messages: list[dict] = []
-    prev = body.get("previous_response_id")
-    if prev is not None:
-        conv = store.get(prev) if isinstance(prev, str) else None
-        if conv is None:
-            raise APIError(404, f"no stored response {prev!r} (responses are kept while the server runs, "
-                                f"the last {MAX_STORED})", "previous_response_id", code="not_found")
-        messages += conv
+    messages: list[dict] = list(prior)
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):

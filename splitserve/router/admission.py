@@ -13,6 +13,9 @@ pairs) and its load, predict:
          KV moves)
   TPOT ≈ c0 + c2·(running + 1) + c3·(context of the running batch + this prompt)
          (on the decode worker)
+A request with a structured-output grammar that its first worker has not compiled (as far as
+this router knows: it has not sent that spec there lately) adds that worker's measured compile
+time (`WorkerStats.grammar_compile_s`; a prior until it has compiled one) to its TTFT.
 The TTFT prediction is then calibrated online: the model sees the queue as it is now, not the
 steps that grow as the requests ahead start decoding, nor the ingress and RPC hops, nor other
 processes competing for the host, so it runs low under load. Each finished request reports
@@ -91,6 +94,8 @@ class Decision:
     tokens: int = 0
 
 
+COMPILE_PRIOR_S = 0.005  # a grammar's compile time before a worker has measured one (llguidance: ~1 ms here)
+COMPILED_SEEN = 4096  # (worker, grammar) pairs remembered as compiled there (workers keep 128 each)
 _LIMIT = {Priority.SHEDDABLE: 0.5, Priority.STANDARD: 1.0, Priority.CRITICAL: 2.0}
 _RATIO_BOUNDS = (0.5, 8.0)  # a calibration factor beyond these says the model is broken, not biased
 
@@ -163,17 +168,22 @@ class Admission:
         self.config = config or AdmissionConfig()
         self.inflight = 0
         self.outstanding = Outstanding()
+        self.compiled: collections.OrderedDict[tuple, None] = collections.OrderedDict()  # (worker, grammar key)
         c = self.config
         self.calibration = Calibration(c.calibration_quantile, c.calibration_window, c.calibration_min_samples,
                                        c.calibration_prior)
 
     def decide(self, plan: Plan | None, priority: Priority, prompt_tokens: int,
-               ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None) -> Decision:
-        """Admit or refuse one request placed by `plan`; an admitted one counts as in flight
-        (and as load on its workers) until `finished`."""
-        decision = self._decide(plan, priority, prompt_tokens, ttft_slo_ms, tpot_slo_ms)
+               ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None, grammar: str | None = None
+               ) -> Decision:
+        """Admit or refuse one request placed by `plan` (`grammar`: its structured-output spec's
+        key); an admitted one counts as in flight (and as load on its workers) until `finished`."""
+        compile_s = self._compile_s(plan, grammar)
+        decision = self._decide(plan, priority, prompt_tokens, ttft_slo_ms, tpot_slo_ms, compile_s)
         if decision.admit:
             self.inflight += 1
+            if plan is not None and grammar is not None:
+                self._seen(plan.first_worker, grammar)
             if plan is not None:
                 decision = dataclasses.replace(decision, worker=plan.first_worker,
                                                tokens=max(1, prompt_tokens - plan.cached_tokens))
@@ -197,7 +207,20 @@ class Admission:
         if observed_ttft_s is not None and (slo is None or decision.predicted_ttft_s * 1e3 >= slo / 4):
             self.calibration.observe(decision.model_ttft_s, observed_ttft_s)
 
-    def _decide(self, plan, priority, prompt_tokens, ttft_slo_ms, tpot_slo_ms) -> Decision:
+    def _compile_s(self, plan: Plan | None, grammar: str | None) -> float:
+        """The compile time a grammar adds on the plan's first worker (0: none, or compiled there)."""
+        if plan is None or grammar is None or (plan.first_worker, grammar) in self.compiled:
+            return 0.0
+        measured = plan.first_stats.grammar_compile_s if plan.first_stats is not None else 0.0
+        return measured or COMPILE_PRIOR_S
+
+    def _seen(self, worker: Hashable, grammar: str) -> None:
+        self.compiled[(worker, grammar)] = None
+        self.compiled.move_to_end((worker, grammar))
+        while len(self.compiled) > COMPILED_SEEN:
+            self.compiled.popitem(last=False)
+
+    def _decide(self, plan, priority, prompt_tokens, ttft_slo_ms, tpot_slo_ms, compile_s: float = 0.0) -> Decision:
         cfg = self.config
         if not cfg.enabled:
             return Decision(True)
@@ -210,7 +233,7 @@ class Admission:
         decode = None if plan is None else plan.decode_stats
         model = ttft = tpot = 0.0
         if first is not None:
-            model = predict(first, prompt_tokens, plan.cached_tokens)[0]
+            model = predict(first, prompt_tokens, plan.cached_tokens)[0] + compile_s
             ttft = model * self.calibration.factor
         if decode is not None:
             tpot = predict(decode, prompt_tokens, 0)[1]

@@ -39,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--num-requests", type=int, default=200, help="random / shared-prefix: how many")
     w.add_argument("--input-len", type=int, nargs=2, default=[128, 512], metavar=("LO", "HI"))
     w.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("LO", "HI"))
+    w.add_argument("--grammar-share", type=float, default=0.0,
+                   help="this share of requests carry a structured-output grammar (default 0)")
+    w.add_argument("--grammar-kinds", type=int, default=16, help="distinct grammars among them (default 16)")
+    w.add_argument("--grammar-compile-ms", type=float, default=1.1,
+                   help="a grammar's compile on a worker that has not cached it (default 1.1, measured here)")
     c = p.add_argument_group("cost model (one of)")
     c.add_argument("--gpu", default=None, help="roofline: h100, h200, a100, h20, l40s")
     c.add_argument("--model", default="llama-3-8b",
@@ -104,6 +109,8 @@ def workload_of(a: argparse.Namespace) -> Workload:
         w = from_bench(reqs, rate=a.rate, name=a.dataset)
     if not w.requests:
         raise ConfigError("the workload has no requests")
+    if a.grammar_share:
+        w = w.with_grammars(a.grammar_share, a.grammar_kinds)
     return w.scaled(a.rate_scale) if a.rate_scale != 1.0 else w
 
 
@@ -138,7 +145,8 @@ def config_of(a: argparse.Namespace) -> SimConfig:
                      ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms, admission=not a.no_admission,
                      max_inflight=a.max_inflight, autoscale=autoscale, gpus_per_node=a.gpus_per_node,
                      layout=a.layout, worker_start_s=a.worker_start_s, ingress_s=a.ingress_ms / 1e3,
-                     handoff_s=a.handoff_ms / 1e3, stream_s=a.stream_ms / 1e3, host_cores=a.host_cores)
+                     handoff_s=a.handoff_ms / 1e3, stream_s=a.stream_ms / 1e3, host_cores=a.host_cores,
+                     grammar_compile_s=a.grammar_compile_ms / 1e3)
 
 
 def run_once(config: SimConfig, cost, workload: Workload) -> tuple[dict[str, Any], Simulation]:

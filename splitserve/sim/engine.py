@@ -6,6 +6,7 @@ id, and outputs end by length (the trace's output length), as a benchmark's igno
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from splitserve.engine.core import EngineCore, Sampled
@@ -13,7 +14,7 @@ from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_shape import shape_of
 from splitserve.sim.cost import CostModel
-from splitserve.types import Request, SamplingParams, TokenChunk
+from splitserve.types import GRAMMAR_CACHE_SIZE, Request, SamplingParams, TokenChunk
 
 TOKEN = 1  # the id every simulated sample draws
 
@@ -26,14 +27,40 @@ class SimSampling:
     output_token_ids: list[int] = field(default_factory=list)
 
 
+class GrammarCache:
+    """A worker's compiled structured-output grammars (as engine/grammar.py's LRU): a key seen
+    lately costs nothing, a new one `compile_s`, before the request reaches the engine."""
+
+    def __init__(self, compile_s: float, size: int = GRAMMAR_CACHE_SIZE) -> None:
+        self.compile_s, self.size, self.compiles = compile_s, size, 0
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def delay(self, key: str | None) -> float:
+        if key is None:
+            return 0.0
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            return 0.0
+        self._keys[key] = None
+        if len(self._keys) > self.size:
+            self._keys.popitem(last=False)
+        self.compiles += 1
+        return self.compile_s
+
+
 class SimEngine(EngineCore):
     def __init__(self, cost: CostModel, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_prefix_caching: bool = True, num_blocks: int | None = None) -> None:
+                 max_model_len: int, enable_prefix_caching: bool = True, num_blocks: int | None = None,
+                 compile_s: float = 0.0) -> None:
         super().__init__(block_size=block_size, num_blocks=num_blocks or cost.kv_blocks(block_size),
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching)
         self.cost = cost
         self._coeffs = tuple(cost.coeffs())
+        self.grammars = GrammarCache(compile_s)
+
+    def grammar_compile_s(self) -> float:
+        return self.grammars.compile_s if self.grammars.compiles else 0.0
 
     @property
     def step_time_coeffs(self) -> tuple[float, ...]:

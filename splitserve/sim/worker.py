@@ -39,6 +39,7 @@ class SimWorker:
         self._on_chunk, self._on_report = on_chunk, on_report
         self.report_interval_s = report_interval_s
         self.stepping = False
+        self.compiling = 0  # requests waiting for their grammar's compile
         self.busy_s = 0.0  # simulated seconds spent in steps
         self.steps = 0
         self.started_at = loop.now  # asked for: its GPU counts from here
@@ -51,9 +52,21 @@ class SimWorker:
         return (self.stopped_at if self.stopped_at is not None else until) - self.started_at
 
     # -- work in -------------------------------------------------------------------------------
-    def submit(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = ()) -> None:
+    def submit(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = (),
+               grammar: str | None = None) -> None:
+        """Queue a request; one with a grammar this worker has not compiled waits for its compile
+        first (off the engine's steps, as EngineLoop.prepare)."""
+        delay = self.engine.grammars.delay(grammar)
+        if delay > 0:
+            self.compiling += 1
+            self.loop.after(delay, self._compiled, req, prefill_only, outputs)
+            return
         self.engine.add_request(req, prefill_only=prefill_only, outputs=outputs)
         self.kick()
+
+    def _compiled(self, req: Request, prefill_only: bool, outputs: tuple[int, ...]) -> None:
+        self.compiling -= 1
+        self.submit(req, prefill_only=prefill_only, outputs=outputs)
 
     def kick(self) -> None:
         """New work may be runnable: start a step unless one is running."""
@@ -62,7 +75,7 @@ class SimWorker:
 
     @property
     def idle(self) -> bool:
-        return not self.stepping and self.engine.holds_nothing()
+        return not self.stepping and not self.compiling and self.engine.holds_nothing()
 
     # -- stepping ------------------------------------------------------------------------------
     def _begin(self) -> None:

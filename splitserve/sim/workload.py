@@ -12,7 +12,9 @@ simulator and a measured run see the same prefix sharing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import random
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ class SimRequestSpec:
     output_len: int
     hash_ids: tuple[int, ...] = ()  # prefix identity at `tokens_per_hash` granularity (empty: unique)
     tokens: tuple[int, ...] | None = None  # real token ids (bench datasets): hashed as the engine does
+    grammar: str | None = None  # a structured-output spec's key: requests with one key share its compile
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,17 @@ class Workload:
         """Arrivals `rate_scale` times as dense (2: twice the request rate)."""
         if not rate_scale > 0:
             raise ConfigError(f"rate_scale must be > 0, got {rate_scale}")
-        reqs = tuple(SimRequestSpec(r.index, r.arrival_s / rate_scale, r.input_len, r.output_len, r.hash_ids,
-                                    r.tokens) for r in self.requests)
+        reqs = tuple(dataclasses.replace(r, arrival_s=r.arrival_s / rate_scale) for r in self.requests)
+        return Workload(reqs, self.tokens_per_hash, self.name)
+
+    def with_grammars(self, share: float, kinds: int, seed: int = 0) -> "Workload":
+        """A random `share` of the requests constrained by a structured-output grammar, one of
+        `kinds` distinct ones (each compiled once per worker, then cached)."""
+        if not 0.0 <= share <= 1.0 or kinds < 1:
+            raise ConfigError(f"grammar share must be in [0, 1] and kinds >= 1, got {share} and {kinds}")
+        rng = random.Random(seed)
+        reqs = tuple(dataclasses.replace(r, grammar=f"g{rng.randrange(kinds)}") if rng.random() < share else r
+                     for r in self.requests)
         return Workload(reqs, self.tokens_per_hash, self.name)
 
 

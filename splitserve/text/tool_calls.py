@@ -63,6 +63,21 @@ class ToolFormat:
         raise NotImplementedError
 
 
+class FirstCallOnly(ToolFormat):
+    """`parallel_tool_calls: false`: a forced call's grammar allows one call; under
+    `tool_choice: auto` the model may still write several, and the first is the answer."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt, self.name, self.open = fmt, fmt.name, fmt.open
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        content, calls = self.fmt.parse(text)
+        return content, calls[:1]
+
+    def grammar(self, tools: Sequence[Tool], parallel: bool) -> GrammarSpec:
+        return self.fmt.grammar(tools, False)
+
+
 def _call_schema(tools: Sequence[Tool], args_key: str) -> dict[str, Any]:
     one = [{"type": "object", "additionalProperties": False, "required": ["name", args_key],
             "properties": {"name": {"const": t.name}, args_key: json.loads(t.parameters)}} for t in tools]

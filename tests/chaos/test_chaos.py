@@ -194,7 +194,9 @@ def test_sigkill_a_decode_worker_under_a_grammar(ray_session, model):
            for p in params(half, False, 120) + params(half, True, 120)]
     ref = reference(model, ps, sps)
     started = time.time()
-    with cluster(model, "chaos-grammar") as c:
+    # a SIGKILL is seen at once (the stream errors); a long inactivity timeout keeps a slow
+    # machine's busy survivor from being taken for silent too
+    with cluster(model, "chaos-grammar", decode_inactivity_timeout_s=10.0) as c:
         load = Load(c, ps, sps)
         load.wait_progress(3)
         signal_worker(c.decodes[0], signal.SIGKILL)

@@ -8,6 +8,7 @@ import pytest
 from splitserve import LLM, SamplingParams
 from splitserve.orchestrator import Cluster
 from splitserve.ingress.http import OpenAIServer
+from tests.integration import app_clients
 
 openai = pytest.importorskip("openai")
 
@@ -41,7 +42,8 @@ def test_structured_output_and_tools_over_the_split(ray_session, demo_model_dir)
     """Issue 29 across the split, with the demo model: every prompt prefilled on the prefill
     worker (which samples the first token under the request's grammar) and decoded on the decode
     worker (which rebuilds the matcher from it): the SDK's pydantic parse, 8 sampled json_schema
-    answers valid against the schema, and a required tool call valid against its parameters."""
+    answers valid against the schema, a required tool call valid against its parameters, and the
+    client libraries of app_clients.py (instructor, langchain-openai, an openai-agents Agent)."""
     import json
 
     import jsonschema
@@ -72,9 +74,11 @@ def test_structured_output_and_tools_over_the_split(ray_session, demo_model_dir)
             called = await c.chat.completions.create(
                 model=name, messages=[{"role": "user", "content": "Weather in Lima?"}], tools=[weather],
                 tool_choice="required", temperature=0, max_tokens=60)
-            return parsed, sampled, called
+            clients = (await app_clients.instructor_extracts(app, name), await app_clients.langchain_structured(app, name),
+                       await app_clients.langchain_tools(app, name), await app_clients.agent_runs_a_tool(app, name))
+            return parsed, sampled, called, clients
 
-        parsed, sampled, called = cluster.run(go())
+        parsed, sampled, called, (city, lc_city, lc_call, (asked, final)) = cluster.run(go())
         assert isinstance(parsed.choices[0].message.parsed, Planet), parsed.choices[0].message.content
         for ch in sampled.choices:
             assert ch.finish_reason == "stop", ch.message.content
@@ -82,7 +86,8 @@ def test_structured_output_and_tools_over_the_split(ray_session, demo_model_dir)
         call = called.choices[0].message.tool_calls[0]
         assert called.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), weather["function"]["parameters"])
-        traces = list(cluster.timings)
-        assert len(traces) == 10 and all(t.prefill_worker and t.decode_worker for t in traces), traces
+        assert city.name and lc_city.name and lc_call["args"]["city"] and asked and final
+        traces = list(cluster.timings)  # 10 above, 4 from the libraries, at least 1 more from the agent
+        assert len(traces) >= 15 and all(t.prefill_worker and t.decode_worker for t in traces), traces
         for s in cluster.check_invariants():
             assert s["in_use"] == 0 and s.get("leases", 0) == 0, s

@@ -1,7 +1,8 @@
 """Structured output as a user sees it (issue 29): the demo model (a real instruct model) served
 in-process, driven by the official `openai` SDK — `chat.completions.parse` with a pydantic model,
 32 sampled json_schema answers at temperature 1.0 (each checked with `jsonschema`), and a streamed
-json_object answer."""
+json_object answer — and by `instructor`, `langchain-openai` and the `openai-agents` SDK
+(app_clients.py; the same checks run over the 1P+1D split in test_http_cluster.py)."""
 
 import asyncio
 import json
@@ -16,6 +17,7 @@ pydantic = pytest.importorskip("pydantic")
 from splitserve.config import EngineConfig  # noqa: E402
 from splitserve.ingress.http import OpenAIServer  # noqa: E402
 from splitserve.orchestrator.local_backend import LocalBackend  # noqa: E402
+from tests.integration import app_clients  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -193,3 +195,22 @@ def test_a_streamed_response_comes_as_typed_events(server):
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == events[-1].response.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_instructor_extracts_a_pydantic_model(server):
+    city = asyncio.run(app_clients.instructor_extracts(server.app, MODEL))
+    assert city.name and city.country
+
+
+def test_langchain_structured_output_and_bound_tools(server):
+    async def go():
+        return (await app_clients.langchain_structured(server.app, MODEL),
+                await app_clients.langchain_tools(server.app, MODEL))
+
+    city, call = asyncio.run(go())
+    assert city.name and call["args"]["city"]
+
+
+def test_an_openai_agents_agent_runs_its_function_tool(server):
+    asked, final = asyncio.run(app_clients.agent_runs_a_tool(server.app, MODEL))
+    assert len(asked) >= 1 and all(isinstance(c, str) and c for c in asked), asked

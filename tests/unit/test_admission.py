@@ -44,6 +44,28 @@ def test_ttft_is_judged_on_the_worker_that_prefills_and_tpot_on_the_decoder():
     assert a.decide(Plan("p", stats(), "d", stats(), cached_tokens=1888), Priority.STANDARD, 1900).admit
 
 
+def test_a_grammar_not_compiled_on_the_first_worker_adds_its_compile_time():
+    import dataclasses
+
+    from splitserve.router.admission import COMPILE_PRIOR_S
+
+    a = Admission(AdmissionConfig())
+
+    def ttft(p, grammar=None):  # each ends at once, so none queues ahead of the next
+        d = a.decide(p, Priority.STANDARD, 100, grammar=grammar)
+        a.finished(d, None)
+        return d.model_ttft_s
+
+    free = ttft(plan())
+    assert ttft(plan(), "g1") == pytest.approx(free + COMPILE_PRIOR_S)
+    assert ttft(plan(), "g1") == pytest.approx(free)  # sent there: compiled
+    slow = dataclasses.replace(stats(), grammar_compile_s=0.3)  # the worker's own measure, once it has one
+    assert ttft(plan(slow), "g2") == pytest.approx(free + 0.3)
+    d = Admission(AdmissionConfig(ttft_slo_ms=200)).decide(plan(slow), Priority.STANDARD, 100, grammar="g3")
+    assert not d.admit and d.reason == "ttft_slo"  # 0.11 s alone, 0.41 s with its compile
+    assert ("p0", "g3") not in a.compiled  # refused: nothing was sent there
+
+
 def test_capacity_limits_by_class():
     a = Admission(AdmissionConfig(max_inflight=10))
     a.inflight = 5

@@ -1,7 +1,8 @@
 """Router state shared through a real Redis (tests/redis_server.py): two ingress replicas'
 rate limiters charge one set of buckets, and a replica's placements show in the other's view
-of the workers. Redis killed: nothing raises, each replica goes on with its own view; Redis
-back: shared again, with no restart of either replica."""
+of the workers, and a /v1/responses answer stored on one continues on the other. Redis killed:
+nothing raises, each replica goes on with its own view; Redis back: shared again, with no
+restart of either replica."""
 
 import asyncio
 import uuid
@@ -12,8 +13,13 @@ pytest.importorskip("redis")
 
 from splitserve.router.policy import make_router  # noqa: E402
 from splitserve.router.directory import Directory  # noqa: E402
-from splitserve.ingress.shared import RedisLink, SharedLoad, SharedRateLimiter  # noqa: E402
-from splitserve.tenancy import RateLimiter, Tenant  # noqa: E402
+import httpx  # noqa: E402
+
+from splitserve.config import EngineConfig  # noqa: E402
+from splitserve.ingress.http import OpenAIServer  # noqa: E402
+from splitserve.ingress.shared import RedisLink, SharedLoad, SharedRateLimiter, SharedResponseStore  # noqa: E402
+from splitserve.orchestrator.local_backend import LocalBackend  # noqa: E402
+from splitserve.tenancy import KeyRing, RateLimiter, Tenant  # noqa: E402
 from splitserve.types import Request, Role, SamplingParams  # noqa: E402
 from tests.fakes.cluster import FakeSource  # noqa: E402
 
@@ -136,3 +142,47 @@ def test_a_replica_sees_what_another_placed_and_degrades_without_redis(redis_ser
             await d.shared.link.close()
 
     asyncio.run(go())
+
+
+def test_a_response_stored_on_one_replica_continues_on_another(redis_server, tiny_checkpoint):
+    """Two ingress replicas (one engine behind both), each with its own SharedResponseStore on one
+    Redis: a response made on A is continued on B with previous_response_id (B's prompt holds A's
+    conversation), but not by another tenant. Redis killed: A still continues its own responses,
+    B answers 404 for A's new ones; nothing raises."""
+    keys = KeyRing.from_options({"keys": [{"key": "sk-alpha-0123456789", "tenant": "alpha"},
+                                          {"key": "sk-beta-01234567890", "tenant": "beta"}]})
+    backend = LocalBackend(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=256), model_name="tiny")
+
+    async def go():
+        prefix = f"test:{uuid.uuid4().hex}"
+        links = [RedisLink(redis_server.url, prefix, retry_s=0.1) for _ in range(2)]
+        a, b = (OpenAIServer(backend, keys=keys, responses=SharedResponseStore(link)) for link in links)
+
+        async def ask(srv, key="sk-alpha-0123456789", **body):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=srv.app), base_url="http://t") as h:
+                r = await h.post("/v1/responses", headers={"Authorization": f"Bearer {key}"},
+                                 json={"model": "tiny", "max_output_tokens": 3, "temperature": 0, **body})
+                return r.status_code, r.json()
+
+        code, first = await ask(a, input="The capital of France is")
+        assert code == 200, first
+        code, there = await ask(b, input="and of Spain?", previous_response_id=first["id"])
+        assert code == 200 and there["usage"]["input_tokens"] > first["usage"]["input_tokens"], there
+        code, err = await ask(b, key="sk-beta-01234567890", input="hi", previous_response_id=first["id"])
+        assert code == 404 and err["error"]["param"] == "previous_response_id", err
+        assert await links[0].client.exists(links[0].key("responses", "alpha", first["id"])) == 1
+        redis_server.kill()
+        try:
+            code, mine = await ask(a, input="Hello")
+            assert code == 200 and not links[0].up  # stored in A's memory only
+            assert (await ask(a, input="again", previous_response_id=mine["id"]))[0] == 200
+            assert (await ask(b, input="again", previous_response_id=mine["id"]))[0] == 404
+        finally:
+            redis_server.start()
+        for link in links:
+            await link.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        backend.loop.close()

@@ -26,7 +26,7 @@ from splitserve.sim.events import EventLoop
 from splitserve.sim.report import summarize
 from splitserve.sim.simulation import SimConfig, Simulation
 from splitserve.sim.workload import SimRequestSpec, Workload, from_records
-from splitserve.types import Request, Role, SamplingParams
+from splitserve.types import ConfigError, Request, Role, SamplingParams
 
 C = (0.01, 1e-4, 2e-3, 1e-6)  # c0 s, c1 s/prefill token, c2 s/decode seq, c3 s/context token
 
@@ -119,6 +119,34 @@ def test_timings_follow_the_cost_model_exactly_on_the_disaggregated_path():
     assert o.ttft_s == pytest.approx(cfg.ingress_s + prefill + cfg.stream_s, rel=1e-12)
     assert o.tpot_s == pytest.approx((third - o.ttft_s) / 2, rel=1e-12)
     assert o.end_s == pytest.approx(third - cfg.stream_s, rel=1e-12)
+
+
+def test_a_grammar_compile_delays_a_request_where_it_is_not_cached():
+    """Three requests with one json_schema, spaced out, over 1P+1D: the first pays the compile
+    on the prefill worker (its TTFT) and again on the decode worker (after the KV lands); the
+    second finds both cached; a third with another grammar pays again. Admission counted it."""
+    cost, compile_s = linear(), 0.05
+    specs = (SimRequestSpec(0, 0.0, 100, 3, grammar="a"), SimRequestSpec(1, 1.0, 100, 3, grammar="a"),
+             SimRequestSpec(2, 2.0, 100, 3, grammar="b"), SimRequestSpec(3, 3.0, 100, 3))
+    sim = Simulation(SimConfig(prefill=1, decode=1, grammar_compile_s=compile_s), cost, Workload(specs, 16)).run()
+    first, cached, other, free = sim.outcomes
+    prefill = C[0] + 100 * C[1]
+    assert first.ttft_s == pytest.approx(compile_s + prefill, rel=1e-9)
+    assert other.ttft_s == pytest.approx(first.ttft_s, rel=1e-9)
+    assert cached.ttft_s == free.ttft_s == pytest.approx(prefill, rel=1e-9)
+    assert first.tpot_s > cached.tpot_s + compile_s / 2 - 1e-9  # the decode worker's compile, spread over 2
+    assert [w.engine.grammars.compiles for w in sim.pools.all_workers()] == [2, 2]
+    assert len(sim.admission.compiled) == 2  # (the prefill worker, a) and (…, b): later ones counted as cached
+
+
+def test_a_workload_with_grammars_runs_and_drains():
+    w = from_records(records(), tokens_per_hash=16).with_grammars(0.5, 3, seed=1)
+    with_g = [r for r in w.requests if r.grammar is not None]
+    assert 15 < len(with_g) < 45 and {r.grammar for r in with_g} <= {"g0", "g1", "g2"}
+    s = summarize(Simulation(SimConfig(prefill=1, decode=2, disagg_min_tokens=16), linear(), w).run())
+    assert s["completed"] == 60
+    with pytest.raises(ConfigError):
+        w.with_grammars(1.5, 3)
 
 
 def test_a_trace_runs_aggregated_and_disaggregated_with_prefix_hits_and_every_request_done():

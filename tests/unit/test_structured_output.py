@@ -125,6 +125,31 @@ def test_a_batch_without_grammar_does_no_mask_work(llm, monkeypatch):
     assert calls == []
 
 
+def test_masks_filled_during_the_forward_pass_sample_as_masks_filled_after(llm, monkeypatch):
+    """The step's grammar masks are filled on their own thread while the model runs, and sample
+    exactly what masks filled after the forward pass do (seeded, a mixed batch)."""
+    import threading
+
+    masks, engine = llm.engine.grammar_masks(), llm.engine
+    spec = json_schema_spec({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, grammar=spec if s != 2 else None) for s in range(3)]
+    threads, fill = [], masks._fill
+
+    def watched(matchers):
+        threads.append(threading.current_thread().name)
+        return fill(matchers)
+
+    monkeypatch.setattr(masks, "_fill", watched)
+    ahead = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert threads and all(t.startswith("grammar-masks") for t in threads), threads
+    threads.clear()
+    monkeypatch.setattr(engine, "_masks_ahead", lambda sched: None)
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert threads and "grammar-masks" not in "".join(threads)
+    assert ahead == after
+
+
 def test_compiled_grammars_are_cached_by_spec(llm):
     masks = llm.engine.grammar_masks()
     spec = json_schema_spec({"type": "object", "properties": {"zz": {"type": "integer"}}, "required": ["zz"]})
@@ -133,6 +158,7 @@ def test_compiled_grammars_are_cached_by_spec(llm):
     equal = json_schema_spec(json.dumps({"required": ["zz"], "type": "object", "properties": {"zz": {"type": "integer"}}}))
     llm.generate([[1, 2]], SamplingParams(temperature=0.0, max_tokens=20, grammar=equal))
     assert masks.compiles == before + 1
+    assert 0 < llm.engine.stats().grammar_compile_s < 10  # measured, for admission's TTFT
 
 
 # ------------------------------------------------------------------------ the edge

@@ -9,7 +9,7 @@ import pytest
 
 from splitserve.ingress.protocol import APIError, parse_chat
 from splitserve.text.grammar import check
-from splitserve.text.tool_calls import FORMATS, Tool, chat_inputs, format_for, tools_of
+from splitserve.text.tool_calls import FORMATS, FirstCallOnly, Tool, chat_inputs, format_for, tools_of
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -35,6 +35,9 @@ def test_each_format_reads_its_calls_back(name, text, content):
     got_content, calls = FORMATS[name].parse(text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    # parallel_tool_calls: false under tool_choice auto: the first call is the answer
+    first = FirstCallOnly(FORMATS[name])
+    assert first.parse(text) == (content, calls[:1]) and first.open == FORMATS[name].open
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
