@@ -54,6 +54,15 @@ class Metrics:
                                             ["role", "reason"], registry=r)
         self._decisions_seen: dict[tuple[str, str], int] = {}
 
+    def forget_workers(self, live: set[str]) -> None:
+        """Drop every per-worker series of a worker not in `live` (one that stopped or died): a
+        gone worker's last values must not be scraped, nor its series pile up forever."""
+        for g in (self.kv_usage, self.queue, self.step_time, self.expert_tokens, self.expert_imbalance):
+            worker = g._labelnames.index("worker")
+            for labels in list(g._metrics):  # prometheus_client lists a metric's series only here
+                if labels[worker] not in live:
+                    g.remove(*labels)
+
     def export_autoscale(self, report) -> None:
         """An AutoscaleReport (the Controller's totals) into the target gauge and the counter."""
         for role, n in report.targets:

@@ -51,10 +51,11 @@ class Ingress:
         self.controller = controller_mod.get_or_create(cfg, joined)
         # with this replica's actor, which the Controller watches: a replica killed before its
         # __del__ could detach (or whose detach never left the dying process) still lets go
-        await self.controller.attach.remote(self.owner, ray.get_runtime_context().current_actor)
+        await self.controller.attach.remote(self.owner, ray.get_runtime_context().current_actor)  # (again on its restart)
         await self.controller.configure.remote(cfg)
         await self.controller.start.remote()
-        self.backend = ClusterBackend(cfg, ControllerSource(self.controller))
+        me = (self.owner, ray.get_runtime_context().current_actor)
+        self.backend = ClusterBackend(cfg, ControllerSource(self.controller, owner=me))
         await self.backend.start()
         limiter = stored = None
         if self.backend.redis is not None:  # every replica charges the same buckets, keeps the same responses

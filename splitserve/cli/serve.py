@@ -127,7 +127,7 @@ def _stop_app(cfg, started: bool) -> None:
         return
     try:
         serve.delete(cfg.name, _blocking=False)
-        _stop_controller(controller_mod.find(cfg.name, cfg.namespace))
+        _stop_controller(controller_mod.find(cfg.name, cfg.namespace), cfg)
     except Exception as e:
         _say(f"stopping the app: {e}")
 

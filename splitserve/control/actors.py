@@ -137,9 +137,11 @@ class Spawned(NamedTuple):
     bundles: list  # what the group asks of its node (for unplaced.diagnose)
 
 
-def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float) -> Spawned:
+def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float, name: str) -> Spawned:
     """A new worker actor (it loads its model in the background; `describe` answers when done).
-    Not detached: its owner, the Controller, takes it along if it goes. Every worker is a
+    Detached and named `name` in the app's namespace, as is its placement group: it outlives
+    the Controller, whose restart finds it again (control/persisted.py); the Controller kills it
+    when the app stops. Every worker is a
     placement group of one bundle per rank on one node (STRICT_PACK), the actor in bundle 0 —
     so whether Ray has placed it is known (`group.ready()`) before its model has loaded; a
     tensor-parallel one starts the other ranks itself (control/tp_ranks.py)."""
@@ -148,9 +150,10 @@ def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float)
     p = worker_placement(cfg, wid.role, transports, share)
     asked = bundles(p.engine.tensor_parallel_size, p.resources["num_cpus"], p.resources["num_gpus"],
                     p.resources.get("resources", {}))
-    group = placement_group(asked, strategy="STRICT_PACK")
+    group = placement_group(asked, strategy="STRICT_PACK", name=name, lifetime="detached")
     # the actor asks what bundle 0 holds
-    opts = {**p.resources, "max_restarts": 0, "scheduling_strategy": placement(group, 0)}
+    opts = {**p.resources, "max_restarts": 0, "scheduling_strategy": placement(group, 0), "name": name,
+            "namespace": cfg.namespace, "lifetime": "detached"}
     kv = {"transport_options": {"tcp": {"secret": cfg.kv_secret}}}  # the app's KV secret: readers prove it
     role = {"lease_s": cfg.lease_s} if wid.role is Role.PREFILL else {"on_transfer_failure": cfg.on_transfer_failure}
     try:

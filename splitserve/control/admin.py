@@ -62,6 +62,7 @@ def status_table(st: ClusterStatus) -> str:
     lines = [f"targets: prefill {st.targets['prefill']}, decode {st.targets['decode']}"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]
     lines += [f"error ({role}): {e}" for role, e in st.errors.items()]
+    lines += [f"retrying ({role}): {m}" for role, m in st.retrying.items()]
     last = st.autoscale.last if st.autoscale is not None else None
     if last is not None:
         lines.append(f"autoscaler: prefill {last.prefill} ({last.prefill_reason}), decode {last.decode} "

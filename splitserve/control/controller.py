@@ -24,20 +24,31 @@ Ray cannot place yet stays pending, and Ray's autoscaler adds a node of its pool
 The Serve ingress replicas are its owners (`attach` / `detach`, from their constructor and
 `__del__`; one whose actor died is detached too, control/owners.py): when the last one leaves —
 the app was deleted — it stops every worker and exits.
+
+It is not a single point of failure (control/persisted.py): its workers are detached named
+actors that outlive it, and what it decided is saved in Ray's GCS after every change. Killed,
+Ray restarts it (`max_restarts=-1`); the new incarnation loads that state, finds each worker
+again by name (one that died meanwhile is replaced), and resumes at the first call — routers
+keep placing on their last snapshot meanwhile, and streams, which run between the ingress and
+the workers, never pass through it. Its owners attach again when they see its new `epoch`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+import uuid
 
 import ray
 
 from splitserve.control.autoscale import Autoscaler, AutoscaleReport
 from splitserve.control.actors import gpu_share, resolve_transports, spawn
 from splitserve.control.admin import find  # noqa: F401  (drivers look the app up through either module)
+from splitserve.control import persisted
 from splitserve.control.owners import Owners
+from splitserve.control.start_backoff import StartBackoff
 from splitserve.control.status import ClusterStatus, status_row
 from splitserve.control.unplaced import PLACEMENT_GRACE_S, Unplaced, demand, diagnose
 from splitserve.control.registry import Registry
@@ -59,6 +70,7 @@ class Controller:
         self.autoscaler: Autoscaler | None = None
         self._set_config_targets(cfg)
         self.errors: dict[Role, str] = {}
+        self.backoff = StartBackoff()  # workers that failed to start: retried ever later
         self._kinds = resolve_transports(cfg.transport)
         self._joined = joined
         self.owners = Owners()
@@ -71,10 +83,41 @@ class Controller:
         self._autoscaling: asyncio.Task | None = None
         self._watching: asyncio.Task | None = None
         self._closed = False
+        self.epoch = uuid.uuid4().hex[:12]  # this incarnation
+        self._saved: tuple | None = None  # what was last saved, to save only changes
+        self.restored = self._restore()
+
+    def _restore(self) -> bool:
+        """A restart: the previous incarnation's config, targets and workers (found by name;
+        one gone is recorded dead and replaced at the first reconcile)."""
+        state = persisted.load(self.cfg)
+        if state is None:
+            return False
+        self.cfg, self._kinds = state.cfg, resolve_transports(state.cfg.transport)
+        self._set_config_targets(state.cfg)
+        self.targets = dict(state.targets)
+        found, lost = [], []
+        for rec in state.workers:
+            name = persisted.worker_name(self.cfg, rec.id)
+            try:
+                handle = ray.get_actor(name, namespace=self.cfg.namespace)
+                self._groups[rec.id] = ray.util.get_placement_group(name)
+            except ValueError:
+                lost.append(rec)
+                continue
+            found.append(dataclasses.replace(rec, handle=handle))
+        self.registry.restore(found, state.version)
+        for rec in lost:
+            self.registry.record_lost(rec, "lost while the Controller restarted")
+        if state.owned:
+            self.owners.expect()  # the replicas attach again when they see the new epoch
+        log.warning("Controller restarted: re-adopted %d workers, %d were lost", len(found), len(lost))
+        return True
 
     # -- the API (Ray methods) ------------------------------------------------------------------
     async def start(self) -> int:
-        """Begin reconciling (idempotent); returns the registry version."""
+        """Begin reconciling (idempotent; a restarted Controller begins at its first call);
+        returns the registry version."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop().create_task(self._reconcile_forever())
             self._autoscaling = asyncio.get_running_loop().create_task(self._autoscale_forever())
@@ -102,9 +145,14 @@ class Controller:
 
     async def snapshot(self, known_version: int = -1) -> RegistrySnapshot | None:
         """The registry for routers; None when it has not changed since `known_version`."""
+        await self._resume()
         if known_version == self.registry.version:
             return None
-        return self.registry.snapshot(self.targets, self._autoscale_report())
+        return self.registry.snapshot(self.targets, self._autoscale_report(), self.epoch)
+
+    async def _resume(self) -> None:
+        if self.restored and self._loop is None and not self._closed:
+            await self.start()
 
     async def report(self, samples: list) -> None:
         """Finished requests' latencies from a router (autoscale.RequestSample)."""
@@ -112,9 +160,11 @@ class Controller:
             self.autoscaler.record(samples)
 
     async def scale(self, role: str, n: int) -> dict:
+        await self._resume()
         role = Role(role)
-        if not isinstance(n, int) or n < (1 if role is Role.DECODE else 0):
-            raise ConfigError(f"{role.value} pool size must be an integer >= {1 if role is Role.DECODE else 0}, "
+        low, high = (1 if role is Role.DECODE else 0), self.cfg.max_pool_size
+        if not isinstance(n, int) or not low <= n <= high:
+            raise ConfigError(f"{role.value} pool size must be an integer in [{low}, {high}] (max_pool_size), "
                               f"got {n!r}")
         self.targets[role] = n
         self.errors.pop(role, None)  # new targets: try again
@@ -122,11 +172,12 @@ class Controller:
         return {r.value: t for r, t in self.targets.items()}
 
     async def status(self) -> ClusterStatus:
+        await self._resume()
         rows = [status_row(r) for r in self.registry]
         rows += [status_row(r) for r in self.registry.ended()[-16:]]
         return ClusterStatus({r.value: t for r, t in self.targets.items()}, tuple(rows),
                              {r.value: e for r, e in self.errors.items()}, self.registry.version,
-                             self._autoscale_report(), tuple(self._unplaced.values()))
+                             self._autoscale_report(), tuple(self._unplaced.values()), self.backoff.messages())
 
     async def ended(self) -> list[WorkerRecord]:
         """Workers that stopped or died, newest last (with a drained worker's final counts)."""
@@ -146,7 +197,8 @@ class Controller:
 
     async def _exit(self) -> None:
         """End this actor's own tasks (so none is destroyed pending, which Python reports at
-        exit), then the actor."""
+        exit), then the actor — for good: nothing is left for a restart to resume."""
+        persisted.forget(self.cfg)
         tasks = [t for t in (self._loop, self._autoscaling, self._watching, *self._placing.values(),
                              *self._describing.values(), *self._probes.values())
                  if t is not None and t is not asyncio.current_task()]
@@ -215,6 +267,17 @@ class Controller:
         for role in Role:
             self._resize(role)
         self.registry.check_invariants()
+        self._save()
+
+    def _save(self) -> None:
+        """Persist what a restart needs, when it changed (control/persisted.py)."""
+        if self._closed:
+            return
+        now = (self.registry.version, tuple(sorted(self.targets.items())), self.cfg, self.owners.owned)
+        if now != self._saved:
+            persisted.save(persisted.ControllerState.of(self.cfg, self.targets, self.registry.version,
+                                                        list(self.registry), self.owners.owned))
+            self._saved = now
 
     def _resize(self, role: Role) -> None:
         active = self.registry.pool(role, S.STARTING, S.READY)
@@ -227,7 +290,7 @@ class Controller:
                     self._end(rec.id, S.STOPPED, "scaled down before it was ready")
                 else:
                     self.registry.move(rec.id, S.DRAINING)
-        elif extra < 0 and role not in self.errors:
+        elif extra < 0 and role not in self.errors and self.backoff.may_spawn(role):
             for _ in range(-extra):
                 self._spawn(role)
 
@@ -237,7 +300,7 @@ class Controller:
             ranks = self.cfg.ranks(self.targets[Role.PREFILL], self.targets[Role.DECODE])  # a device each
             share = gpu_share(str(self.cfg.engine.get("device", "auto")), ray.cluster_resources().get("GPU", 0.0),
                               ranks, joined=self._joined, growing=self.autoscaler is not None)
-            spawned = spawn(self.cfg, wid, self._kinds, share)
+            spawned = spawn(self.cfg, wid, self._kinds, share, name=persisted.worker_name(self.cfg, wid))
         except ConfigError as e:
             self.errors[role] = str(e)
             return
@@ -274,12 +337,16 @@ class Controller:
             if refused is not None:
                 self.errors[rec.role] = str(refused)
             if rec.id in self.registry and self.registry[rec.id].state is S.STARTING:
-                self._end(rec.id, S.DEAD, str(refused) if refused else "failed to start")
+                why = str(refused) if refused else f"failed to start: {_first_line(e)}"
+                if refused is None:
+                    self.backoff.failed(rec.role, why)
+                self._end(rec.id, S.DEAD, why)
             return
         finally:
             self._describing.pop(rec.id, None)
         if rec.id in self.registry and self.registry[rec.id].state is S.STARTING:
             self.registry.move(rec.id, S.READY, info=info)
+            self.backoff.started(rec.role)
             log.info("worker %s ready on %s", rec.id, info.node_ip)
 
     async def _probe(self, wid: WorkerId) -> None:
@@ -357,15 +424,23 @@ class Controller:
                                    5)
         except asyncio.TimeoutError:
             pass
-        for rec in records:
-            if rec.state is S.READY:
-                self.registry.move(rec.id, S.DRAINING)
-            self._end(rec.id, S.STOPPED, "the app stopped")
-
+        for wid in [r.id for r in records]:
+            if wid not in self.registry:  # ended meanwhile (a probe found it dead)
+                continue
+            if self.registry[wid].state is S.READY:  # as it is now: a reconcile may have drained it
+                self.registry.move(wid, S.DRAINING)
+            self._end(wid, S.STOPPED, "the app stopped")
 
 
 def _busy(load: WorkerLoad | None) -> int:
     return 0 if load is None else load.stats.num_waiting + load.stats.num_running + load.held
+
+
+def _first_line(e: BaseException) -> str:
+    """An actor's death, in a line: Ray's own error text is many, with the traceback."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    last = next((ln for ln in reversed(lines) if ":" in ln and not ln.startswith(("File ", "^"))), None)
+    return (last or type(e).__name__)[:200]
 
 
 def config_error_in(e: BaseException) -> ConfigError | None:
@@ -389,6 +464,6 @@ def get_or_create(cfg: DeployConfig, joined: bool = True):
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     handle = ControllerActor.options(name=cfg.name, namespace=cfg.namespace, lifetime="detached",
-                                     get_if_exists=True, num_cpus=0, max_concurrency=1000,
+                                     get_if_exists=True, num_cpus=0, max_concurrency=1000, max_restarts=-1,
                                      scheduling_strategy=here).remote(cfg, joined)
     return handle

@@ -47,6 +47,7 @@ class DeployConfig:
     tpot_slo_ms: float | None = None
     admission: bool = True
     ingress_replicas: int = 1
+    max_pool_size: int = 64  # the most workers `scale` (or the config) may ask of one pool
     name: str = "splitserve"  # the Serve app's name and its Controller's
     namespace: str = "splitserve"  # the Ray namespace the Controller is named in
     on_transfer_failure: str = "recompute"
@@ -92,9 +93,12 @@ class DeployConfig:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}")
 
         for name, low in (("prefill", 0), ("decode", 1), ("disagg_min_tokens", 0), ("max_inflight", 1),
-                          ("ingress_replicas", 1), ("migration_limit", 0),
+                          ("ingress_replicas", 1), ("migration_limit", 0), ("max_pool_size", 1),
                           ("prefill_tp", 1), ("decode_tp", 1)):
             integer(name, low)
+        for pool in ("prefill", "decode"):
+            if getattr(self, pool) > self.max_pool_size:
+                raise ConfigError(f"{pool} {getattr(self, pool)} is above max_pool_size {self.max_pool_size}")
         if self.max_tokens_default is not None:
             integer("max_tokens_default", 1)
         if self.tool_call_parser is not None:

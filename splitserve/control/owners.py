@@ -14,6 +14,7 @@ import asyncio
 import time
 
 ORPHAN_GRACE_S = 5.0
+RESTART_GRACE_S = 30.0  # a restarted Controller waits this long for its replicas to attach again
 CHECK_TIMEOUT_S = 5.0  # a replica that does not answer within this is busy, not dead
 
 
@@ -25,6 +26,17 @@ class Owners:
     def attach(self, owner: str, handle=None) -> None:
         self._handles[owner] = handle
         self._orphaned_at = None
+
+    @property
+    def owned(self) -> bool:
+        """Some replica has attached (the app is served through Serve, not the offline API)."""
+        return bool(self._handles) or self._orphaned_at is not None
+
+    def expect(self, grace_s: float = RESTART_GRACE_S) -> None:
+        """A restarted Controller knows no owner yet: if none attaches within `grace_s` (the app
+        was deleted while it was away), it is orphaned."""
+        if not self._handles:
+            self._orphaned_at = time.monotonic() - ORPHAN_GRACE_S + grace_s
 
     def detach(self, owner: str) -> None:
         self._handles.pop(owner, None)

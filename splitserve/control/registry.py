@@ -48,6 +48,17 @@ class Registry:
     def __contains__(self, wid: WorkerId) -> bool:
         return wid in self._live
 
+    def restore(self, records: list[WorkerRecord], version: int) -> None:
+        """A restarted Controller's registry: the live workers it found again, under a version
+        past every one routers have seen (so they all refresh)."""
+        self._live = {r.id: r for r in records}
+        self.version = version + 1
+
+    def record_lost(self, rec: WorkerRecord, reason: str) -> None:
+        """A worker a restarted Controller could not find again: DEAD, in the history."""
+        self._ended.append(dataclasses.replace(rec, state=S.DEAD, handle=None, since=time.time(), reason=reason))
+        self.version += 1
+
     def add(self, wid: WorkerId, handle: Any) -> WorkerRecord:
         if wid in self._live:
             raise IllegalTransition(f"{wid} is registered already")
@@ -91,8 +102,9 @@ class Registry:
         """Something routers read beside the workers changed (the autoscaler decided)."""
         self.version += 1
 
-    def snapshot(self, targets: dict[Role, int], autoscale: Any = None) -> RegistrySnapshot:
-        return RegistrySnapshot(self.version, tuple(self._live.values()), tuple(sorted(targets.items())), autoscale)
+    def snapshot(self, targets: dict[Role, int], autoscale: Any = None, epoch: str = "") -> RegistrySnapshot:
+        return RegistrySnapshot(self.version, tuple(self._live.values()), tuple(sorted(targets.items())), autoscale,
+                                epoch)
 
     def check_invariants(self) -> None:
         for wid, rec in self._live.items():

@@ -3,6 +3,7 @@ targets, why a pool cannot grow or a worker is not placed yet, the autoscaler's 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from splitserve.control.autoscale import AutoscaleReport
@@ -34,12 +35,13 @@ class ClusterStatus:
     version: int
     autoscale: AutoscaleReport | None = None
     unplaced: tuple[Unplaced, ...] = ()  # pools with a worker Ray has not placed yet, and why
+    retrying: dict = dataclasses.field(default_factory=dict)  # role -> its workers' start failures, backing off
 
     def to_json(self) -> dict:
         from dataclasses import asdict
 
         out = {"targets": dict(self.targets), "workers": [asdict(w) for w in self.workers],
-               "errors": dict(self.errors)}
+               "errors": dict(self.errors), "retrying": dict(self.retrying)}
         if self.autoscale is not None:
             a = self.autoscale
             out["autoscale"] = {

@@ -270,10 +270,12 @@ class Frontend:
             m.kv_transfer_bytes.inc(c.phases.transfer_bytes or 0)
 
     def export_worker_gauges(self) -> None:
-        """Worker load gauges, as of the backend's last look at its workers."""
+        """Worker load gauges, as of the backend's last look at its workers (a gone worker's removed)."""
         m = self.metrics
         roles: dict[str, int] = {}
-        for w in self.backend.worker_views():
+        views = self.backend.worker_views()
+        m.forget_workers({w.worker_id for w in views})
+        for w in views:
             m.kv_usage.labels(role=w.role, worker=w.worker_id).set(w.kv_usage)
             m.queue.labels(role=w.role, worker=w.worker_id).set(w.num_waiting)
             for term, c in zip(STEP_TERMS, w.step_time_coeffs):

@@ -75,7 +75,7 @@ class Cluster:
             try:
                 wait_ready(controller, on_ready, unplaced_s=unplaced_s)
             except BaseException:  # refused, unplaceable, interrupted: nothing stays behind
-                _stop_controller(controller)
+                _stop_controller(controller, cfg)
                 raise
         except ConfigError:
             if started:
@@ -178,7 +178,7 @@ class Cluster:
             return
         self._loop.run(_stopped(self.backend))
         self._loop.close()
-        _stop_controller(self.controller)
+        _stop_controller(self.controller, self.cfg)
         self.controller = None
         if self._started_ray:
             ray.shutdown()
@@ -194,15 +194,19 @@ async def _stopped(backend) -> None:
     backend.stop()
 
 
-def _stop_controller(controller) -> None:
-    """Every worker stopped, then the Controller itself."""
+def _stop_controller(controller, cfg: DeployConfig) -> None:
+    """Every worker stopped, then the Controller itself (for good: no restart); whatever worker
+    it failed to stop is killed here (workers are detached: nothing else takes them)."""
     import ray
+
+    from splitserve.control.persisted import kill_leftovers
 
     try:
         ray.get(controller.shutdown.remote(), timeout=30)
     except Exception:  # it exits inside the call: Ray reports the actor gone
         pass
     try:
-        ray.kill(controller)
+        ray.kill(controller, no_restart=True)
     except Exception:
         pass
+    kill_leftovers(cfg)

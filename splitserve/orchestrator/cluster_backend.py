@@ -24,13 +24,21 @@ REPORT_INTERVAL_S = 1.0
 
 
 class ControllerSource:
-    """The registry, read from the app's Controller actor."""
+    """The registry, read from the app's Controller actor. `owner`: (id, actor handle) of the
+    ingress replica reading it, attached again whenever the Controller is a new incarnation
+    (it restarted, and knows its owners only as they come back)."""
 
-    def __init__(self, controller) -> None:
-        self.controller = controller
+    def __init__(self, controller, owner: tuple[str, object] | None = None) -> None:
+        self.controller, self.owner = controller, owner
+        self.epoch = ""
 
     async def fetch(self, known_version: int) -> RegistrySnapshot | None:
-        return await self.controller.snapshot.remote(known_version)
+        snap = await self.controller.snapshot.remote(known_version)
+        if snap is not None and snap.epoch != self.epoch:
+            if self.owner is not None:
+                await self.controller.attach.remote(*self.owner)
+            self.epoch = snap.epoch
+        return snap
 
     async def report(self, samples: list) -> None:
         """Finished requests' latencies, for the Controller's autoscaler."""

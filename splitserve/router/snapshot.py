@@ -39,6 +39,7 @@ class RegistrySnapshot:
     workers: tuple[WorkerRecord, ...]  # live ones (STARTING, READY, DRAINING)
     targets: tuple[tuple[Role, int], ...]
     autoscale: Any = None  # autoscale.AutoscaleReport when the pools autoscale
+    epoch: str = ""  # the Controller's incarnation: a new one (it restarted) wants its owners to attach again
 
     def role(self, role: Role, state: WorkerState | None = None) -> list[WorkerRecord]:
         return [w for w in self.workers if w.role is role and (state is None or w.state is state)]
