@@ -1,4 +1,5 @@
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -63,7 +64,17 @@ def ray_session():
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # the same on every node (and for `splitserve` subprocesses)
+    # Ray's token authentication on, as a user's cluster has it: a token of this run's own (the
+    # user's ~/.ray/auth_token is not touched), in the environment every node and every
+    # `splitserve` subprocess inherits. tests/integration/test_cli_token_auth.py shows the CLI
+    # finding the token by itself, with nothing in the environment.
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")  # this process read Ray's config at import: read it again, token mode on
+    AuthenticationTokenLoader.instance().reset_cache()
     cluster = Cluster(initialize_head=True, head_node_args={
         "node_ip_address": HEAD_IP, "num_cpus": 4, "resources": {"head_node": 100}, "include_dashboard": False})
     cluster.add_node(node_ip_address=PREFILL_IP, num_cpus=3, resources={"prefill_node": 3})

@@ -80,7 +80,7 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
     from ray.serve.config import gRPCOptions
 
     from splitserve.control import controller as controller_mod
-    from splitserve.control.launch import connect_ray, precheck, wait_ready
+    from splitserve.control.launch import connect_ray, forget_local_address, precheck, wait_ready
     from splitserve.cli.app import GRPC_SERVICER
     from splitserve.control.deploy_config import DeployConfig
     from splitserve.cli.app import bind_app
@@ -110,6 +110,7 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
         _say("shutting down")
         _stop_app(cfg, started)
         if started:
+            forget_local_address()
             ray.shutdown()
     return 0
 

@@ -27,6 +27,7 @@ def connect_ray(address: str | None, num_cpus: int) -> bool:
         return False
     found = address
     if address in (None, "auto"):
+        _token_of_the_local_cluster()
         try:
             from ray._private.services import canonicalize_bootstrap_address
 
@@ -38,6 +39,7 @@ def connect_ray(address: str | None, num_cpus: int) -> bool:
     if found is None:
         ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus), include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING)
+        _record_address(ray.get_runtime_context().gcs_address)
         return True
     host, _, port = found.rpartition(":")
     host = host.strip("[]")
@@ -52,6 +54,47 @@ def connect_ray(address: str | None, num_cpus: int) -> bool:
         pass
     ray.init(address=found, log_to_driver=False, logging_level=logging.WARNING, **kwargs)
     return False
+
+
+def _record_address(address: str | None) -> None:
+    """Note the cluster we started where `ray start` notes its own (RAY_TMPDIR's
+    ray/ray_current_cluster): without it, `status` and `scale` (address "auto") take any Ray
+    cluster running on this machine, and with two they may take the wrong one."""
+    try:
+        from ray._private.utils import write_ray_address
+    except ImportError:  # another Ray
+        return
+    if address:
+        write_ray_address(address)
+
+
+def forget_local_address() -> None:
+    """The cluster we started is stopping: nothing here should find it any more."""
+    try:
+        from ray._common.utils import reset_ray_address
+        from ray._private.utils import read_ray_address
+    except ImportError:  # another Ray
+        return
+    if ray.is_initialized() and read_ray_address() == ray.get_runtime_context().gcs_address:
+        reset_ray_address()
+
+
+def _token_of_the_local_cluster() -> None:
+    """The cluster running on this machine is joined by the address we find for it, and Ray turns
+    its token authentication on only for a cluster it finds itself: as `ray.init()` does for
+    one, use the token this machine's clusters were started with (~/.ray/auth_token, or
+    RAY_AUTH_TOKEN[_PATH]) when RAY_AUTH_MODE is not set — so `status` and `scale` reach the app
+    `splitserve serve` started with nothing set by hand."""
+    try:
+        from ray._private.authentication import authentication_token_setup as setup
+    except ImportError:  # a Ray without token authentication
+        return
+    said = setup.logger.level
+    setup.logger.setLevel(logging.ERROR)  # its "token authentication is enabled" notice is Ray's to a Ray user
+    try:
+        setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        setup.logger.setLevel(said)
 
 
 def _check_answers(host: str, port: int) -> None:

@@ -36,6 +36,9 @@ class Orchestrator:
         self.migrations = 0
         # finished requests' latencies, for the Controller's autoscaler (the backend sends them)
         self.samples: collections.deque[RequestSample] = collections.deque(maxlen=10_000)
+        # this replica's actor, named on every decode stream: a worker aborts the streams of a
+        # replica that died (worker/decode/callers.py); None in a driver (the offline Cluster)
+        self.caller = _this_actor()
 
     def plan(self, req: Request) -> Plan:
         route = self.directory.place(req)
@@ -68,3 +71,15 @@ def _sample(start: float, first: float | None, tokens: int) -> RequestSample:
     end = time.monotonic()
     tpot = (end - first) / (tokens - 1) if first is not None and tokens > 1 else None
     return RequestSample(time.time(), None if first is None else first - start, tpot)
+
+
+def _this_actor():
+    """The Ray actor this process is (an ingress replica), or None (a driver, or no Ray)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        return ray.get_runtime_context().current_actor
+    except Exception:  # a driver: Ray says it is no actor
+        return None

@@ -143,7 +143,7 @@ class RequestRun:
         d = self.route.decode
         self.trace.decode_worker = str(d.id)
         return d.handle.generate.options(num_returns="streaming").remote(self.req, handoff, prefill_handle,
-                                                                         tuple(self.delivered))
+                                                                         tuple(self.delivered), caller=self.o.caller)
 
     async def _decode(self, gen, first: TokenChunk | None) -> AsyncIterator[TokenChunk]:
         """The decode stream's chunks (after `first`, the prefill worker's token). Whatever ends

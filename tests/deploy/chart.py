@@ -137,6 +137,9 @@ def _matrix() -> list[Case]:
     cases.append(Case("gpu-hostpath", ("values-gpu.yaml",),
                       ("model.pvc.claimName=", "model.hostPath=/var/lib/models", "model.subPath=llama/8b")))
     cases.append(Case("gpu-tp2-prefill", ("values-gpu.yaml",), ("prefill.tp=2", "prefill.gpus=2")))
+    cases.append(Case("gpu-gcs-fault-tolerance", ("values-gpu.yaml",),
+                      ("gcsFaultTolerance.enabled=true", "gcsFaultTolerance.redisAddress=redis-gcs:6379",
+                       "gcsFaultTolerance.redisPasswordSecret.name=redis-gcs", "gcsFaultTolerance.externalStorageNamespace=llm")))
     cases.append(Case("gpu-servicemonitor", ("values-gpu.yaml",),
                       ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prometheus")))
     cases.append(Case("cpu-demo-min-prefill-0", ("values-cpu-demo.yaml",),

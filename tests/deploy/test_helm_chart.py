@@ -239,6 +239,21 @@ def test_model_volume_on_every_pod(rendered: Rendered) -> None:
         assert "model" not in args  # the demo model
 
 
+def test_gcs_fault_tolerance_only_when_asked(rendered: Rendered) -> None:
+    """KubeRay's gcsFaultToleranceOptions from the values (the CRD tests check its schema)."""
+    ft = rendered.case.values()["gcsFaultTolerance"]
+    got = rendered.rayservice["spec"]["rayClusterConfig"].get("gcsFaultToleranceOptions")
+    if not ft["enabled"]:
+        assert got is None
+        return
+    want = {"redisAddress": ft["redisAddress"]}
+    if ft["redisPasswordSecret"]["name"]:
+        want["redisPassword"] = {"valueFrom": {"secretKeyRef": dict(ft["redisPasswordSecret"])}}
+    if ft["externalStorageNamespace"]:
+        want["externalStorageNamespace"] = ft["externalStorageNamespace"]
+    assert got == want
+
+
 # -- refused values -----------------------------------------------------------------------------
 
 REFUSED = [
@@ -267,6 +282,8 @@ REFUSED = [
     (Case("cpu-limit-missing", sets=("prefill.resources.limits=null",)), "prefill.resources"),
     (Case("start-param-not-string", sets=("head.rayStartParams.num-cpus=2",)), "head.rayStartParams.num-cpus"),
     (Case("ingress-zero", sets=("serve.ingressReplicas=0",)), "serve.ingressReplicas"),
+    (Case("gcs-ft-without-redis", sets=("gcsFaultTolerance.enabled=true",)), "gcsFaultTolerance.redisAddress"),
+    (Case("gcs-ft-bad-address", sets=("gcsFaultTolerance.redisAddress=redis://x",)), "gcsFaultTolerance.redisAddress"),
 ]
 
 

@@ -24,8 +24,8 @@ class Call:
     def __init__(self, fn):
         self.fn = fn
 
-    def remote(self, *args):
-        return self.fn(*args)
+    def remote(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
 
 
 class FakeWorker:

@@ -90,7 +90,7 @@ async def agent_runs_a_tool(app, model: str) -> tuple[list[str], str]:
 
     agent = Agent(name="weather", instructions="Answer weather questions with the get_weather tool.",
                   tools=[get_weather], model=OpenAIResponsesModel(model=model, openai_client=sdk(app)),
-                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60))
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=80))
     result = await Runner.run(agent, "What is the weather in Lima?", max_turns=4)
     assert asked, "the agent never called its tool"
     assert isinstance(result.final_output, str) and result.final_output, result

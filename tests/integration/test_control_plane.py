@@ -107,10 +107,10 @@ def test_scaling_under_load(ray_session, model):
         load = Load(c)
         try:
             report = {}
-            for role, n in (("prefill", 2), ("decode", 2)):
-                before = ready_ids(c, role)
-                cli("scale", *addr, f"--{role}", str(n))
-                new = wait_for(lambda: ready_ids(c, role) - before, timeout=90)
+            before = {role: ready_ids(c, role) for role in ("prefill", "decode")}
+            cli("scale", *addr, "--prefill", "2", "--decode", "2")  # both pools grow at once
+            for role in ("prefill", "decode"):
+                new = wait_for(lambda: ready_ids(c, role) - before[role], timeout=90)
                 seen = time.time()
                 (wid,) = new
                 wait_for(lambda: first_use(c, wid, seen) is not None, timeout=60)  # a hang guard, not a bound

@@ -99,22 +99,21 @@ def test_cache_aware_placement_reuses_prefixes(ray_session, model):
 
 def test_pools_on_their_own_nodes_move_kv_between_nodes(ray_session, model, expected):
     """Prefill on the "prefill" node, decode on the "decode" node: the registry knows where each
-    runs, and every transfer crosses the node boundary over tcp or nixl, never shm."""
+    runs, and every transfer crosses the node boundary over tcp or nixl, never shm. (tcp alone
+    between the nodes: test_latent_attention_kv_is_handed_over_as_latents.)"""
     from conftest import DECODE_IP, PREFILL_IP
 
-    for transport in ("auto", "tcp"):
-        with Cluster.start(model=model, prefill=2, transport=transport, disagg_min_tokens=0, num_kv_blocks=256,
-                           prefill_resources={"prefill_node": 1}, decode_resources={"decode_node": 1}) as c:
-            nodes = {(w.role, w.node_ip) for w in c.status().workers}
-            assert nodes == {("prefill", PREFILL_IP), ("decode", DECODE_IP)}, nodes
-            outs = c.generate(prompts(), SP)
-            assert [o.outputs[0].token_ids for o in outs] == expected
-            decode = c.check_invariants()[-1]
-            assert decode["transfer_failures"] == {}  # no local recompute
-            moved = decode["transfers_by_transport"]
-            assert sum(moved.values()) == 32 and set(moved) <= {"tcp", "nixl"}, moved
-            assert transport == "auto" or set(moved) == {"tcp"}
-            assert_drained(c)
+    with Cluster.start(model=model, prefill=2, transport="auto", disagg_min_tokens=0, num_kv_blocks=256,
+                       prefill_resources={"prefill_node": 1}, decode_resources={"decode_node": 1}) as c:
+        nodes = {(w.role, w.node_ip) for w in c.status().workers}
+        assert nodes == {("prefill", PREFILL_IP), ("decode", DECODE_IP)}, nodes
+        outs = c.generate(prompts(), SP)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        decode = c.check_invariants()[-1]
+        assert decode["transfer_failures"] == {}  # no local recompute
+        moved = decode["transfers_by_transport"]
+        assert sum(moved.values()) == 32 and set(moved) <= {"tcp", "nixl"}, moved
+        assert_drained(c)
 
 
 def test_aggregated_path_below_threshold(ray_session, model, expected):

@@ -45,7 +45,8 @@ class FakeDecode(FakeWorker):
     async def _abort(self, rid):
         self.aborted.append(rid)
 
-    def _stream(self, req, handoff, prefill, outputs=()):
+    def _stream(self, req, handoff, prefill, outputs=(), caller=None):
+        assert caller is None  # a driver's stream: no replica to watch
         self.given.append(tuple(outputs))
         self.ids.append(req.request_id)
         faulty = self.fault is not None and (self.faulty is None or len(self.given) <= self.faulty)

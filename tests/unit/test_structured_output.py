@@ -83,6 +83,25 @@ def test_choice_regex_and_grammar_constrain_greedy_and_sampled_rows(llm):
     assert outs[3].outputs[0].token_ids == llm.generate([[9, 10, 11]], free)[0].outputs[0].token_ids
 
 
+def test_logprobs_stop_strings_n_and_max_tokens_work_under_a_grammar(llm):
+    spec = GrammarSpec(GrammarKind.REGEX, r"[0-9]{3}-[a-z]{2}")
+    with_lp = llm.generate([[9, 10, 11]], SamplingParams(temperature=0.0, max_tokens=30, grammar=spec, logprobs=2))
+    c = with_lp[0].outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) > 0
+    assert all(lp.token_id == tok and lp.logprob > float("-inf") for lp, tok in zip(c.logprobs, c.token_ids))
+    full = c.text
+    stopped = llm.generate([[9, 10, 11]], SamplingParams(temperature=0.0, max_tokens=30, grammar=spec,
+                                                          stop=[full[2:4]]))[0].outputs[0]
+    assert stopped.text == full[:2] and stopped.finish_reason == "stop"  # a stop string inside the grammar's text
+    cut = llm.generate([[9, 10, 11]], SamplingParams(temperature=0.0, max_tokens=2, grammar=spec))[0].outputs[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 2
+    several = llm.generate([[9, 10, 11]], SamplingParams(temperature=1.0, seed=3, n=6, max_tokens=30, grammar=spec))
+    import re
+
+    assert len(several[0].outputs) == 6
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", o.text) for o in several[0].outputs)
+
+
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 11)])
 @pytest.mark.parametrize("moved_after", [1, 5])
 def test_a_constrained_stream_continues_exactly_on_another_engine(tiny_checkpoint, llm, temperature, seed, moved_after):
@@ -183,6 +202,11 @@ def test_response_format_and_vllm_extensions_parse_into_one_spec():
 @pytest.mark.parametrize("extra,param,words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strang"}}}},
      "response_format", "strang"),
+    # an unsupported keyword is named; a remote $ref is never fetched
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}},
+     "response_format", 'Unimplemented keys: ["not"]'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "https://e.x/s.json"}}}},
+     "response_format", "does not fetch"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}},
      "response_format.json_schema.name", "letters"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
@@ -230,3 +254,43 @@ def test_bitmask_unpacking_matches_a_reference():
     ref = torch.tensor([[(int(mask[r, t // 32]) >> (t % 32)) & 1 for t in range(120)] for r in range(3)]).bool()
     assert torch.equal(unpack(mask, 120), ref)
     assert not unpack(mask, 130)[:, 128:].any()  # logits past the tokenizer's words: never allowed
+
+
+def test_a_grammar_over_the_compile_budget_is_a_400(tiny_checkpoint, monkeypatch):
+    """A grammar that does not compile within the budget (here a 0.05 s budget, and a compiler
+    slowed by a wrapper) is refused as bad input, not a 5xx, and the engine serves on."""
+    import asyncio
+    import time
+
+    import httpx
+
+    from splitserve.config import EngineConfig
+    from splitserve.ingress.http import OpenAIServer
+    from splitserve.orchestrator.local_backend import LocalBackend
+    from splitserve.worker import engine_loop
+
+    backend = LocalBackend(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=64), model_name="tiny")
+    real = backend.loop.engine.prepare
+
+    def slow(params):
+        time.sleep(0.3)
+        return real(params)
+
+    monkeypatch.setattr(engine_loop, "GRAMMAR_COMPILE_S", 0.05)
+    monkeypatch.setattr(backend.loop.engine, "prepare", slow)
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "[0-9]{3}"}}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=OpenAIServer(backend).app),
+                                     base_url="http://t") as h:
+            refused = await h.post("/v1/completions", json=body)
+            fine = await h.post("/v1/completions", json={**body, "structured_outputs": None})
+            return refused, fine
+
+    try:
+        refused, fine = asyncio.run(go())
+    finally:
+        backend.loop.close()
+    assert refused.status_code == 400, refused.text
+    assert "did not compile within 0.05 s" in refused.json()["error"]["message"]
+    assert fine.status_code == 200

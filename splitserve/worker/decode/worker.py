@@ -7,7 +7,8 @@ computes the prompt itself: the aggregated path, and a migrated request (`output
 another worker already streamed; generation continues right after them, seeded sampling
 included). A failed pull recomputes locally with policy `recompute` (the first token is kept);
 with `fail` a TransferError reaches the caller. Whatever happens, the lease is settled exactly
-once and a caller that goes away aborts the request here.
+once and a caller that goes away aborts the request here — one that closes the stream, and one
+whose process died (`callers.py`: each stream's ingress replica, watched).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from typing import Any, AsyncIterator, Sequence
 
 from splitserve.config import EngineConfig
+from splitserve.worker.decode.callers import Callers
 from splitserve.worker.decode.handoff import FINAL, Handoff, HandoffState
 from splitserve.engine.kv_cache import OutOfBlocks
 from splitserve.kv_transfer.base import KVHandoff, TransferError, TransferState
@@ -50,12 +52,16 @@ class DecodeWorker(KVWorker):
         self.handoffs: dict[str, Handoff] = {}  # landing now
         self.handoff_outcomes: collections.Counter[HandoffState] = collections.Counter()
         self._early_aborts: collections.OrderedDict[str, bool] = collections.OrderedDict()
+        self.callers = Callers(self.abort)  # the ingress replicas streaming from here, watched
 
     async def generate(self, req: Request, handoff: KVHandoff | None = None, prefill: Any = None,
-                       outputs: tuple[int, ...] = ()) -> AsyncIterator[TokenChunk]:
+                       outputs: tuple[int, ...] = (), caller: Any = None) -> AsyncIterator[TokenChunk]:
+        """`caller`: the ingress replica consuming the stream (its actor handle; None: a driver),
+        watched so that its death aborts the request here."""
         rid = req.request_id
         finished = False
         self._streams += 1
+        self.callers.add(caller, rid)
         try:
             if self._early_aborts.pop(rid, False):  # aborted before it got here
                 if handoff is not None:
@@ -87,6 +93,7 @@ class DecodeWorker(KVWorker):
                     return
         finally:
             self._streams -= 1
+            self.callers.remove(caller, rid)
             if not finished:
                 await self.loop.abort(rid)
 
