@@ -4,6 +4,8 @@ seeds, logprobs, stop strings and the vLLM-shaped offline API. Every test ends d
 import dataclasses
 
 import pytest
+
+from tests.engine_checks import assert_engine_drained
 import torch
 import torch.nn.functional as F
 
@@ -19,10 +21,7 @@ def llm(tiny_checkpoint):
 @pytest.fixture(autouse=True)
 def drained_after(llm):
     yield
-    eng = llm.engine
-    eng.check_invariants()
-    assert not eng.has_unfinished() and eng.pool.num_in_use == 0
-    assert eng.pool.num_free + eng.pool.num_cached == eng.pool.num_blocks
+    assert_engine_drained(llm.engine)
 
 
 def prompt(n, seed=0):

@@ -13,6 +13,7 @@ from splitserve import LLM, SamplingParams
 from splitserve.ingress.protocol import APIError, parse_chat, parse_completion
 from splitserve.text.grammar import check, choice_spec, json_schema_spec
 from splitserve.types import ConfigError, FinishReason, GrammarKind, GrammarSpec, Request
+from tests.engine_checks import assert_engine_drained
 
 SCHEMA = {
     "type": "object",
@@ -36,9 +37,7 @@ def llm(tiny_checkpoint):
 @pytest.fixture(autouse=True)
 def drained_after(llm):
     yield
-    eng = llm.engine
-    eng.check_invariants()
-    assert not eng.has_unfinished() and eng.pool.num_in_use == 0
+    assert_engine_drained(llm.engine)
 
 
 def run(engine, reqs, outputs=None):
