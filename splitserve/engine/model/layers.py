@@ -30,7 +30,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # computed on the CPU even when the model is built on the meta device (engine.model.loader):
+    # arithmetic on meta tensors imports torch._dynamo, ~3 s of every worker's start
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if rope.scaling_type == "linear":
         return inv / rope.factor
     if rope.scaling_type == "llama3":
@@ -58,7 +60,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv = rope_inv_freq(rope, head_dim)
-        pos = torch.arange(max_positions, dtype=torch.float32)
+        pos = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = pos[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         half = inv.shape[0]

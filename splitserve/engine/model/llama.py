@@ -94,7 +94,9 @@ class LlamaModel(nn.Module):
         self.tp = tp or TPGroup()
         self.shard = shard
         rows = cfg.vocab_size if shard is None else len(shard.vocab)
-        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
+        # given its (empty) weight, Embedding skips its random init: normal_ on the meta device the
+        # loader builds under would import torch._dynamo, ~3 s of every worker's start
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.tp, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_dim, max_positions)
