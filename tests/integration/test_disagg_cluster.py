@@ -78,23 +78,23 @@ def test_auto_picks_shared_memory_on_one_host(ray_session, model, expected):
 
 def test_cache_aware_placement_reuses_prefixes(ray_session, model):
     """2 prefill workers, 6 groups × 4 prompts sharing a 64-token system prompt, one at a time.
-    Analytic maximum: every prompt but a group's first reuses its 64 prefix tokens."""
+    Analytic maximum: every prompt but a group's first reuses its 64 prefix tokens. A policy
+    blind to the caches cannot pass: round robin sends a group's prompts to the workers in turn,
+    so each worker misses the group's first prompt it sees: 2 of 3 possible hits, 0.67 of the
+    maximum (test_router_policy.py::test_shared_prefix_hit_rate compares the policies on the router alone)."""
     g = torch.Generator().manual_seed(7)
     groups = [torch.randint(3, 384, (64,), generator=g).tolist() for _ in range(6)]
-    hits = {}
-    for policy in ("cache_aware", "round_robin"):
-        with Cluster.start(model=model, prefill=2, transport="tcp", disagg_min_tokens=0, num_kv_blocks=256,
-                           policy=policy) as c:
-            for system in groups:
-                for q in range(4):
-                    c.generate([system + torch.randint(3, 384, (20,), generator=g).tolist()], SP)
-            import ray
+    with Cluster.start(model=model, prefill=2, transport="tcp", disagg_min_tokens=0, num_kv_blocks=256,
+                       policy="cache_aware") as c:
+        for system in groups:
+            for q in range(4):
+                c.generate([system + torch.randint(3, 384, (20,), generator=g).tolist()], SP)
+        import ray
 
-            hits[policy] = sum(ray.get(p.stats.remote()).prefix_hit_tokens_total for p in c.prefills)
-            assert_drained(c)
+        hits = sum(ray.get(p.stats.remote()).prefix_hit_tokens_total for p in c.prefills)
+        assert_drained(c)
     best = 6 * 3 * 64
-    assert hits["cache_aware"] >= 0.8 * best, hits
-    assert hits["cache_aware"] > hits["round_robin"], hits
+    assert hits >= 0.8 * best, hits
 
 
 def test_pools_on_their_own_nodes_move_kv_between_nodes(ray_session, model, expected):

@@ -16,7 +16,7 @@ from splitserve.orchestrator import Cluster
 from splitserve.control.admin import status_table
 from tests.chaos.harness import (Load, assert_nothing_held, assert_outcomes, migration_report, params, prompts,
                                  reference)
-from tests.conftest import DECODE_IP
+from tests.conftest import DECODE_IP, HEAD_IP, PREFILL_IP
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,19 +32,6 @@ def groups_of(c):
 
 def tp_decode_cluster(model, name, decode=1, **kw):
     return Cluster.start(model=model, name=name, prefill=0, decode=decode, decode_tp=2, num_kv_blocks=256, **kw)
-
-
-def test_a_tp2_decode_worker_is_one_worker_with_its_ranks_on_its_node(ray_session, model):
-    ps, sps = prompts(16), params(16, False, 12)
-    ref = reference(model, ps, sps)
-    with tp_decode_cluster(model, "tp-status", decode_resources={"decode_node": 1}) as c:
-        outs = c.generate([list(p) for p in ps], sps)
-        assert [tuple(o.outputs[0].token_ids) for o in outs] == ref
-        st = groups_of(c)
-        live = [w for w in st.workers if w.state == "ready"]
-        assert len(live) == 1 and live[0].ranks == (DECODE_IP, DECODE_IP), live  # one worker, two ranks
-        assert f"2: {DECODE_IP} ×2" in status_table(st)
-        assert_drained(c)
 
 
 def assert_drained(c):
@@ -95,7 +82,8 @@ def test_a_handoff_between_groups_of_different_sizes_continues_exactly(ray_sessi
                                                                        transport):
     """Each decode rank pulls the KV heads it holds from the prefill ranks holding them, every
     head checked against its source's checksum; one lease covers all source ranks. shm: both
-    groups on the head node (one host); tcp: each on its pool's node."""
+    groups on the head node (one host); tcp: each on its pool's node. A group is one worker to
+    the Controller and the router, and `status` shows its ranks' nodes."""
     ps, sps = prompts(16), params(16, False, 10)
     ref = reference(model, ps, sps)
     nodes = ({"prefill_resources": {"head_node": 1}, "decode_resources": {"head_node": 1}} if transport == "shm" else
@@ -103,6 +91,16 @@ def test_a_handoff_between_groups_of_different_sizes_continues_exactly(ray_sessi
     with Cluster.start(model=model, name=f"tp-pd-{prefill_tp}{decode_tp}-{transport}", prefill=1, decode=1,
                        prefill_tp=prefill_tp, decode_tp=decode_tp, transport=transport, disagg_min_tokens=0,
                        num_kv_blocks=256, **nodes) as c:
+        st = groups_of(c)
+        ready = [w for w in st.workers if w.state == "ready"]
+        ip = {"prefill": HEAD_IP, "decode": HEAD_IP} if transport == "shm" else {"prefill": PREFILL_IP,
+                                                                                 "decode": DECODE_IP}
+        tps = {"prefill": prefill_tp, "decode": decode_tp}
+        assert sorted(w.role for w in ready) == ["decode", "prefill"], ready  # one worker per group
+        for w in ready:
+            assert w.ranks == ((ip[w.role],) * 2 if tps[w.role] == 2 else ()), w
+        grouped = "prefill" if prefill_tp == 2 else "decode"
+        assert f"2: {ip[grouped]} ×2" in status_table(st)
         outs = c.generate([list(p) for p in ps], sps)
         assert [tuple(o.outputs[0].token_ids) for o in outs] == ref
         assert all(t.prefill_done_to_first_token_s is not None for t in c.timings)  # every one handed over
