@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -84,10 +85,15 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
     from splitserve.cli.app import GRPC_SERVICER
     from splitserve.control.deploy_config import DeployConfig
     from splitserve.cli.app import bind_app
+    from splitserve.ingress.protocol import MAX_BODY_BYTES
 
     cfg = DeployConfig.from_options(deploy_options(args, model))
     _say_keys(cfg.api_keys)
     began = time.monotonic()
+    # Serve's gRPC proxy takes messages of up to 2 GiB unless told otherwise; a Ray we start
+    # (its processes inherit this) bounds them like an HTTP body. On a cluster we join, the
+    # nodes' environment decides (the chart sets it).
+    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(MAX_BODY_BYTES))
     a = cfg.autoscale
     started = connect_ray(args.address, cfg.ranks(a.prefill.max, a.decode.max) if a else cfg.ranks(cfg.prefill, cfg.decode))
     _say(f"{'started a local Ray cluster' if started else 'joined the Ray cluster'}")

@@ -22,7 +22,7 @@ import grpc
 
 from splitserve.ingress.frontend import Choice, Frontend, failure
 from splitserve.ingress.lease import RequestLease
-from splitserve.ingress.protocol import APIError, parse_completion
+from splitserve.ingress.protocol import MAX_BODY_BYTES, MAX_REQUEST_ID_CHARS, APIError, parse_completion
 from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -101,6 +101,8 @@ class GenerationService:
         front = self.front
         try:
             tenant = front.tenant(authorization)
+            if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+                raise APIError(400, f"'request_id': at most {MAX_REQUEST_ID_CHARS} characters", "request_id")
             if not front.backend.ready():
                 raise APIError(503, "not ready: workers are still loading")
             parsed = parse_completion(completion_body(request, front.backend.model_name), [front.backend.model_name],
@@ -174,7 +176,8 @@ async def serve(service: GenerationService, host: str, port: int) -> tuple[grpc.
     port it listens on (`port` 0: a free one)."""
     from grpc_reflection.v1alpha import reflection
 
-    server = grpc.aio.server()
+    # a message is bounded like an HTTP body: gRPC's default would take 2 GiB before our checks
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_BODY_BYTES)])
     pb_grpc.add_GenerationServicer_to_server(_Servicer(service), server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
     bound = server.add_insecure_port(f"{host}:{port}")

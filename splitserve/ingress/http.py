@@ -37,7 +37,8 @@ from splitserve.ingress.backend import Backend
 from splitserve.ingress.frontend import Choice, Frontend, failure, worst_timings
 from splitserve.ingress.lease import RequestLease
 from splitserve.ingress.openapi import document
-from splitserve.ingress.protocol import APIError, ChatRequest, RequestOptions, parse_chat, parse_completion
+from splitserve.ingress.protocol import (MAX_BODY_BYTES, APIError, ChatRequest, RequestOptions, parse_chat,
+                                         parse_completion)
 from splitserve.ingress.responses import (ResponseStore, as_messages, call_item, chat_body, message_item, new_id,
                                           output_items, previous, response_object, usage_of)
 from splitserve.text import grammar as grammars
@@ -45,7 +46,7 @@ from splitserve.text.tool_calls import FirstCallOnly, ToolCall, ToolFormat, chat
 from splitserve.tenancy import KeyRing, RateLimiter, Tenant
 from splitserve.types import ConfigError
 
-MAX_BODY_BYTES = 8 << 20
+MAX_JSON_DEPTH = 400  # what no real request nears, and far below Python's recursion limit
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -59,15 +60,39 @@ async def read_json(request: HTTPRequest) -> Any:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-    body = b""
+    body = bytearray()  # appended in place: a body in many small parts costs linear time
     async for part in request.stream():
         body += part
         if len(body) > MAX_BODY_BYTES:
             raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    return parse_json(bytes(body))
+
+
+def parse_json(body: bytes | str) -> Any:
+    """A JSON body, nested at most MAX_JSON_DEPTH deep (deeper: a 400, never a RecursionError's 500)."""
     try:
-        return json.loads(body)
+        value = json.loads(body)
+    except RecursionError:
+        raise APIError(400, f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise APIError(400, f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep")
+    return value
+
+
+def json_depth(value: Any) -> int:
+    """How deep a parsed JSON value nests (iteratively: no recursion limit to hit)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, d)
+        todo.extend((x, d + 1) for x in v)
+    return deepest
 
 
 class OpenAIServer:

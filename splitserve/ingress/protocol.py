@@ -24,9 +24,18 @@ Prompt = str | tuple[int, ...]
 
 # One API request fans out into prompts × n engine requests before admission sees any of them:
 # bounded, so a body cannot turn into thousands of requests.
+MAX_BODY_BYTES = 8 << 20  # an HTTP body, and a gRPC message (the in-process server, and Serve's proxy: cli.serve)
 MAX_N = 128
 MAX_PROMPTS = 256
 MAX_FANOUT = 256
+# Every other list and string a request carries is bounded too, before any work is spent on it
+# (a million stop_token_ids would cost every co-batched request a set of them per step).
+MAX_STOP = 16  # stop strings
+MAX_STOP_CHARS = 1024  # each
+MAX_STOP_TOKEN_IDS = 256
+MAX_MESSAGES = 4096
+MAX_USER_CHARS = 256
+MAX_REQUEST_ID_CHARS = 128  # gRPC's request_id, echoed in every message
 
 
 class APIError(Exception):
@@ -146,15 +155,29 @@ def _stop(body: dict) -> tuple[str, ...]:
         return ()
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
-        raise _bad("stop", "expected a non-empty string or a list of at most 16 non-empty strings")
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+        raise _bad("stop", f"expected a non-empty string or a list of at most {MAX_STOP} non-empty strings")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise _bad("stop", f"each stop string is at most {MAX_STOP_CHARS} characters")
     return tuple(stop)
 
 
-def _int_list(v: Any, name: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+def _int_list(v: Any, name: str, most: int | None = None) -> tuple[int, ...]:
+    """`most`: how many it may hold (None: a prompt's ids, bounded by the context later)."""
+    if not isinstance(v, list):
+        raise _bad(name, "expected a list of integers")
+    if most is not None and len(v) > most:
+        raise _bad(name, f"at most {most} entries, got {len(v)}")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         raise _bad(name, "expected a list of integers")
     return tuple(v)
+
+
+def _user(body: dict) -> str | None:
+    user = _get(body, "user", (str,))
+    if user is not None and len(user) > MAX_USER_CHARS:
+        raise _bad("user", f"at most {MAX_USER_CHARS} characters")
+    return user
 
 
 _NUM = (int, float)
@@ -199,7 +222,8 @@ def _options(body: dict, served: Sequence[str], logprobs: int | None, max_tokens
             frequency_penalty=float(_get(body, "frequency_penalty", _NUM, 0.0)),
             repetition_penalty=sampled("repetition_penalty", 1.0),
             seed=_get(body, "seed", (int,)), max_tokens=max_tokens, min_tokens=_get(body, "min_tokens", (int,), 0),
-            stop=_stop(body), stop_token_ids=_int_list(body.get("stop_token_ids") or [], "stop_token_ids"),
+            stop=_stop(body), stop_token_ids=_int_list(body.get("stop_token_ids") or [], "stop_token_ids",
+                                                         MAX_STOP_TOKEN_IDS),
             ignore_eos=_get(body, "ignore_eos", (bool,), False),
             include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
             logprobs=logprobs, skip_special_tokens=_get(body, "skip_special_tokens", (bool,), True),
@@ -207,7 +231,7 @@ def _options(body: dict, served: Sequence[str], logprobs: int | None, max_tokens
     except ConfigError as e:
         raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
     return RequestOptions(model, params, stream, bool(_get(so, "include_usage", (bool,), False)),
-                          _get(body, "user", (str,)), _priority(body), _slo(body, "ttft_slo_ms"),
+                          _user(body), _priority(body), _slo(body, "ttft_slo_ms"),
                           _slo(body, "tpot_slo_ms"), max_tokens_given)
 
 
@@ -273,6 +297,8 @@ def parse_chat(body: Any, served: Sequence[str], defaults: RequestDefaults = NO_
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages", "expected a non-empty list of messages")
+    if len(msgs) > MAX_MESSAGES:
+        raise _bad("messages", f"at most {MAX_MESSAGES} messages, got {len(msgs)}")
     want = _get(body, "logprobs", (bool,), False)
     top = _get(body, "top_logprobs", (int,))
     if top is not None and (not want or not 0 <= top <= 20):

@@ -46,7 +46,7 @@ from splitserve.types import Priority, WorkerStats
 @dataclass(frozen=True)
 class AdmissionConfig:
     max_inflight: int = 256
-    ttft_slo_ms: float | None = None  # server defaults; a request may set its own
+    ttft_slo_ms: float | None = None  # server defaults; a request may only tighten them
     tpot_slo_ms: float | None = None
     enabled: bool = True
     calibration_quantile: float = 0.95  # of observed/predicted TTFT: the margin the SLO check keeps
@@ -222,13 +222,12 @@ class Admission:
 
     def _decide(self, plan, priority, prompt_tokens, ttft_slo_ms, tpot_slo_ms, compile_s: float = 0.0) -> Decision:
         cfg = self.config
+        limit = cfg.max_inflight * _LIMIT[priority]
+        if self.inflight >= limit:  # the hard limit holds with the SLO checks off too
+            return Decision(False, "capacity", retry_after_s=1.0)
         if not cfg.enabled:
             return Decision(True)
-        limit = cfg.max_inflight * _LIMIT[priority]
-        if self.inflight >= limit:
-            return Decision(False, "capacity", retry_after_s=1.0)
-        ttft_slo = ttft_slo_ms if ttft_slo_ms is not None else cfg.ttft_slo_ms
-        tpot_slo = tpot_slo_ms if tpot_slo_ms is not None else cfg.tpot_slo_ms
+        ttft_slo, tpot_slo = _tighter(ttft_slo_ms, cfg.ttft_slo_ms), _tighter(tpot_slo_ms, cfg.tpot_slo_ms)
         first = None if plan is None else self.outstanding.adjusted(plan.first_worker, plan.first_stats)
         decode = None if plan is None else plan.decode_stats
         model = ttft = tpot = 0.0
@@ -244,3 +243,10 @@ class Admission:
                 return Decision(False, "tpot_slo", 1.0, ttft, tpot, model, ttft_slo)
         return Decision(True, "", 0.0, ttft, tpot, model, ttft_slo)
 
+
+def _tighter(asked: float | None, server: float | None) -> float | None:
+    """A request's own SLO may only tighten the server's: a client cannot buy its way past
+    admission by asking for a looser target than the operator set."""
+    if asked is None or server is None:
+        return server if asked is None else asked
+    return min(asked, server)

@@ -29,9 +29,15 @@ def test_slo_rejects_with_retry_after_and_admits_when_feasible():
     assert a.decide(plan(), Priority.STANDARD, 100).admit  # 0.11 s predicted
     d = a.decide(plan(stats(waiting=20)), Priority.STANDARD, 100)  # 0.001 * (5120 + 100) + 3 steps ≈ 5.25 s
     assert not d.admit and d.reason == "ttft_slo" and d.retry_after_s >= 1.0
-    assert a.decide(plan(stats(waiting=20)), Priority.STANDARD, 100, ttft_slo_ms=10_000).admit  # its own, laxer SLO
+    # a request's own SLO only tightens the server's: a laxer one does not get it past admission
+    laxer = a.decide(plan(stats(waiting=20)), Priority.STANDARD, 100, ttft_slo_ms=10_000)
+    assert not laxer.admit and laxer.ttft_slo_ms == 200
+    tighter = a.decide(plan(), Priority.STANDARD, 100, ttft_slo_ms=50)  # 0.11 s predicted > 50 ms
+    assert not tighter.admit and tighter.reason == "ttft_slo"
     assert a.decide(plan(stats(waiting=20)), Priority.CRITICAL, 100).admit  # critical: only the hard limit
-    assert a.inflight == 3  # the admitted ones, until finished
+    assert a.inflight == 2  # the admitted ones, until finished
+    own = Admission(AdmissionConfig()).decide(plan(stats(waiting=20)), Priority.STANDARD, 100, ttft_slo_ms=200)
+    assert not own.admit and own.reason == "ttft_slo"  # no server SLO: the request's own applies
 
 
 def test_ttft_is_judged_on_the_worker_that_prefills_and_tpot_on_the_decoder():
@@ -75,8 +81,9 @@ def test_capacity_limits_by_class():
     assert not a.decide(plan(), Priority.STANDARD, 10).admit and a.decide(plan(), Priority.CRITICAL, 10).admit
     a.inflight = 20
     assert not a.decide(plan(), Priority.CRITICAL, 10).admit
-    assert Admission(AdmissionConfig(max_inflight=1, enabled=False)).decide(plan(stats(waiting=999)),
-                                                                           Priority.SHEDDABLE, 10).admit
+    off = Admission(AdmissionConfig(max_inflight=1, enabled=False))  # --no-admission: no SLO checks...
+    assert off.decide(plan(stats(waiting=999)), Priority.SHEDDABLE, 10).admit
+    assert off.decide(plan(), Priority.STANDARD, 10).reason == "capacity"  # ...but max_inflight still holds
 
 
 def test_a_burst_between_snapshots_sees_its_own_load():
@@ -106,13 +113,14 @@ def test_calibration_scales_predictions_by_the_observed_ratio():
     for r in (1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 1.1, 1.3, 1.5, 1.7):
         cal.observe(1.0, r)
     assert cal.factor == pytest.approx(2.0)
-    a = Admission(AdmissionConfig(ttft_slo_ms=400, calibration_min_samples=3, calibration_prior=1.0))
-    d = a.decide(plan(stats(waiting=1)), Priority.STANDARD, 100)  # 0.001 * 356 + 0.01 ≈ 0.37 s
+    # no server SLO: each request is judged against its own
+    a = Admission(AdmissionConfig(calibration_min_samples=3, calibration_prior=1.0))
+    d = a.decide(plan(stats(waiting=1)), Priority.STANDARD, 100, ttft_slo_ms=400)  # 0.001 * 356 + 0.01 ≈ 0.37 s
     assert d.admit
     for _ in range(3):  # the requests took twice as long as predicted
         a.finished(d, observed_ttft_s=2 * d.predicted_ttft_s)
     assert a.calibration.factor == pytest.approx(2.0)
-    assert not a.decide(plan(stats(waiting=1)), Priority.STANDARD, 100).admit  # now ≈ 0.73 s > 0.4 s
+    assert not a.decide(plan(stats(waiting=1)), Priority.STANDARD, 100, ttft_slo_ms=400).admit  # now ≈ 0.73 s
     # Predictions far below the SLO do not calibrate (fixed overheads dominate their ratio).
     tiny = a.decide(plan(), Priority.STANDARD, 1, ttft_slo_ms=10_000)
     a.finished(tiny, observed_ttft_s=10.0)  # judged against its own SLO, carried by the decision

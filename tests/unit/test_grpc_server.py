@@ -108,6 +108,11 @@ BAD = [
      grpc.StatusCode.INVALID_ARGUMENT),
     ("logit_bias outside the vocabulary", pb.GenerateRequest(text="x", sampling=pb.SamplingParams(logit_bias={10**6: 1})),
      grpc.StatusCode.INVALID_ARGUMENT),
+    ("request_id of 129 characters", pb.GenerateRequest(text="x", request_id="r" * 129),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("a million stop_token_ids", pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop_token_ids=range(10**6))),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("a 9 MiB message", pb.GenerateRequest(text="x" * (9 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
 
 

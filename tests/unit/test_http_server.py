@@ -127,6 +127,12 @@ def test_models_health_ready(server):
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}', 400),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}',
      400),
+    # bounded before any work (issue 31): nesting past 400 levels (and past Python's recursion
+    # limit, which json.loads would otherwise raise as a 500), a million stop_token_ids
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "user": ' + b"[" * 401 + b"]" * 401 + b"}", 400),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop_token_ids": ' + str(list(range(10**6))).encode() + b"}",
+     400),
 ])
 def test_bad_requests_are_4xx_in_openai_shape(server, path, body, status):
     async def go():
@@ -285,3 +291,28 @@ def test_one_failed_choice_stops_the_others_and_is_a_400(tiny_checkpoint):
     assert not eng.has_unfinished() and eng.pool.num_in_use == 0, "choice 0 must be aborted, not run to the end"
     assert srv.front.admission.inflight == 0
     eng.check_invariants()
+
+
+def test_a_body_in_small_parts_is_read_whole(server):
+    """2 MB in 100-byte parts (a slow or hostile client): read in linear time, parsed once."""
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 1, "user": "' + b"u" * (2 << 20) + b'"}'
+
+    async def parts():
+        for i in range(0, len(body), 100):
+            yield body[i:i + 100]
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://t") as h:
+            return await h.post("/v1/completions", content=parts(), headers={"content-type": "application/json"})
+
+    r = run(go())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "user", r.text  # parsed: too long a user
+
+
+def test_json_depth_is_counted_without_recursion():
+    from splitserve.ingress.http import json_depth
+
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    assert (json_depth(1), json_depth([]), json_depth({"a": [1, {"b": []}]}), json_depth(deep)) == (0, 1, 4, 5001)

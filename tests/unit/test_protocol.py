@@ -37,6 +37,9 @@ def test_shape_and_status(body, param, status):
     ("stream", 1), ("stream_options", {"include_usage": True}), ("prompt", ""), ("prompt", []), ("prompt", [1, "a"]),
     ("prompt", [[1, 2], []]), ("prompt", 7), ("prompt", None), ("suffix", "x"), ("logit_bias", {"1": 500}),
     ("priority", "urgent"), ("ttft_slo_ms", -5), ("stop_token_ids", [1.5]), ("ignore_eos", "no"),
+    # every list and string bounded before work is spent on it (issue 31)
+    ("stop_token_ids", list(range(1_000_000))), ("stop_token_ids", [1] * 257), ("stop", ["x" * 1025]),
+    ("logit_bias", {str(i): 1 for i in range(1025)}), ("user", "u" * 257), ("n", 129),
 ])
 def test_bad_completion_fields(field, value):
     with pytest.raises(APIError) as e:
@@ -56,6 +59,7 @@ def test_bad_completion_fields(field, value):
     {**CHAT, "top_logprobs": 3},
     {**CHAT, "logprobs": True, "top_logprobs": 21},
     {**CHAT, "max_completion_tokens": 0},
+    {**CHAT, "messages": [{"role": "user", "content": "hi"}] * 4097},
 ])
 def test_bad_chat_bodies(body):
     with pytest.raises(APIError) as e:

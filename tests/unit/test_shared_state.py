@@ -186,3 +186,45 @@ def test_a_response_stored_on_one_replica_continues_on_another(redis_server, tin
         asyncio.run(go())
     finally:
         backend.loop.close()
+
+
+@pytest.mark.parametrize("refusal", ["OutOfMemoryError", "ReadOnlyError"])
+def test_redis_answering_errors_degrades_to_local_limits_never_a_500(redis_server, tiny_checkpoint, refusal):
+    """Redis there but refusing writes — out of memory (`maxmemory 1`, noeviction) or a replica
+    (READONLY) — under rate-limited traffic: each call falls back to the local buckets, so the
+    limits still hold (429s) and no request gets a 5xx; Redis taking writes again, shared again."""
+    import redis
+
+    keys = KeyRing.from_options({"keys": [{"key": "sk-alpha-0123456789", "tenant": "alpha", "requests_per_s": 2}]})
+    backend = LocalBackend(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=256), model_name="tiny")
+    admin = redis.Redis(port=redis_server.port)
+
+    async def go():
+        link = RedisLink(redis_server.url, f"test:{uuid.uuid4().hex}", retry_s=0.1)
+        srv = OpenAIServer(backend, keys=keys, limiter=SharedRateLimiter(link))
+
+        async def ask():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=srv.app), base_url="http://t") as h:
+                r = await h.post("/v1/completions", headers={"Authorization": "Bearer sk-alpha-0123456789"},
+                                 json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+                return r.status_code
+
+        if refusal == "OutOfMemoryError":
+            admin.config_set("maxmemory-policy", "noeviction")
+            admin.config_set("maxmemory", 1)
+        else:
+            admin.replicaof("127.0.0.1", 1)  # a replica of a master that is not there: writes are refused
+        try:
+            codes = [await ask() for _ in range(12)]
+        finally:
+            admin.config_set("maxmemory", 0)
+            admin.replicaof("NO", "ONE")
+        assert link.refusals.get(refusal, 0) >= 1, link.refusals  # the fault landed: Redis refused
+        assert link.up and all(c < 500 for c in codes), codes
+        assert 200 in codes and 429 in codes, codes  # the local bucket (2/s, burst 2) still limits
+        await asyncio.sleep(1.0)
+        assert await ask() == 200
+        assert await link.client.exists(link.key("limit", "alpha", "requests")) == 1  # shared again
+        await link.close()
+
+    asyncio.run(go())

@@ -1,6 +1,6 @@
 """One replica's connection to Redis, and whether Redis is there: every call goes through
 `call`, which answers None instead of raising when Redis is away (refused, timed out, gone
-mid-call), so a caller falls back to its local view and never fails a request. While Redis is
+mid-call) or answers an error (OOM, READONLY, NOPERM), so a caller falls back to its local view and never fails a request. While Redis is
 away, calls are not attempted; a background probe (PING every `retry_s`) notices it back and
 runs the `on_up` callbacks (a user republishes what it owns there)."""
 
@@ -27,6 +27,7 @@ class RedisLink:
         self.url, self.prefix, self.retry_s = url, prefix, retry_s
         self.client = client
         self.up = True  # until a call says otherwise
+        self.refusals: dict[str, int] = {}  # error replies by kind (OOM, READONLY, ...)
         self._on_up: list[Callable[[], Awaitable[None]]] = []
         self._probe: asyncio.Task | None = None
 
@@ -49,7 +50,20 @@ class RedisLink:
             if _is_redis_down(e):
                 self._down(e)
                 return None
+            if _is_error_reply(e):  # OOM, READONLY, NOPERM...: Redis is there but will not do it
+                self._refused(e)
+                return None
             raise
+
+    def _refused(self, e: Exception) -> None:
+        """An error reply degrades this one call (the caller falls back to its local view) without
+        taking Redis for gone: a PING would still answer, and the next call may succeed. Logged
+        once per kind of reply."""
+        kind = type(e).__name__  # redis-py's class per reply: OutOfMemoryError, ReadOnlyError, NoPermissionError...
+        if kind not in self.refusals:
+            log.warning("Redis at %s refused a call (%s): this replica limits and routes on its own view for "
+                        "such calls", _safe(self.url), kind)
+        self.refusals[kind] = self.refusals.get(kind, 0) + 1
 
     def _down(self, e: Exception) -> None:
         if self.up:
@@ -90,6 +104,12 @@ def _is_redis_down(e: Exception) -> bool:
     import redis.exceptions as rex
 
     return isinstance(e, (rex.ConnectionError, rex.TimeoutError, OSError, asyncio.TimeoutError))
+
+
+def _is_error_reply(e: Exception) -> bool:
+    import redis.exceptions as rex
+
+    return isinstance(e, rex.RedisError)
 
 
 def _safe(url: str) -> str:

@@ -249,10 +249,12 @@ spec:
         - {name: grpc, containerPort: 50051}
         - {name: metrics, containerPort: 8080}
       {{- end }}
-      {{- with $g.env }}
       env:
+        # Serve's gRPC proxy (on every node) takes messages no larger than an HTTP body (8 MiB)
+        - {name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, value: "8388608"}
+        {{- with $g.env }}
         {{- toYaml . | nindent 8 }}
-      {{- end }}
+        {{- end }}
       resources:
         {{- include "splitserve.containerResources" $g | nindent 8 }}
       {{- if $volume }}
