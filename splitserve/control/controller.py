@@ -60,12 +60,12 @@ log = logging.getLogger(__name__)
 S = WorkerState
 # what a worker runs: a change to any of these replaces every worker
 WORKER_KEYS = ("model", "engine", "transport", "prefill_resources", "decode_resources", "on_transfer_failure",
-               "lease_s", "worker_classes")
+               "lease_s", "worker_classes", "kv_secret")
 
 
 class Controller:
     def __init__(self, cfg: DeployConfig, joined: bool = True) -> None:
-        self.cfg = cfg
+        self.cfg = cfg.with_kv_secret()  # the app's, kept across rebuilds (and restarts: persisted)
         self.registry = Registry()
         self.autoscaler: Autoscaler | None = None
         self._set_config_targets(cfg)
@@ -129,6 +129,7 @@ class Controller:
         """The app's config, from each ingress replica as it starts. Only a changed config
         changes anything (so a restarted replica does not undo `scale`): new targets, and when
         what the workers run changed, every worker is replaced (drained, new ones started)."""
+        cfg = cfg.with_kv_secret(self.cfg.kv_secret)  # a rebuild without one keeps the app's
         if cfg == self.cfg:
             return
         replace = any(getattr(cfg, k) != getattr(self.cfg, k) for k in WORKER_KEYS)

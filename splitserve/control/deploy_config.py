@@ -68,11 +68,19 @@ class DeployConfig:
     # API keys: a key file's path, its content, or a KeyRing; read into the tenancy.KeyRing the
     # ingress checks (plus SPLITSERVE_API_KEY where this config is made); none: the ingress is open.
     api_keys: Any = None
-    # The secret every worker's TCP KV server challenges its readers for (hex; one per app,
-    # made here unless given); never printed.
-    kv_secret: str = dataclasses.field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    # The secret every worker's TCP KV server challenges its readers for (hex), never printed.
+    # None: the app's Controller makes one and keeps it (control/controller.py) — every rebuild
+    # of the app (a config change, a replica restart) makes a new DeployConfig, and the workers
+    # it keeps must go on accepting the ones it starts. Given: rotating it replaces every worker.
+    kv_secret: str | None = dataclasses.field(default=None, repr=False)
     # Redis, where the ingress replicas share rate limits and in-flight load (None: each its own).
     redis_url: str | None = None
+
+    def with_kv_secret(self, kept: str | None = None) -> "DeployConfig":
+        """This config with a KV secret: its own if given, else `kept` (the app's), else a new one."""
+        if self.kv_secret is not None:
+            return self
+        return dataclasses.replace(self, kv_secret=kept or secrets.token_hex(32))
 
     def __post_init__(self) -> None:
         from splitserve.router.policy import POLICIES
@@ -80,7 +88,7 @@ class DeployConfig:
 
         object.__setattr__(self, "api_keys", KeyRing.from_options(self.api_keys).with_env())
         try:
-            if len(bytes.fromhex(self.kv_secret)) < 16:
+            if self.kv_secret is not None and len(bytes.fromhex(self.kv_secret)) < 16:
                 raise ValueError
         except (TypeError, ValueError):
             raise ConfigError("kv_secret must be at least 32 hex digits") from None

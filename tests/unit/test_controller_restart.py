@@ -111,3 +111,31 @@ def test_a_gone_workers_metric_series_are_dropped():
     m.forget_workers({"decode-a"})
     text = m.exposition().decode() if isinstance(m.exposition(), bytes) else m.exposition()
     assert 'worker="decode-a"' in text and 'worker="decode-b"' not in text
+
+
+def test_the_app_keeps_its_kv_secret_across_rebuilds(model, monkeypatch):
+    """Every ingress replica start (a rebuild, a config change) makes a new DeployConfig: without a
+    kv_secret of its own it takes the app's, which the Controller made once (and persists), so
+    workers it keeps and workers it starts still accept each other's KV readers — and a replica
+    restart is no config change. A kv_secret given explicitly (a rotation) replaces every worker."""
+    import asyncio
+
+    from splitserve.control import controller as controller_mod
+
+    monkeypatch.setattr(controller_mod.persisted, "load", lambda cfg: None)  # a first start, no Ray
+    opts = {"model": str(model), "prefill": 1, "decode": 1}
+    ctl = controller_mod.Controller(DeployConfig.from_options(opts))
+    secret = ctl.cfg.kv_secret
+    assert len(bytes.fromhex(secret)) == 32
+    reconciled: list = []
+    monkeypatch.setattr(ctl, "_reconcile", lambda: reconciled.append(1))  # no pools to start here
+    wid = WorkerId.new(Role.DECODE)
+    ctl.registry.add(wid, handle=None)
+    ctl.registry.move(wid, S.READY, info=info())
+
+    rebuilt = DeployConfig.from_options(opts)  # what a restarted ingress replica sends
+    assert rebuilt.kv_secret is None
+    asyncio.run(ctl.configure(rebuilt))
+    assert ctl.cfg.kv_secret == secret and not reconciled and ctl.registry[wid].state is S.READY
+    asyncio.run(ctl.configure(DeployConfig.from_options({**opts, "kv_secret": "ab" * 32})))
+    assert ctl.cfg.kv_secret == "ab" * 32 and reconciled and ctl.registry[wid].state is S.DRAINING
