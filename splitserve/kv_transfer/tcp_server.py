@@ -36,14 +36,20 @@ from splitserve.kv_transfer.tcp_wire import (
 
 
 MAX_CONNECTIONS = 256  # readers pool a connection or two per peer: more is someone else's doing
+MAX_UNAUTHENTICATED = 16  # connections in their handshake at once; one more evicts the oldest
+HANDSHAKE_S = 2.0  # for the whole challenge: a reader with the secret answers in a round trip
 
 
 class KVServer:
     """Serves byte ranges of one worker's KV storage; a thread per connection, at most
     `max_connections` of them (one more is closed at once: a reader takes that as a failed
     transfer, which the decode side recomputes). With a `secret`, a connection whose reader does
-    not answer its challenge (tcp_wire) is closed before any request is read. `grants`: what
-    each lease token may read; a request under no live lease is refused."""
+    not answer its challenge (tcp_wire) within HANDSHAKE_S is closed before any request is read,
+    and at most MAX_UNAUTHENTICATED connections are in their handshake at once: a new one evicts
+    the oldest. A reader with the secret answers within a round trip, so peers without it, however
+    many and however slow, cannot hold the slots readers need (they would have to connect faster
+    than one round trip per slot). `grants`: what each lease token may read; a request under no
+    live lease is refused."""
 
     def __init__(self, source: HostBytes | StagedBytes, bind_host: str, port: int, io_timeout: float,
                  idle_timeout: float, *, grants: Grants, max_connections: int = MAX_CONNECTIONS,
@@ -55,6 +61,7 @@ class KVServer:
         self._max_connections = max_connections
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
+        self._handshaking: dict[socket.socket, None] = {}  # of those, still in their challenge, oldest first
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._listener = socket.create_server((bind_host, port), backlog=64)
@@ -76,10 +83,18 @@ class KVServer:
                 continue
             except OSError:
                 return  # listener closed
+            evicted = None
             with self._lock:
                 full = len(self._conns) >= self._max_connections
                 if not full:
                     self._conns.add(conn)
+                    if self._secret is not None:
+                        if len(self._handshaking) >= MAX_UNAUTHENTICATED:
+                            evicted = next(iter(self._handshaking))
+                            del self._handshaking[evicted]
+                        self._handshaking[conn] = None
+            if evicted is not None:
+                shutdown(evicted)  # its thread's recv returns: it closes and frees its place
             if full:
                 conn.close()
                 continue
@@ -88,9 +103,9 @@ class KVServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(self._io_timeout)
-            if self._secret is not None and not challenge(conn, self._secret):
+            if self._secret is not None and not self._authenticated(conn):
                 return  # a reader without the secret: no byte of KV
+            conn.settimeout(self._io_timeout)
             while not self._stop.is_set() and self._serve_one(conn):
                 pass
         except (OSError, Eof, struct.error, UnicodeDecodeError):
@@ -99,6 +114,13 @@ class KVServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _authenticated(self, conn: socket.socket) -> bool:
+        try:
+            return challenge(conn, self._secret, HANDSHAKE_S)
+        finally:
+            with self._lock:
+                self._handshaking.pop(conn, None)
 
     def _serve_one(self, conn: socket.socket) -> bool:
         """Answer one request; False when the connection should close."""

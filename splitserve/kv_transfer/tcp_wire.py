@@ -22,6 +22,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 from typing import Callable
 
 import numpy as np
@@ -53,11 +54,15 @@ def _answer_to(secret: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, HELLO_MAGIC + nonce, hashlib.sha256).digest()
 
 
-def challenge(sock: socket.socket, secret: bytes) -> bool:
-    """Server side: whether the reader knows the secret (it answered this connection's nonce)."""
+def challenge(sock: socket.socket, secret: bytes, within_s: float) -> bool:
+    """Server side: whether the reader knows the secret (it answered this connection's nonce),
+    all of it within `within_s`: a per-recv timeout alone would let a peer trickle a byte at a
+    time and hold the connection. Raises socket.timeout past the deadline."""
+    deadline = time.monotonic() + within_s
     nonce = os.urandom(16)
+    sock.settimeout(within_s)
     sock.sendall(HELLO.pack(HELLO_MAGIC, VERSION, nonce))
-    return hmac.compare_digest(bytes(recv_exact(sock, AUTH_SIZE)), _answer_to(secret, nonce))
+    return hmac.compare_digest(bytes(recv_exact(sock, AUTH_SIZE, deadline)), _answer_to(secret, nonce))
 
 
 def answer(sock: socket.socket, secret: bytes) -> None:
@@ -71,18 +76,24 @@ def answer(sock: socket.socket, secret: bytes) -> None:
 
 # -- socket helpers -----------------------------------------------------------------------------
 
-def recv_into(sock: socket.socket, view: memoryview) -> None:
+def recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view`; with a `deadline` (time.monotonic), all of it by then."""
     got = 0
     while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the peer did not send in time")
+            sock.settimeout(left)
         n = sock.recv_into(view[got:])
         if n == 0:
             raise Eof(got)
         got += n
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     buf = bytearray(n)
-    recv_into(sock, memoryview(buf))
+    recv_into(sock, memoryview(buf), deadline)
     return buf
 
 

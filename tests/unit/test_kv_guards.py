@@ -177,3 +177,67 @@ def test_a_reader_with_another_leases_token_reads_no_kv_byte():
             t.close()
         for kv in (src_kv, dst_kv):
             kv.close()
+
+
+def test_peers_trickling_bytes_without_the_secret_cannot_hold_the_server():
+    """300 connections that never finish the challenge, each trickling a byte every 0.5 s (under
+    any per-recv timeout): each is dropped by the handshake deadline (or refused at once past the
+    few allowed in their handshake), and meanwhile a reader with the secret still pulls exactly."""
+    import socket
+    import time
+    import uuid
+
+    import torch
+
+    from splitserve.kv_transfer import TcpTransport, TransferState, kv_checksum, wait_transfer
+    from splitserve.kv_transfer.tcp_server import HANDSHAKE_S
+    from tests.unit.test_kv_transfer import DST_BLOCKS, SRC_BLOCKS, allocate, fill, layout, make_handoff
+
+    secret = uuid.uuid4().hex * 2
+    src_kv, src = allocate(SRC_BLOCKS, None), TcpTransport(secret=secret, io_timeout=30.0)
+    fill(src_kv.storage, 7)
+    ep = src.register(src_kv, layout(SRC_BLOCKS), "host-a")
+    host, port = ep.address.rsplit(":", 1)
+    dst_kv, dst = allocate(DST_BLOCKS, None), TcpTransport(secret=secret, io_timeout=5.0)
+    dst.register(dst_kv, layout(DST_BLOCKS), "host-b")
+    blocks, token = (2, 4), os.urandom(16)
+    src.allow(token, blocks)
+    handoff = make_handoff(ep, blocks, kv_checksum(src_kv.storage, layout(SRC_BLOCKS), blocks), token=token)
+    tricklers, began = [], time.monotonic()
+    try:
+        for _ in range(300):
+            s = socket.create_connection((host, int(port)), timeout=5.0)
+            s.setblocking(False)
+            tricklers.append(s)
+        dropped: set[int] = set()
+        pulled = None
+        while len(dropped) < len(tricklers) and time.monotonic() - began < 10 * HANDSHAKE_S:
+            for i, s in enumerate(tricklers):
+                if i in dropped:
+                    continue
+                try:
+                    s.send(b"x")  # one byte of a 32-byte answer that will never be right
+                    while s.recv(4096):
+                        pass  # the challenge
+                    dropped.add(i)  # recv() == b"": closed by the server
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    dropped.add(i)  # reset: closed by the server
+            if pulled is None:  # a real reader, while the tricklers are at it
+                h = dst.read(handoff, (0, 1))
+                pulled = wait_transfer(dst, h, timeout=10)
+                dst.release(h)
+            time.sleep(0.5)
+        took = time.monotonic() - began
+        print(f"\n300 tricklers all dropped in {took:.1f} s (handshake deadline {HANDSHAKE_S} s)")
+        assert len(dropped) == len(tricklers), f"{len(tricklers) - len(dropped)} connections still held"
+        assert pulled.state is TransferState.DONE
+        assert torch.equal(dst_kv.storage[:, :, :2], src_kv.storage[:, :, list(blocks)])
+    finally:
+        for s in tricklers:
+            s.close()
+        for t in (src, dst):
+            t.close()
+        for kv in (src_kv, dst_kv):
+            kv.close()
