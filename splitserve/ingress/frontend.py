@@ -14,6 +14,7 @@ a request that failed gets, in the OpenAI error shape and in words safe for its 
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -123,6 +124,7 @@ class Frontend:
         self.admission = admission or Admission()
         self.keys = keys or KeyRing()
         self.limiter = limiter or RateLimiter()
+        self.tenant_inflight: collections.Counter[str] = collections.Counter()  # admitted choices per tenant
         # what a request omitting them gets: the model's recommended sampling and max_new_tokens
         # (generation_config.json), the server's max_tokens default above the model's
         self.defaults = RequestDefaults.of(dict(getattr(backend, "sampling_defaults", ())),
@@ -190,6 +192,7 @@ class Frontend:
         plan releases what was admitted before it too). The tenant's rate limits come first:
         a request over them is refused (429) before any planning, and a refused one is refunded."""
         tenant, tokens = opts.tenant, self._tokens(reqs)
+        self._check_concurrency(tenant, len(reqs))
         wait = await self.limiter.charge(tenant, len(reqs), tokens)
         if wait > 0:
             self.metrics.rejections.labels(reason="rate_limit").inc()
@@ -209,6 +212,7 @@ class Frontend:
                                         f"now; retry in {d.retry_after_s:.0f} s", code=d.reason,
                                    retry_after=d.retry_after_s)
                 c.decision = d
+                self.tenant_inflight[c.tenant] += 1
                 admitted.append(c)
         except BaseException:
             for done in admitted:  # all or nothing
@@ -216,12 +220,24 @@ class Frontend:
             self.limiter.refund(tenant, len(reqs), tokens)
             raise
 
+    def _check_concurrency(self, tenant: Tenant, wanted: int) -> None:
+        """A tenant with `max_inflight` may not have more requests in flight on this replica."""
+        cap = tenant.max_inflight
+        if cap is not None and self.tenant_inflight[tenant.name] + wanted > cap:
+            self.metrics.rejections.labels(reason="tenant_concurrency").inc()
+            raise APIError(429, f"tenant {tenant.name!r} has {self.tenant_inflight[tenant.name]} requests in flight, "
+                                f"at most {cap} at once; retry when one has finished", code="tenant_concurrency",
+                           retry_after=1.0)
+
     def release(self, c: Choice) -> None:
         """An admitted choice is over, however it ended (also when its stream never started):
         admission gets its slot and its TTFT back, metrics record it. Idempotent."""
         if c.decision is None or c.released:
             return
         c.released = True
+        self.tenant_inflight[c.tenant] -= 1
+        if not self.tenant_inflight[c.tenant]:
+            del self.tenant_inflight[c.tenant]
         self.backend.abandon(c.plan)  # a plan whose stream never ran holds no reservation any more
         c.ended_at = c.ended_at or time.monotonic()
         ttft = None if c.first_at is None else c.first_at - c.arrived

@@ -7,6 +7,7 @@ config or the Serve app args) is YAML:
         priority: standard            # the highest priority this key may use (default: standard)
         requests_per_s: 5             # optional token-bucket limits, per tenant
         tokens_per_min: 200000
+        max_inflight: 64              # optional: at most this many of its requests in flight at once
         cache_group: shared           # optional: tenants naming one group share prefix-cache blocks
     metrics_open: false               # optional: /metrics without a key
 
@@ -42,6 +43,7 @@ class Tenant:
     cache_salt: str | None = None  # None: the shared prefix cache (an open server)
     requests_per_s: float | None = None
     tokens_per_min: float | None = None
+    max_inflight: int | None = None  # its engine requests in flight at once, on each ingress replica
 
     def cap(self, priority: Priority) -> Priority:
         """`priority`, but no higher than this tenant may use (a client cannot promote itself)."""
@@ -61,7 +63,7 @@ class ApiKey:
         if not isinstance(entry, Mapping):
             raise ConfigError(f"{where}: each key is a mapping (key or key_sha256, tenant, ...)")
         unknown = set(entry) - {"key", "key_sha256", "tenant", "priority", "requests_per_s", "tokens_per_min",
-                                "cache_group"}
+                                "max_inflight", "cache_group"}
         if unknown:
             raise ConfigError(f"{where}: unknown fields {sorted(unknown)}")
         if ("key" in entry) == ("key_sha256" in entry):
@@ -78,7 +80,10 @@ class ApiKey:
         group = entry.get("cache_group", tenant)
         if not isinstance(group, str) or not group:
             raise ConfigError(f"{where}: cache_group must be a non-empty string")
-        return cls(digest, Tenant(tenant, priority, f"tenant:{group}", **limits))
+        inflight = entry.get("max_inflight")
+        if inflight is not None and (not isinstance(inflight, int) or isinstance(inflight, bool) or inflight < 1):
+            raise ConfigError(f"{where}: max_inflight must be an integer >= 1, got {inflight!r}")
+        return cls(digest, Tenant(tenant, priority, f"tenant:{group}", **limits, max_inflight=inflight))
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ class KeyRing:
         """As `from_options` reads it (digests only): how the keys travel in an app's config."""
         return {"keys": [{"key_sha256": k.sha256, "tenant": k.tenant.name, "priority": k.tenant.max_priority.name.lower(),
                           "cache_group": k.tenant.cache_salt.removeprefix("tenant:"),
-                          **{n: getattr(k.tenant, n) for n in ("requests_per_s", "tokens_per_min")
+                          **{n: getattr(k.tenant, n) for n in ("requests_per_s", "tokens_per_min", "max_inflight")
                              if getattr(k.tenant, n) is not None}} for k in self.keys],
                 "metrics_open": self.metrics_open}
 

@@ -155,6 +155,36 @@ def test_over_the_limit_is_a_429_with_retry_after(backend):
     assert call(srv, "POST", "/v1/completions", GAMMA, completion()).status_code == 200
 
 
+def test_a_tenants_requests_in_flight_are_capped(backend):
+    """A key's `max_inflight`: while the tenant's streams hold its places, one more is a 429
+    (code tenant_concurrency) and the rate limit is not charged for it; other tenants are not
+    counted; a stream that ends gives its place back."""
+    keys = {"keys": [{"key": ALPHA, "tenant": "alpha", "max_inflight": 2}, {"key": GAMMA, "tenant": "gamma"}]}
+    srv = server(backend, keys=keys)
+    assert KeyRing.from_options(keys).to_options()["keys"][0]["max_inflight"] == 2  # travels with the app
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=srv.app), base_url="http://t") as h:
+            post = lambda key, **kw: h.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},  # noqa: E731
+                                            json=completion(**kw))
+            held = asyncio.ensure_future(post(ALPHA, n=2, max_tokens=400, ignore_eos=True))
+            while srv.front.tenant_inflight["alpha"] < 2:  # both of its choices admitted and running
+                assert not held.done(), held.result().text
+                await asyncio.sleep(0.001)
+            refused, other = await post(ALPHA), await post(GAMMA)
+            first = await held
+            after = await post(ALPHA)
+            return refused, other, first, after
+
+    refused, other, first, after = asyncio.run(go())
+    assert first.status_code == 200
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "tenant_concurrency", refused.text
+    assert other.status_code == 200 and after.status_code == 200
+    assert not srv.front.tenant_inflight  # every place given back
+    with pytest.raises(ConfigError, match="max_inflight"):
+        KeyRing.from_options({"keys": [{"key": ALPHA, "tenant": "alpha", "max_inflight": 0}]})
+
+
 def test_fan_out_and_max_tokens_are_bounded(backend):
     srv = server(backend, None)
     limit = backend.max_model_len
