@@ -14,6 +14,7 @@ a request that failed gets, in the OpenAI error shape and in words safe for its 
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import math
@@ -143,6 +144,13 @@ class Frontend:
     def encode(self, p: str | tuple[int, ...]) -> tuple[int, ...]:
         ids = tuple(self.backend.tokenizer.encode(p)) if isinstance(p, str) else p
         return self.check_ids(ids)
+
+    async def encode_all(self, prompts) -> list[tuple[int, ...]]:
+        """Every prompt as checked token ids. Text is tokenized on a worker thread: a large
+        prompt must not stall the event loop that streams every other request's tokens."""
+        if not any(isinstance(p, str) for p in prompts):
+            return [self.check_ids(p) for p in prompts]
+        return await asyncio.to_thread(lambda: [self.encode(p) for p in prompts])
 
     def check_ids(self, ids: tuple[int, ...], param: str = "prompt") -> tuple[int, ...]:
         try:

@@ -107,7 +107,7 @@ class GenerationService:
                 raise APIError(503, "not ready: workers are still loading")
             parsed = parse_completion(completion_body(request, front.backend.model_name), [front.backend.model_name],
                                       front.defaults)
-            prompt = front.encode(parsed.prompts[0])
+            (prompt,) = await front.encode_all(parsed.prompts[:1])
             opts = parsed.options.for_tenant(tenant)
             # Engine ids are always fresh (a client reusing its request_id while the first call
             # runs must not collide with it on the workers); the client's id is only echoed.

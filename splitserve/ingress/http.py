@@ -162,7 +162,7 @@ class OpenAIServer:
         try:
             tenant = self._tenant(request)
             req = parse_completion(await read_json(request), [self.backend.model_name], self.front.defaults)
-            prompts = [self.front.encode(p) for p in req.prompts]
+            prompts = await self.front.encode_all(req.prompts)
         except APIError as e:
             return error_response(e)
         return await self._serve(request, "text_completion", req.options.for_tenant(tenant), prompts, echo=req.echo)
@@ -171,7 +171,7 @@ class OpenAIServer:
         try:
             tenant = self._tenant(request)
             req = parse_chat(await read_json(request), [self.backend.model_name], self.front.defaults)
-            opts, prompts, tools = self._chat_prompt(req, tenant)
+            opts, prompts, tools = await asyncio.to_thread(self._chat_prompt, req, tenant)  # off the loop
         except APIError as e:
             return error_response(e)
         return await self._serve(request, "chat.completion", opts, prompts, echo=False, tools=tools)
@@ -201,7 +201,7 @@ class OpenAIServer:
             if not isinstance(stream, bool):
                 raise APIError(400, "'stream': must be a boolean", "stream")
             req = parse_chat(chat, [self.backend.model_name], self.front.defaults)
-            opts, prompts, tools = self._chat_prompt(req, tenant)
+            opts, prompts, tools = await asyncio.to_thread(self._chat_prompt, req, tenant)  # off the loop
             _, choices, reqs = self.front.requests(opts, prompts)
         except APIError as e:
             return error_response(e)

@@ -316,3 +316,27 @@ def test_json_depth_is_counted_without_recursion():
     for _ in range(5000):
         deep = [deep]
     assert (json_depth(1), json_depth([]), json_depth({"a": [1, {"b": []}]}), json_depth(deep)) == (0, 1, 4, 5001)
+
+
+def test_text_is_tokenized_off_the_event_loop(server, monkeypatch):
+    """A prompt's tokenization (and a chat's template) runs on a worker thread: a large prompt
+    must not stall the loop that streams every other request's tokens."""
+    import threading
+
+    tok = server.backend.tokenizer
+    seen = []
+    for name in ("encode", "encode_chat"):
+        real = getattr(tok, name)
+        monkeypatch.setattr(tok, name, lambda *a, _real=real, **kw: (seen.append(threading.current_thread()),
+                                                                      _real(*a, **kw))[1])
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://t") as h:
+            a = await h.post("/v1/completions", json={"model": "tiny", "prompt": "Paris is", "max_tokens": 1})
+            b = await h.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1,
+                                                          "messages": [{"role": "user", "content": "hi"}]})
+            return threading.current_thread(), a, b
+
+    loop_thread, a, b = run(go())
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    assert len(seen) >= 2 and loop_thread not in seen, seen
