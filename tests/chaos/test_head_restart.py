@@ -3,14 +3,17 @@
 A cluster of two Ray nodes started with `ray start`, as KubeRay starts its pods: the head
 (127.0.0.20) and a worker node (127.0.0.21) holding both pools, with Ray's GCS fault tolerance
 on an external redis-server (what the chart's `gcsFaultTolerance` sets: RAY_REDIS_ADDRESS and a
-storage namespace) and Ray's token auth on. The app is deployed as a RayService deploys it
-(`serve run` of a Serve config naming splitserve.deploy:build_app). Then the head "pod" dies:
+storage namespace) and Ray's token auth on. The app is deployed as the chart's RayService deploys
+it (`serve run` of a Serve config naming splitserve.deploy:build_app, its Ingress replicas pinned
+to the head by the head's custom resource — so the Controller they create starts there too).
+Then the head "pod" dies:
 every process of that node (GCS, raylet, Serve's controller and HTTP proxy, whatever ran there)
 is SIGKILLed while a stream is in flight through the head's proxy, and it comes back as a new
 pod does (a fresh temp dir, the same address, the same Redis and token).
 
 Shown: the client of the stream in flight gets a connection error, not a hang; the worker
-processes are the same ones after the restart; the app answers again, the same greedy text;
+processes are the same ones after the restart, re-adopted by the restarted Controller; the app
+answers again, the same greedy text;
 `splitserve status` lists the same workers; and the interrupted stream left nothing on them.
 
 This cluster is the test's own (its own IPs, temp dirs and token), beside the session's."""
@@ -104,7 +107,8 @@ class TwoNodeCluster:
         temp = tempfile.mkdtemp(prefix=f"h{self.heads}", dir=self.tmp)
         env = {k: v for k, v in self.env.items() if k != "RAY_ADDRESS"}
         done = subprocess.run(["ray", "start", "--head", f"--node-ip-address={HEAD}", f"--port={self.port}",
-                               "--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats",
+                               "--num-cpus=1", '--resources={"head_node": 1}', "--include-dashboard=false",
+                               "--disable-usage-stats",
                                f"--temp-dir={temp}"], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
 
@@ -134,6 +138,9 @@ def serve_config(path: Path, model: str, http_port: int) -> Path:
               prefill_resources: {{pool_node: 1}}
               decode_resources: {{pool_node: 1}}
               engine: {{num_kv_blocks: 256}}
+            deployments:
+              - name: Ingress
+                ray_actor_options: {{num_cpus: 0, resources: {{head_node: 1}}}}
         """))
     return path
 
@@ -180,7 +187,10 @@ def test_a_head_restart_keeps_the_workers_and_the_app(tiny_checkpoint, tmp_path)
         ids = sorted(w["id"] for w in status["workers"] if w["state"] == "ready")
         assert len(ids) == 2 and all(w["node_ip"] == NODE for w in status["workers"]), status
         workers = {p for p, (_, cmd) in processes().items() if "WorkerActor" in cmd}
+        on_head = {cmd.split()[0] for p, (_, cmd) in processes().items() if p in node_processes(HEAD, gcs=True)}
         assert len(workers) == 2 and not workers & node_processes(HEAD, gcs=True)
+        for actor in ("ray::Controller", "ray::IngressReplica"):  # they die with the head (a title may
+            assert any(t.startswith(actor) for t in on_head), on_head  # carry the method it runs: .status)
 
         with httpx.stream("POST", url + "/v1/completions", timeout=30,
                           json={**ASK, "max_tokens": 400, "ignore_eos": True, "stream": True}) as stream:

@@ -254,6 +254,17 @@ def test_gcs_fault_tolerance_only_when_asked(rendered: Rendered) -> None:
     assert got == want
 
 
+def test_ray_token_auth_is_on_unless_turned_off(rendered: Rendered) -> None:
+    """Ray's token auth (KubeRay's authOptions) in every rendering but the one that turns it off:
+    the default, and every values file, lock the cluster (issue 31)."""
+    auth = rendered.case.values()["rayAuth"]
+    got = rendered.rayservice["spec"]["rayClusterConfig"].get("authOptions")
+    if auth["mode"] == "disabled":
+        assert got is None
+        return
+    assert got == {"mode": "token", **({"secretName": auth["secretName"]} if auth["secretName"] else {})}
+
+
 # -- refused values -----------------------------------------------------------------------------
 
 REFUSED = [
@@ -284,6 +295,7 @@ REFUSED = [
     (Case("ingress-zero", sets=("serve.ingressReplicas=0",)), "serve.ingressReplicas"),
     (Case("gcs-ft-without-redis", sets=("gcsFaultTolerance.enabled=true",)), "gcsFaultTolerance.redisAddress"),
     (Case("gcs-ft-bad-address", sets=("gcsFaultTolerance.redisAddress=redis://x",)), "gcsFaultTolerance.redisAddress"),
+    (Case("ray-auth-unknown-mode", sets=("rayAuth.mode=password",)), "rayAuth.mode"),
 ]
 
 
