@@ -141,7 +141,8 @@ def _matrix() -> list[Case]:
                       ("gcsFaultTolerance.enabled=true", "gcsFaultTolerance.redisAddress=redis-gcs:6379",
                        "gcsFaultTolerance.redisPasswordSecret.name=redis-gcs", "gcsFaultTolerance.externalStorageNamespace=llm")))
     cases.append(Case("gpu-ray-auth-own-secret", ("values-gpu.yaml",), ("rayAuth.secretName=ray-token",)))
-    cases.append(Case("cpu-demo-ray-auth-disabled", ("values-cpu-demo.yaml",), ("rayAuth.mode=disabled",)))
+    cases.append(Case("cpu-demo-ray-auth-disabled-no-pdb", ("values-cpu-demo.yaml",),
+                      ("rayAuth.mode=disabled", "podDisruptionBudget.enabled=false")))
     cases.append(Case("gpu-servicemonitor", ("values-gpu.yaml",),
                       ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prometheus")))
     cases.append(Case("cpu-demo-min-prefill-0", ("values-cpu-demo.yaml",),

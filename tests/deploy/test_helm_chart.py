@@ -33,7 +33,8 @@ def test_lint(helm: Path, values: str | None) -> None:
 def test_renders_what_it_should(rendered: Rendered) -> None:
     v = rendered.case.values()
     kinds = sorted(d["kind"] for d in rendered.docs)
-    expected = ["RayService", "Service"] + (["ServiceMonitor"] if v["metrics"]["serviceMonitor"]["enabled"] else [])
+    expected = (["RayService", "Service"] + (["ServiceMonitor"] if v["metrics"]["serviceMonitor"]["enabled"] else [])
+                + ["PodDisruptionBudget"] * (2 if v["podDisruptionBudget"]["enabled"] else 0))
     assert kinds == sorted(expected)
     for d in rendered.docs:
         assert d["metadata"]["namespace"] == NAMESPACE
@@ -263,6 +264,29 @@ def test_ray_token_auth_is_on_unless_turned_off(rendered: Rendered) -> None:
         assert got is None
         return
     assert got == {"mode": "token", **({"secretName": auth["secretName"]} if auth["secretName"] else {})}
+
+
+def test_each_worker_group_has_a_disruption_budget_over_its_pods(rendered: Rendered) -> None:
+    """One PodDisruptionBudget per worker group, selecting exactly that group's pods."""
+    v = rendered.case.values()["podDisruptionBudget"]
+    budgets = {d["metadata"]["name"].rsplit("-", 1)[-1]: d["spec"] for d in rendered.all("PodDisruptionBudget")}
+    if not v["enabled"]:
+        assert budgets == {}
+        return
+    assert set(budgets) == {"prefill", "decode"}
+    for role, spec in budgets.items():
+        labels = rendered.group(role)["template"]["metadata"]["labels"]
+        assert spec["maxUnavailable"] == v["maxUnavailable"]
+        assert spec["selector"]["matchLabels"].items() <= labels.items()
+        assert spec["selector"]["matchLabels"]["app.kubernetes.io/component"] == role  # this group only
+
+
+def test_only_the_autoscaler_gets_a_service_account_token(rendered: Rendered) -> None:
+    """No pod mounts a Kubernetes API token, but the head with the Ray autoscaler's sidecar."""
+    autoscaler = rendered.case.values()["rayAutoscaler"]["enabled"]
+    for role in ("head", "prefill", "decode"):
+        mounted = rendered.group(role)["template"]["spec"]["automountServiceAccountToken"]
+        assert mounted is (role == "head" and autoscaler), role
 
 
 # -- refused values -----------------------------------------------------------------------------

@@ -219,6 +219,8 @@ metadata:
     {{- include "splitserve.stableLabels" $root | nindent 4 }}
     app.kubernetes.io/component: {{ .role }}
 spec:
+  # Nothing in a pod calls the Kubernetes API but the Ray autoscaler (a sidecar on the head)
+  automountServiceAccountToken: {{ and (eq .role "head") $root.Values.rayAutoscaler.enabled }}
   {{- with $root.Values.podSecurityContext }}
   securityContext:
     {{- toYaml . | nindent 4 }}
