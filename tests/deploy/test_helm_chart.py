@@ -222,11 +222,12 @@ def test_model_volume_on_every_pod(rendered: Rendered) -> None:
     volume = "pvc" if m["pvc"]["claimName"] else "hostPath" if m["hostPath"] else None
     for name in ("head", "prefill", "decode"):
         pod = rendered.group(name)["template"]["spec"]
-        mounts = pod["containers"][0].get("volumeMounts", [])
+        mounts = [m for m in pod["containers"][0].get("volumeMounts", []) if m["name"] == "model"]
+        models = [v for v in pod.get("volumes", []) if v["name"] == "model"]
         if volume is None:
-            assert "volumes" not in pod and mounts == []
+            assert models == [] and mounts == []
             continue
-        (vol,) = pod["volumes"]
+        (vol,) = models
         assert mounts == [{"name": vol["name"], "mountPath": MODEL_MOUNT, "readOnly": True}]
         if volume == "pvc":
             assert vol["persistentVolumeClaim"] == {"claimName": m["pvc"]["claimName"], "readOnly": True}
@@ -287,6 +288,70 @@ def test_only_the_autoscaler_gets_a_service_account_token(rendered: Rendered) ->
     for role in ("head", "prefill", "decode"):
         mounted = rendered.group(role)["template"]["spec"]["automountServiceAccountToken"]
         assert mounted is (role == "head" and autoscaler), role
+
+
+# The Pod Security Standards' "restricted" profile (v1.30), as the API server's admission checks
+# it: the volume types it allows, and per container what it requires.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    out = []
+    psc = pod.get("securityContext", {})
+    for v in pod.get("volumes", []):
+        kinds = set(v) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            out.append(f"volume {v['name']}: {sorted(kinds - RESTRICTED_VOLUMES)}")
+    for c in pod["containers"] + pod.get("initContainers", []):
+        sc, name = c.get("securityContext", {}), c["name"]
+        if sc.get("privileged"):
+            out.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{name}: allowPrivilegeEscalation must be false")
+        if "ALL" not in sc.get("capabilities", {}).get("drop", []):
+            out.append(f"{name}: capabilities must drop ALL")
+        if set(sc.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{name}: adds capabilities")
+        if not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
+            out.append(f"{name}: runAsNonRoot must be true")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            out.append(f"{name}: runs as root")
+        seccomp = sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{name}: seccompProfile must be RuntimeDefault or Localhost")
+        for p in c.get("ports", []):
+            if "hostPort" in p:
+                out.append(f"{name}: hostPort")
+    if pod.get("hostNetwork") or pod.get("hostPID") or pod.get("hostIPC"):
+        out.append("host namespaces")
+    return out
+
+
+def test_every_pod_meets_the_restricted_profile(rendered: Rendered) -> None:
+    """Every pod of every rendering passes the "restricted" Pod Security Standard — but for a
+    model on a hostPath, which the standard forbids (a PVC is the restricted way). The root
+    filesystem is read-only, with emptyDirs where Ray and the engine write."""
+    host_path = bool(rendered.case.values()["model"]["hostPath"])
+    for role in ("head", "prefill", "decode"):
+        pod = rendered.group(role)["template"]["spec"]
+        problems = restricted_violations(pod)
+        assert problems == (["volume model: ['hostPath']"] if host_path else []), (role, problems)
+        (c,) = pod["containers"]
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {"/tmp", "/home/ray", "/dev/shm"} <= mounts, mounts
+        (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
+
+
+def test_the_restricted_check_can_fail() -> None:
+    """The check above refuses what the profile refuses (so its passing means something)."""
+    bad = {"volumes": [{"name": "h", "hostPath": {"path": "/"}}], "hostNetwork": True,
+           "containers": [{"name": "c", "securityContext": {"privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}},
+                           "ports": [{"containerPort": 1, "hostPort": 1}]}]}
+    got = restricted_violations(bad)
+    assert len(got) == 9, got
 
 
 # -- refused values -----------------------------------------------------------------------------

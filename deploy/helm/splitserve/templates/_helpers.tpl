@@ -259,14 +259,28 @@ spec:
         {{- end }}
       resources:
         {{- include "splitserve.containerResources" $g | nindent 8 }}
-      {{- if $volume }}
+      # Pod Security Standards "restricted": the root filesystem read-only, what Ray and the
+      # engine write on emptyDirs (Ray's session dir under /tmp, caches under $HOME, /dev/shm
+      # for the shm KV transport and Ray's object store)
+      securityContext:
+        {{- toYaml $root.Values.containerSecurityContext | nindent 8 }}
       volumeMounts:
+        - {name: tmp, mountPath: /tmp}
+        - {name: home, mountPath: /home/ray}
+        - {name: dshm, mountPath: /dev/shm}
+        {{- if $volume }}
         - name: model
           mountPath: {{ include "splitserve.modelMount" $root }}
           readOnly: true
-      {{- end }}
-  {{- if $volume }}
+        {{- end }}
   volumes:
+    - {name: tmp, emptyDir: {}}
+    - {name: home, emptyDir: {}}
+    - name: dshm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $g.shmSize | default $root.Values.shmSize | quote }}
+    {{- if $volume }}
     - name: model
       {{- if eq $volume "pvc" }}
       persistentVolumeClaim:
@@ -277,5 +291,5 @@ spec:
         path: {{ $root.Values.model.hostPath }}
         type: Directory
       {{- end }}
-  {{- end }}
+    {{- end }}
 {{- end -}}
