@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import os
 import subprocess
 import sys
@@ -100,6 +101,7 @@ class Case:
     name: str
     files: tuple[str, ...] = ()
     sets: tuple[str, ...] = ()
+    json_sets: tuple[str, ...] = ()  # helm's --set-json key=JSON (lists, keys with dots)
 
     def args(self) -> list[str]:
         out: list[str] = []
@@ -107,6 +109,8 @@ class Case:
             out += ["-f", str(CHART / f)]
         for s in self.sets:
             out += ["--set", s]
+        for s in self.json_sets:
+            out += ["--set-json", s]
         return out
 
     def values(self) -> dict:
@@ -121,7 +125,20 @@ class Case:
             for p in parents:
                 node = node.setdefault(p, {})
             node[leaf] = _scalar(text)
+        for s in self.json_sets:
+            key, text = s.split("=", 1)
+            node = values
+            *parents, leaf = key.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = json.loads(text)
         return values
+
+
+def _peers(key: str, namespace: str) -> str:
+    """--set-json of a networkPolicy peer list: the pods of one namespace."""
+    peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}
+    return f"networkPolicy.{key}={json.dumps([peer])}"
 
 
 def _matrix() -> list[Case]:
@@ -142,9 +159,10 @@ def _matrix() -> list[Case]:
                        "gcsFaultTolerance.redisPasswordSecret.name=redis-gcs", "gcsFaultTolerance.externalStorageNamespace=llm")))
     cases.append(Case("gpu-ray-auth-own-secret", ("values-gpu.yaml",), ("rayAuth.secretName=ray-token",)))
     cases.append(Case("cpu-demo-ray-auth-disabled-no-pdb", ("values-cpu-demo.yaml",),
-                      ("rayAuth.mode=disabled", "podDisruptionBudget.enabled=false")))
+                      ("rayAuth.mode=disabled", "podDisruptionBudget.enabled=false", "networkPolicy.enabled=false")))
     cases.append(Case("gpu-servicemonitor", ("values-gpu.yaml",),
-                      ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prometheus")))
+                      ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prometheus"),
+                      (_peers("metricsFrom", "monitoring"), _peers("apiFrom", "gateway"))))
     cases.append(Case("cpu-demo-min-prefill-0", ("values-cpu-demo.yaml",),
                       ("autoscale.enabled=true", "rayAutoscaler.enabled=true", "prefill.replicas=0",
                        "prefill.minReplicas=0", "prefill.maxReplicas=2", "serve.ttftSloMs=800", "serve.tpotSloMs=80",

@@ -34,7 +34,8 @@ def test_renders_what_it_should(rendered: Rendered) -> None:
     v = rendered.case.values()
     kinds = sorted(d["kind"] for d in rendered.docs)
     expected = (["RayService", "Service"] + (["ServiceMonitor"] if v["metrics"]["serviceMonitor"]["enabled"] else [])
-                + ["PodDisruptionBudget"] * (2 if v["podDisruptionBudget"]["enabled"] else 0))
+                + ["PodDisruptionBudget"] * (2 if v["podDisruptionBudget"]["enabled"] else 0)
+                + (["NetworkPolicy"] if v["networkPolicy"]["enabled"] else []))
     assert kinds == sorted(expected)
     for d in rendered.docs:
         assert d["metadata"]["namespace"] == NAMESPACE
@@ -288,6 +289,64 @@ def test_only_the_autoscaler_gets_a_service_account_token(rendered: Rendered) ->
     for role in ("head", "prefill", "decode"):
         mounted = rendered.group(role)["template"]["spec"]["automountServiceAccountToken"]
         assert mounted is (role == "head" and autoscaler), role
+
+
+def admits(policy: dict, src: dict | None, dst_labels: dict, port: int) -> bool:
+    """Whether a NetworkPolicy (ingress, the parts of the API the chart uses) lets `src` reach
+    a pod labelled `dst_labels` on `port`. `src`: {"ns": name, "ns_labels": {...}, "labels":
+    {...}} for a pod, None for a client outside the cluster."""
+    def matches(selector: dict, labels: dict) -> bool:
+        return selector.get("matchLabels", {}).items() <= labels.items()
+
+    spec = policy["spec"]
+    if not matches(spec["podSelector"], dst_labels):
+        return True  # not a pod this policy isolates
+    for rule in spec.get("ingress", []):
+        if "ports" in rule and port not in {p["port"] for p in rule["ports"]}:
+            continue
+        if "from" not in rule:
+            return True
+        for peer in rule["from"]:
+            if src is None:
+                continue  # every peer the chart writes names pods: none matches the outside
+            in_ns = (matches(peer["namespaceSelector"], src["ns_labels"]) if "namespaceSelector" in peer
+                     else src["ns"] == NAMESPACE)
+            if in_ns and matches(peer.get("podSelector", {}), src["labels"]):
+                return True
+    return False
+
+
+def test_the_network_policy_admits_exactly_the_intended_paths(rendered: Rendered) -> None:
+    v = rendered.case.values()["networkPolicy"]
+    policies = rendered.all("NetworkPolicy")
+    if not v["enabled"]:
+        assert policies == []
+        return
+    (policy,) = policies
+    pod = {r: rendered.group(r)["template"]["metadata"]["labels"] for r in ("head", "prefill", "decode")}
+    here = {"kubernetes.io/metadata.name": NAMESPACE}
+    app = lambda role: {"ns": NAMESPACE, "ns_labels": here, "labels": pod[role]}  # noqa: E731
+    other_app = {"ns": NAMESPACE, "ns_labels": here, "labels": {**pod["head"], "app.kubernetes.io/instance": "other"}}
+    operator = {"ns": "kuberay-system", "ns_labels": {"kubernetes.io/metadata.name": "kuberay-system"},
+                "labels": {"app.kubernetes.io/name": "kuberay-operator"}}
+    prometheus = {"ns": "monitoring", "ns_labels": {"kubernetes.io/metadata.name": "monitoring"},
+                  "labels": {"app.kubernetes.io/name": "prometheus"}}
+    scraped = bool(v["metricsFrom"])
+    table = [  # (who, to, port, admitted)
+        (None, "head", 8000, not v["apiFrom"]), (None, "head", 50051, not v["apiFrom"]),
+        (None, "head", 6379, False), (None, "head", 8265, False), (None, "head", 10001, False),
+        (None, "head", 8080, False), (None, "prefill", 41000, False),  # a KV server's port
+        (app("prefill"), "head", 6379, True), (app("decode"), "prefill", 41000, True),
+        (app("head"), "decode", 10002, True),  # Ray's worker ports
+        (other_app, "head", 6379, False), (other_app, "prefill", 41000, False),
+        (operator, "head", 8265, True), (operator, "head", 52365, True), (operator, "head", 6379, False),
+        (prometheus, "head", 8080, scraped), (prometheus, "head", 8000, scraped or not v["apiFrom"]),
+        (prometheus, "prefill", 41000, False),
+    ]
+    got = [(who and who["labels"].get("app.kubernetes.io/name", who["ns"]), to, port,
+            admits(policy, who, pod[to], port)) for who, to, port, _ in table]
+    assert got == [(who and who["labels"].get("app.kubernetes.io/name", who["ns"]), to, port, want)
+                   for who, to, port, want in table]
 
 
 # The Pod Security Standards' "restricted" profile (v1.30), as the API server's admission checks
