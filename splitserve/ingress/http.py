@@ -135,9 +135,15 @@ class OpenAIServer:
                                                           "max_model_len": self.backend.max_model_len}]})
 
     async def prometheus(self, request: HTTPRequest) -> Response:
+        """Every tenant's counters: an operator key's to read (or anyone's with metrics_open, or
+        on a server without keys)."""
+        keys = self.front.keys
         try:
-            if not self.front.keys.metrics_open:
+            if not keys.metrics_open and not keys.open:
                 self._tenant(request)
+                if not keys.is_operator(request.headers.get("authorization")):
+                    raise APIError(403, "reading /metrics needs an operator key (operator: true in the key file): "
+                                        "it holds every tenant's counters", code="permission_denied")
         except APIError as e:
             return error_response(e)
         self.front.export_worker_gauges()

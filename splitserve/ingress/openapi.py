@@ -9,7 +9,7 @@ from typing import Any
 
 from splitserve.ingress.protocol import MAX_N, MAX_PROMPTS
 
-_ERRORS = {400: "the request is malformed or out of range", 401: "no valid API key",
+_ERRORS = {400: "the request is malformed or out of range", 401: "no valid API key", 403: "a key without the permission (/metrics: an operator key)",
            404: "no such model", 413: "the body is too large", 429: "the tenant's rate limit",
            503: "no capacity now, or workers are lost"}
 _SAMPLING: dict[str, Any] = {
@@ -188,8 +188,9 @@ def document(model_name: str) -> dict[str, Any]:
             "/v1/responses": _generate("ResponsesRequest", "Response", "A response (the Responses API's subset)"),
             "/v1/models": {"get": {"summary": "The served model", "security": [{"bearer": []}],
                                    "responses": _answers(json_of("Models"), (401,))}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "security": [{"bearer": []}, {}],
-                                 "responses": _answers({"text/plain": {"schema": {"type": "string"}}}, (401,))}},
+            "/metrics": {"get": {"summary": "Prometheus metrics (every tenant's: an operator key)",
+                                 "security": [{"bearer": []}, {}],
+                                 "responses": _answers({"text/plain": {"schema": {"type": "string"}}}, (401, 403))}},
             "/health": {"get": {"summary": "Liveness", "responses": _answers(json_of("Status"), ())}},
             "/ready": {"get": {"summary": "Readiness", "responses": _answers(json_of("Status"), (503,))}},
             "/openapi.json": {"get": {"summary": "This document", "security": [{"bearer": []}],

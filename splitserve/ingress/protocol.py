@@ -46,7 +46,8 @@ class APIError(Exception):
         self.retry_after = retry_after
         self.message = message
         self.param = param
-        self.type = type_ or {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+        self.type = type_ or {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
+                              404: "not_found_error",
                               413: "invalid_request_error",
                               429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
         self.code = code

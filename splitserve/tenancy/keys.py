@@ -9,6 +9,7 @@ config or the Serve app args) is YAML:
         tokens_per_min: 200000
         max_inflight: 64              # optional: at most this many of its requests in flight at once
         cache_group: shared           # optional: tenants naming one group share prefix-cache blocks
+        operator: false               # optional: this key may read /metrics (every tenant's counters)
     metrics_open: false               # optional: /metrics without a key
 
 `SPLITSERVE_API_KEY` adds one key (tenant `default`). Only SHA-256 digests of keys are kept
@@ -57,13 +58,14 @@ OPEN = Tenant("default")  # every request of a server without keys
 class ApiKey:
     sha256: str  # hex digest of the key
     tenant: Tenant
+    operator: bool = False  # may read /metrics, which holds every tenant's counters
 
     @classmethod
     def from_entry(cls, entry: Any, where: str) -> "ApiKey":
         if not isinstance(entry, Mapping):
             raise ConfigError(f"{where}: each key is a mapping (key or key_sha256, tenant, ...)")
         unknown = set(entry) - {"key", "key_sha256", "tenant", "priority", "requests_per_s", "tokens_per_min",
-                                "max_inflight", "cache_group"}
+                                "max_inflight", "cache_group", "operator"}
         if unknown:
             raise ConfigError(f"{where}: unknown fields {sorted(unknown)}")
         if ("key" in entry) == ("key_sha256" in entry):
@@ -83,7 +85,10 @@ class ApiKey:
         inflight = entry.get("max_inflight")
         if inflight is not None and (not isinstance(inflight, int) or isinstance(inflight, bool) or inflight < 1):
             raise ConfigError(f"{where}: max_inflight must be an integer >= 1, got {inflight!r}")
-        return cls(digest, Tenant(tenant, priority, f"tenant:{group}", **limits, max_inflight=inflight))
+        operator = entry.get("operator", False)
+        if not isinstance(operator, bool):
+            raise ConfigError(f"{where}: operator must be true or false")
+        return cls(digest, Tenant(tenant, priority, f"tenant:{group}", **limits, max_inflight=inflight), operator)
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ class KeyRing:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_digest", {k.sha256: k.tenant for k in self.keys})
+        object.__setattr__(self, "_operators", frozenset(k.sha256 for k in self.keys if k.operator))
         tenants: dict[str, Tenant] = {}
         for k in self.keys:  # one tenant, one set of limits and one salt, whichever key it uses
             if tenants.setdefault(k.tenant.name, k.tenant) != k.tenant:
@@ -116,6 +122,11 @@ class KeyRing:
             raise Unauthenticated("invalid API key")
         return tenant
 
+    def is_operator(self, authorization: str | None) -> bool:
+        """Whether an `Authorization: Bearer KEY` value holds an operator key."""
+        _, _, key = (authorization or "").strip().partition(" ")
+        return hashlib.sha256(key.strip().encode()).hexdigest() in self._operators
+
     def with_env(self, env: Mapping[str, str] = os.environ) -> "KeyRing":
         """These keys plus `SPLITSERVE_API_KEY`'s (tenant `default`), if set."""
         key = env.get(ENV_KEY)
@@ -127,7 +138,7 @@ class KeyRing:
     def to_options(self) -> dict:
         """As `from_options` reads it (digests only): how the keys travel in an app's config."""
         return {"keys": [{"key_sha256": k.sha256, "tenant": k.tenant.name, "priority": k.tenant.max_priority.name.lower(),
-                          "cache_group": k.tenant.cache_salt.removeprefix("tenant:"),
+                          "cache_group": k.tenant.cache_salt.removeprefix("tenant:"), "operator": k.operator,
                           **{n: getattr(k.tenant, n) for n in ("requests_per_s", "tokens_per_min", "max_inflight")
                              if getattr(k.tenant, n) is not None}} for k in self.keys],
                 "metrics_open": self.metrics_open}

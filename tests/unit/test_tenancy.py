@@ -22,10 +22,12 @@ from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc
 
 ALPHA, BETA, GAMMA = "sk-alpha-0123456789", "sk-beta-0123456789", "sk-gamma-0123456789"
+OPERATOR = "sk-operator-0123456789"
 KEYS = {"keys": [
     {"key": ALPHA, "tenant": "alpha", "priority": "standard"},
     {"key_sha256": hashlib.sha256(BETA.encode()).hexdigest(), "tenant": "beta", "priority": "critical"},
     {"key": GAMMA, "tenant": "gamma", "requests_per_s": 1},
+    {"key": OPERATOR, "tenant": "ops", "operator": True},
 ]}
 
 
@@ -61,7 +63,7 @@ def completion(prompt="Paris is the capital", **kw):
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 ROUTES = [("POST", "/v1/completions", completion()), ("POST", "/v1/chat/completions", CHAT),
-          ("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/openapi.json", None)]
+          ("GET", "/v1/models", None), ("GET", "/openapi.json", None)]
 
 
 @pytest.mark.parametrize("method, path, body", ROUTES)
@@ -80,6 +82,18 @@ def test_health_and_ready_stay_open_and_metrics_can_be(backend):
     srv = server(backend)
     assert call(srv, "GET", "/health").status_code == 200 and call(srv, "GET", "/ready").status_code == 200
     assert call(server(backend, {**KEYS, "metrics_open": True}), "GET", "/metrics").status_code == 200
+
+
+def test_metrics_need_an_operator_key(backend):
+    """/metrics holds every tenant's counters: a tenant's key is refused (403), an operator's
+    reads them, no key at all is a 401."""
+    srv = server(backend)
+    assert call(srv, "GET", "/metrics").status_code == 401
+    refused = call(srv, "GET", "/metrics", ALPHA)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "permission_denied", refused.text
+    ok = call(srv, "GET", "/metrics", OPERATOR)
+    assert ok.status_code == 200 and "splitserve_" in ok.text
+    assert KeyRing.from_options(KEYS).to_options()["keys"][-1]["operator"] is True  # travels with the app
     assert call(server(backend, None), "GET", "/v1/models").status_code == 200  # no keys: open
 
 
@@ -96,7 +110,7 @@ def test_a_tenant_never_hits_or_sees_another_tenants_cached_prompt(backend):
     assert cached(ALPHA) > 0  # the same tenant hits its own prefix
     assert cached(BETA) == 0  # the other tenant computes it afresh and learns nothing
     assert cached(BETA) > 0
-    text = call(srv, "GET", "/metrics", ALPHA).text
+    text = call(srv, "GET", "/metrics", OPERATOR).text
     assert 'splitserve_requests_total{status="length",tenant="alpha"} 2.0' in text
     assert 'tenant="beta"' in text
 
