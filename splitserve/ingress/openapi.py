@@ -9,9 +9,9 @@ from typing import Any
 
 from splitserve.ingress.protocol import MAX_N, MAX_PROMPTS
 
-_ERRORS = {400: "the request is malformed or out of range", 401: "no valid API key", 403: "a key without the permission (/metrics: an operator key)",
-           404: "no such model", 413: "the body is too large", 429: "the tenant's rate limit",
-           503: "no capacity now, or workers are lost"}
+_ERRORS = {400: "the request is malformed or out of range", 401: "no valid API key",
+           403: "a key without the permission (/metrics: an operator key)", 404: "no such model",
+           413: "the body is too large", 429: "the tenant's rate limit", 503: "no capacity now, or workers are lost"}
 _SAMPLING: dict[str, Any] = {
     "temperature": {"type": "number", "minimum": 0, "maximum": 100},
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
