@@ -157,7 +157,8 @@ def _matrix() -> list[Case]:
     cases.append(Case("gpu-gcs-fault-tolerance", ("values-gpu.yaml",),
                       ("gcsFaultTolerance.enabled=true", "gcsFaultTolerance.redisAddress=redis-gcs:6379",
                        "gcsFaultTolerance.redisPasswordSecret.name=redis-gcs", "gcsFaultTolerance.externalStorageNamespace=llm")))
-    cases.append(Case("gpu-ray-auth-own-secret", ("values-gpu.yaml",), ("rayAuth.secretName=ray-token",)))
+    cases.append(Case("gpu-ray-auth-own-secret-api-keys", ("values-gpu.yaml",),
+                      ("rayAuth.secretName=ray-token", "apiKeys.secretName=splitserve-keys")))
     cases.append(Case("cpu-demo-ray-auth-disabled-no-pdb", ("values-cpu-demo.yaml",),
                       ("rayAuth.mode=disabled", "podDisruptionBudget.enabled=false", "networkPolicy.enabled=false")))
     cases.append(Case("gpu-servicemonitor", ("values-gpu.yaml",),

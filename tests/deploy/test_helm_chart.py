@@ -61,6 +61,11 @@ def _deploy_config(args: dict, tmp_path: Path) -> DeployConfig:
     local = dict(args)
     local["model"] = str(tmp_path / "model")
     Path(local["model"]).mkdir()
+    if "api_keys" in local:  # the key file of the operator's Secret, as mounted in the head pod
+        assert local["api_keys"].startswith("/etc/splitserve/api-keys/")
+        keys = tmp_path / "keys.yaml"
+        keys.write_text("keys:\n  - {key_sha256: " + "ab" * 32 + ", tenant: alpha}\n")
+        local["api_keys"] = str(keys)
     return DeployConfig.from_options(local)
 
 
@@ -268,6 +273,22 @@ def test_ray_token_auth_is_on_unless_turned_off(rendered: Rendered) -> None:
     assert got == {"mode": "token", **({"secretName": auth["secretName"]} if auth["secretName"] else {})}
 
 
+def test_api_keys_come_from_the_operators_secret(rendered: Rendered) -> None:
+    """apiKeys.secretName: the Secret mounted read-only on the head only, its key file the app's
+    api_keys; the rendering holds its name, never a key."""
+    v = rendered.case.values()["apiKeys"]
+    head = rendered.group("head")["template"]["spec"]
+    vols = {x["name"]: x for x in head["volumes"]}
+    if not v["secretName"]:
+        assert "api-keys" not in vols and "api_keys" not in rendered.args
+        return
+    assert vols["api-keys"]["secret"] == {"secretName": v["secretName"]}
+    (mount,) = [m for m in head["containers"][0]["volumeMounts"] if m["name"] == "api-keys"]
+    assert mount["readOnly"] is True and rendered.args["api_keys"] == f"{mount['mountPath']}/{v['key']}"
+    for role in ("prefill", "decode"):
+        assert "api-keys" not in {x["name"] for x in rendered.group(role)["template"]["spec"]["volumes"]}
+
+
 def test_each_worker_group_has_a_disruption_budget_over_its_pods(rendered: Rendered) -> None:
     """One PodDisruptionBudget per worker group, selecting exactly that group's pods."""
     v = rendered.case.values()["podDisruptionBudget"]
@@ -444,6 +465,8 @@ REFUSED = [
     (Case("gcs-ft-without-redis", sets=("gcsFaultTolerance.enabled=true",)), "gcsFaultTolerance.redisAddress"),
     (Case("gcs-ft-bad-address", sets=("gcsFaultTolerance.redisAddress=redis://x",)), "gcsFaultTolerance.redisAddress"),
     (Case("ray-auth-unknown-mode", sets=("rayAuth.mode=password",)), "rayAuth.mode"),
+    (Case("api-keys-twice", sets=("apiKeys.secretName=k", "serve.extraArgs.api_keys=/x")),
+     "serve.extraArgs.api_keys is set by the chart"),
 ]
 
 

@@ -58,12 +58,17 @@ def _fits(demand: dict, resources: dict) -> bool:
     return all(resources.get(k, 0) >= amount for k, amount in demand.items() if amount)
 
 
+def _local_args(rendered: Rendered) -> dict:
+    """The app's args as this machine can read them: the key file is in the head pod only."""
+    return {k: v for k, v in rendered.args.items() if k != "api_keys"}
+
+
 def test_each_actor_fits_only_its_own_node_type(rendered: Rendered, tmp_path: Path) -> None:
     from splitserve.control.actors import gpu_share, resolve_transports, worker_placement
     from splitserve.cli.app import Ingress
 
     v = rendered.case.values()
-    args = dict(rendered.args, model=str(tmp_path))
+    args = dict(_local_args(rendered), model=str(tmp_path))
     cfg = DeployConfig.from_options(args)
     types = _node_types(rendered)["available_node_types"]
     head_type = autoscaling_config._HEAD_GROUP_NAME
@@ -94,7 +99,7 @@ def test_pending_workers_make_ray_add_pods_of_their_own_group(rendered: Rendered
     from splitserve.control.actors import gpu_share, resolve_transports, worker_placement
 
     v = rendered.case.values()
-    cfg = DeployConfig.from_options(dict(rendered.args, model=str(tmp_path)))
+    cfg = DeployConfig.from_options(dict(_local_args(rendered), model=str(tmp_path)))
     config = _node_types(rendered)
     types = config["available_node_types"]
     existing = {g: v[g]["replicas"] for g in ("prefill", "decode")}

@@ -122,6 +122,8 @@ object, quoted and escaped for the shell KubeRay hands it to, e.g. "{\"prefill_n
 {{- end -}}
 {{- end -}}
 
+{{- define "splitserve.apiKeysMount" -}}/etc/splitserve/api-keys{{- end -}}
+
 {{/* The Serve app's args (a DeployConfig, read by splitserve.deploy:build_app). One worker per
 pod: each pool's resource is one unit of its group's custom resource, the starting sizes are
 the groups' `replicas`, the autoscaler's bounds their minReplicas / maxReplicas. */}}
@@ -159,6 +161,11 @@ the groups' `replicas`, the autoscaler's bounds their minReplicas / maxReplicas.
 {{- /* The keys set above from values (serve.extraArgs may not set them), and the engine keys
 DeployConfig also reads at the top level (they belong under serve.engine). */ -}}
 {{- $managed := list "model" "served_model_name" "prefill" "decode" "prefill_resources" "decode_resources" "prefill_tp" "decode_tp" "tensor_parallel_size" "policy" "transport" "ingress_replicas" "ttft_slo_ms" "tpot_slo_ms" "max_tokens_default" "engine" "autoscale" "name" "dtype" "device" "attention_backend" "kv_cache_memory_gib" "gpu_memory_utilization" -}}
+{{- if $v.apiKeys.secretName -}}
+{{- /* the key file, from the operator's Secret mounted on the head (where the app is built) */ -}}
+{{- $_ := set $args "api_keys" (printf "%s/%s" (include "splitserve.apiKeysMount" .) $v.apiKeys.key) -}}
+{{- $managed = append $managed "api_keys" -}}
+{{- end -}}
 {{- range $k, $val := ($v.serve.extraArgs | default dict) -}}
 {{- if has $k $managed -}}
 {{- fail (printf "serve.extraArgs.%s is set by the chart (see values.yaml for the key that sets it)" $k) -}}
@@ -268,6 +275,11 @@ spec:
         - {name: tmp, mountPath: /tmp}
         - {name: home, mountPath: /home/ray}
         - {name: dshm, mountPath: /dev/shm}
+        {{- if and (eq .role "head") $root.Values.apiKeys.secretName }}
+        - name: api-keys
+          mountPath: {{ include "splitserve.apiKeysMount" $root }}
+          readOnly: true
+        {{- end }}
         {{- if $volume }}
         - name: model
           mountPath: {{ include "splitserve.modelMount" $root }}
@@ -280,6 +292,11 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $g.shmSize | default $root.Values.shmSize | quote }}
+    {{- if and (eq .role "head") $root.Values.apiKeys.secretName }}
+    - name: api-keys
+      secret:
+        secretName: {{ $root.Values.apiKeys.secretName | quote }}
+    {{- end }}
     {{- if $volume }}
     - name: model
       {{- if eq $volume "pvc" }}
