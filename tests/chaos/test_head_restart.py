@@ -189,8 +189,8 @@ def test_a_head_restart_keeps_the_workers_and_the_app(tiny_checkpoint, tmp_path)
         workers = {p for p, (_, cmd) in processes().items() if "WorkerActor" in cmd}
         on_head = {cmd.split()[0] for p, (_, cmd) in processes().items() if p in node_processes(HEAD, gcs=True)}
         assert len(workers) == 2 and not workers & node_processes(HEAD, gcs=True)
-        for actor in ("ray::Controller", "ray::IngressReplica"):  # they die with the head (a title may
-            assert any(t.startswith(actor) for t in on_head), on_head  # carry the method it runs: .status)
+        for actor in ("ray::Controller", "ray::ServeReplica:head-restart:Ingress"):  # they die with the head
+            assert any(t.startswith(actor) for t in on_head), sorted(on_head)  # (a title may end in .method)
 
         with httpx.stream("POST", url + "/v1/completions", timeout=30,
                           json={**ASK, "max_tokens": 400, "ignore_eos": True, "stream": True}) as stream:
