@@ -118,20 +118,14 @@ class Case:
         values = yaml.safe_load((CHART / "values.yaml").read_text())
         for f in self.files:
             values = _merge(values, yaml.safe_load((CHART / f).read_text()) or {})
-        for s in self.sets:
-            key, text = s.split("=", 1)
-            node = values
-            *parents, leaf = key.split(".")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = _scalar(text)
-        for s in self.json_sets:
-            key, text = s.split("=", 1)
-            node = values
-            *parents, leaf = key.split(".")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = json.loads(text)
+        for sets, parse in ((self.sets, _scalar), (self.json_sets, json.loads)):
+            for s in sets:
+                key, text = s.split("=", 1)
+                node = values
+                *parents, leaf = key.split(".")
+                for p in parents:
+                    node = node.setdefault(p, {})
+                node[leaf] = parse(text)
         return values
 
 
