@@ -43,7 +43,7 @@ async def one(front: Frontend, prompt: list[int]) -> tuple[int, int, bool]:
     opts = RequestOptions("m", SP, True, False, None, Priority.STANDARD, None, None)
     _, choices, reqs = front.requests(opts, [tuple(prompt)])
     try:
-        async with RequestLease(front, opts, reqs, choices) as lease:
+        async with RequestLease(front, opts, reqs, choices, await front.prepay(opts.tenant, len(reqs))) as lease:
             async for _ in lease.streams[0]:
                 pass
     except Exception:  # noqa: BLE001 - counted

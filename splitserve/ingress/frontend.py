@@ -3,7 +3,8 @@ tokenization, one engine request per (prompt, sample), admission against the pla
 backend plans, driving each request's chunks into its text, and the metrics and timings of
 every request that ends.
 
-Per request: `requests()` makes the engine requests and their `Choice`s; `admit()` plans each
+Per request: `prepay()` applies the tenant's limits before the prompt is touched; `requests()`
+makes the engine requests and their `Choice`s; `admit()` plans each
 one on the backend and asks admission (an `APIError` 429 refuses them all, nothing started);
 `drive()` streams one request's chunks into its `RequestText` and, however it ends (finish,
 stop string, client gone), closes the backend stream — which aborts the request on every
@@ -35,6 +36,18 @@ from splitserve.types import STEP_TERMS, ConfigError, PhaseTimes, Request, Servi
 log = logging.getLogger(__name__)
 
 INTERNAL_ERROR = "the server failed while generating this response; the failure has been logged"
+
+
+@dataclass(frozen=True)
+class Prepaid:
+    """What a request was charged before its prompt was looked at (`Frontend.prepay`): its
+    choices against the request rate, and one token each (the least a choice costs)."""
+
+    choices: int
+
+    @property
+    def tokens(self) -> int:
+        return self.choices
 
 
 @dataclass
@@ -195,17 +208,32 @@ class Frontend:
         return sum(min(limit, len(r.prompt_token_ids) + (r.params.max_tokens or limit)) for r in reqs)
 
     # -- admission ------------------------------------------------------------------------------
-    async def admit(self, opts: RequestOptions, reqs: list[Request], choices: list[Choice]) -> None:
-        """Plan and admit every request of one API request, or none (APIError 429; a failed
-        plan releases what was admitted before it too). The tenant's rate limits come first:
-        a request over them is refused (429) before any planning, and a refused one is refunded."""
-        tenant, tokens = opts.tenant, self._tokens(reqs)
-        self._check_concurrency(tenant, len(reqs))
-        wait = await self.limiter.charge(tenant, len(reqs), tokens)
+    async def prepay(self, tenant: Tenant, choices: int) -> Prepaid:
+        """The tenant's limits before any work on the prompt (tokenizing, templating): its cap on
+        requests in flight, its request rate, and a token per choice. Refused: APIError 429.
+        What it charges stays charged when the request then proves bad (asking has a cost)."""
+        self._check_concurrency(tenant, choices)
+        paid = Prepaid(choices)
+        await self._charge(tenant, paid.choices, paid.tokens)
+        return paid
+
+    async def _charge(self, tenant: Tenant, requests: int, tokens: int, tokens_paid: int = 0) -> None:
+        wait = await self.limiter.charge(tenant, requests, tokens, tokens_paid)
         if wait > 0:
             self.metrics.rejections.labels(reason="rate_limit").inc()
             raise APIError(429, f"rate limit of tenant {tenant.name!r} exceeded; retry in {max(1, math.ceil(wait))} s",
                            code="rate_limit_exceeded", retry_after=wait)
+
+    async def admit(self, opts: RequestOptions, reqs: list[Request], choices: list[Choice], paid: Prepaid) -> None:
+        """Plan and admit every request of one API request, or none (APIError 429; a failed
+        plan releases what was admitted before it too). First the rest of its token charge
+        (`paid` covered the least), then each plan against admission; a request that admission
+        refuses is refunded everything."""
+        if paid.choices != len(reqs):
+            raise RuntimeError(f"prepaid for {paid.choices} choices, admitting {len(reqs)}")
+        tenant, tokens = opts.tenant, self._tokens(reqs)
+        self._check_concurrency(tenant, len(reqs))
+        await self._charge(tenant, 0, tokens - paid.tokens, paid.tokens)
         admitted: list[Choice] = []
         try:
             for req, c in zip(reqs, choices):

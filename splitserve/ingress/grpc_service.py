@@ -107,6 +107,7 @@ class GenerationService:
                 raise APIError(503, "not ready: workers are still loading")
             parsed = parse_completion(completion_body(request, front.backend.model_name), [front.backend.model_name],
                                       front.defaults)
+            paid = await front.prepay(tenant, parsed.options.params.n)
             (prompt,) = await front.encode_all(parsed.prompts[:1])
             opts = parsed.options.for_tenant(tenant)
             # Engine ids are always fresh (a client reusing its request_id while the first call
@@ -116,7 +117,7 @@ class GenerationService:
             raise RpcFailure.of(e) from None
         echo_id = request.request_id or rid
         try:
-            async with RequestLease(front, opts, reqs, choices) as lease:
+            async with RequestLease(front, opts, reqs, choices, paid) as lease:
                 async for _ in lease.streams[0]:
                     msg = _delta(choices[0], echo_id)
                     if msg is not None:

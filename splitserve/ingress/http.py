@@ -34,7 +34,7 @@ from splitserve.text.detokenizer import RequestText
 from splitserve.metrics import Metrics
 from splitserve.router.admission import Admission
 from splitserve.ingress.backend import Backend
-from splitserve.ingress.frontend import Choice, Frontend, failure, worst_timings
+from splitserve.ingress.frontend import Choice, Frontend, Prepaid, failure, worst_timings
 from splitserve.ingress.lease import RequestLease
 from splitserve.ingress.openapi import document
 from splitserve.ingress.protocol import (MAX_BODY_BYTES, APIError, ChatRequest, RequestOptions, parse_chat,
@@ -167,19 +167,22 @@ class OpenAIServer:
         try:
             tenant = self._tenant(request)
             req = parse_completion(await read_json(request), [self.backend.model_name], self.front.defaults)
+            paid = await self.front.prepay(tenant, len(req.prompts) * req.options.params.n)
             prompts = await self.front.encode_all(req.prompts)
         except APIError as e:
             return error_response(e)
-        return await self._serve(request, "text_completion", req.options.for_tenant(tenant), prompts, echo=req.echo)
+        return await self._serve(request, "text_completion", req.options.for_tenant(tenant), prompts, paid,
+                                 echo=req.echo)
 
     async def chat(self, request: HTTPRequest) -> Response:
         try:
             tenant = self._tenant(request)
             req = parse_chat(await read_json(request), [self.backend.model_name], self.front.defaults)
+            paid = await self.front.prepay(tenant, req.options.params.n)
             opts, prompts, tools = await asyncio.to_thread(self._chat_prompt, req, tenant)  # off the loop
         except APIError as e:
             return error_response(e)
-        return await self._serve(request, "chat.completion", opts, prompts, echo=False, tools=tools)
+        return await self._serve(request, "chat.completion", opts, prompts, paid, echo=False, tools=tools)
 
     def _chat_prompt(self, req: ChatRequest, tenant: Tenant) -> tuple[RequestOptions, list, ToolFormat | None]:
         """A chat's options (a forced tool call as its grammar), its prompt, and how its calls
@@ -206,6 +209,7 @@ class OpenAIServer:
             if not isinstance(stream, bool):
                 raise APIError(400, "'stream': must be a boolean", "stream")
             req = parse_chat(chat, [self.backend.model_name], self.front.defaults)
+            paid = await self.front.prepay(tenant, req.options.params.n)
             opts, prompts, tools = await asyncio.to_thread(self._chat_prompt, req, tenant)  # off the loop
             _, choices, reqs = self.front.requests(opts, prompts)
         except APIError as e:
@@ -213,7 +217,7 @@ class OpenAIServer:
         choices[0].tools = tools
         turn = ResponseTurn(new_id("resp"), body, chat, conversation, choices[0], tools, tenant.name)
         try:
-            async with RequestLease(self.front, opts, reqs, choices) as lease:
+            async with RequestLease(self.front, opts, reqs, choices, paid) as lease:
                 if stream:
                     return LeasedStreamingResponse(lease, self._response_events(turn, lease))
                 if not await _run_to_end(request, lease.streams):
@@ -265,8 +269,8 @@ class OpenAIServer:
         return dataclasses.replace(req.options, params=params)
 
     # -- shared ---------------------------------------------------------------------------------
-    async def _serve(self, request: HTTPRequest, kind: str, opts: RequestOptions, prompts, echo: bool,
-                     tools: ToolFormat | None = None) -> Response:
+    async def _serve(self, request: HTTPRequest, kind: str, opts: RequestOptions, prompts, paid: Prepaid,
+                     echo: bool, tools: ToolFormat | None = None) -> Response:
         try:
             rid, choices, reqs = self.front.requests(opts, prompts)
         except APIError as e:
@@ -274,7 +278,7 @@ class OpenAIServer:
         for c in choices:
             c.tools = tools
         try:
-            async with RequestLease(self.front, opts, reqs, choices) as lease:
+            async with RequestLease(self.front, opts, reqs, choices, paid) as lease:
                 if opts.stream:
                     return LeasedStreamingResponse(lease, self._sse(kind, rid, opts, lease))
                 if not await _run_to_end(request, lease.streams):

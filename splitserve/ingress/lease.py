@@ -5,7 +5,9 @@ by `Frontend.release`) and its backend stream (`Frontend.drive`, whose closing a
 request on every worker). It gives all of it back exactly once, however the request ends:
 finished, failed, cancelled, or its client gone before the response body ever started.
 
-    async with RequestLease(front, opts, reqs, choices) as lease:   # admits all or none
+    paid = await front.prepay(tenant, n)           # before the prompt is tokenized
+    ...
+    async with RequestLease(front, opts, reqs, choices, paid) as lease:   # admits all or none
         ... iterate lease.streams ...
     # here every stream is closed and every slot released
 
@@ -20,7 +22,7 @@ from typing import AsyncIterator
 
 import anyio
 
-from splitserve.ingress.frontend import Choice, Frontend
+from splitserve.ingress.frontend import Choice, Frontend, Prepaid
 from splitserve.ingress.protocol import RequestOptions
 from splitserve.types import Request
 
@@ -28,8 +30,9 @@ log = logging.getLogger(__name__)
 
 
 class RequestLease:
-    def __init__(self, front: Frontend, opts: RequestOptions, reqs: list[Request], choices: list[Choice]) -> None:
-        self.front, self.opts, self.reqs, self.choices = front, opts, reqs, choices
+    def __init__(self, front: Frontend, opts: RequestOptions, reqs: list[Request], choices: list[Choice],
+                 paid: Prepaid) -> None:
+        self.front, self.opts, self.reqs, self.choices, self.paid = front, opts, reqs, choices, paid
         self.streams: list[AsyncIterator[None]] = []  # one per choice, once admitted
         self._handed_over = False
         self._closed = False
@@ -37,7 +40,7 @@ class RequestLease:
     async def __aenter__(self) -> RequestLease:
         # A refusal (APIError 429) or a failed plan raises here holding nothing: admit() is
         # all or nothing.
-        await self.front.admit(self.opts, self.reqs, self.choices)
+        await self.front.admit(self.opts, self.reqs, self.choices, self.paid)
         self.streams = [self.front.drive(r, c) for r, c in zip(self.reqs, self.choices)]
         return self
 

@@ -26,10 +26,12 @@ class TokenBucket:
         self._level, self._at = min(self.burst, self._level + (now - self._at) * self.rate), now
         return self._level
 
-    def wait_for(self, amount: float) -> float:
+    def wait_for(self, amount: float, paid: float = 0.0) -> float:
         """Seconds until `amount` fits (0: now). More than the burst never fits: its wait is the
-        time to fill the whole bucket, after which it is admitted alone (`take` allows that)."""
-        return max(0.0, (min(amount, self.burst) - self.level()) / self.rate)
+        time to fill the whole bucket, after which it is admitted alone (`take` allows that).
+        `paid`: the part of this charge already taken (`Frontend.prepay`), so the rest fits
+        exactly when the whole would have."""
+        return max(0.0, (min(amount + paid, self.burst) - paid - self.level()) / self.rate)
 
     def take(self, amount: float) -> None:
         self._level = self.level() - amount  # may go below 0 for an oversize request: it waits longer next
@@ -63,19 +65,21 @@ class RateLimiter:
                 return b
         return None
 
-    async def charge(self, tenant: Tenant, requests: int, tokens: int) -> float:
+    async def charge(self, tenant: Tenant, requests: int, tokens: int, tokens_paid: int = 0) -> float:
         """`charge_now`, as the Frontend calls every limiter (a shared one asks Redis)."""
-        return self.charge_now(tenant, requests, tokens)
+        return self.charge_now(tenant, requests, tokens, tokens_paid)
 
-    def charge_now(self, tenant: Tenant, requests: int, tokens: int) -> float:
-        """Charge `tenant` for `requests` requests of `tokens` tokens in all; 0.0 if charged,
-        else the seconds until they would fit (nothing is charged then)."""
-        want = [(b, n) for b, n in ((self._bucket(tenant, "requests"), requests), (self._bucket(tenant, "tokens"), tokens))
-                if b is not None]
-        wait = max((b.wait_for(n) for b, n in want), default=0.0)
+    def charge_now(self, tenant: Tenant, requests: int, tokens: int, tokens_paid: int = 0) -> float:
+        """Charge `tenant` for `requests` requests and `tokens` tokens more (of a charge of which
+        `tokens_paid` were taken before); 0.0 if charged, else the seconds until they would fit
+        (nothing is charged then)."""
+        want = [(b, n, paid) for b, n, paid in ((self._bucket(tenant, "requests"), requests, 0),
+                                                (self._bucket(tenant, "tokens"), tokens, tokens_paid))
+                if b is not None and n > 0]  # a charge of none of a kind leaves that bucket alone
+        wait = max((b.wait_for(n, paid) for b, n, paid in want), default=0.0)
         if wait > 0:
             return wait
-        for b, n in want:
+        for b, n, _ in want:
             b.take(n)
         return 0.0
 
@@ -83,5 +87,5 @@ class RateLimiter:
         """Give back a charge whose requests never ran (admission refused them)."""
         for kind, n in (("requests", requests), ("tokens", tokens)):
             b = self._bucket(tenant, kind)
-            if b is not None:
+            if b is not None and n > 0:
                 b.give(n)

@@ -78,7 +78,7 @@ class Load:
         _, choices, reqs = front.requests(opts, [self.ps[i]])
         cut = self.cut_after.get(i)
         try:
-            async with RequestLease(front, opts, reqs, choices) as lease:
+            async with RequestLease(front, opts, reqs, choices, await front.prepay(opts.tenant, len(reqs))) as lease:
                 if cut == 0:
                     return Outcome(reqs[0].request_id, cut=True)
                 async for _ in lease.streams[0]:

@@ -41,7 +41,7 @@ class IngressReplica:
 
         opts = RequestOptions("m", sp, True, False, None, Priority.STANDARD, None, None)
         _, choices, reqs = front.requests(opts, [prompt])
-        async with RequestLease(front, opts, reqs, choices) as lease:
+        async with RequestLease(front, opts, reqs, choices, await front.prepay(opts.tenant, len(reqs))) as lease:
             async for _ in lease.streams[0]:
                 self.progress[i] = len(choices[0].text.token_ids)
 

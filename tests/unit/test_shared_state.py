@@ -73,6 +73,34 @@ def test_two_replicas_limit_a_tenant_as_one(redis_server):
     asyncio.run(go())
 
 
+def test_a_charge_in_two_parts_fits_exactly_when_the_whole_would(redis_server):
+    """The ingress charges a token per choice before tokenizing and the rest after
+    (`Frontend.prepay`, `admit`): in Redis as in the local buckets, the rest fits exactly when
+    the whole charge would have, an oversize one too (alone in a full bucket), and a charge of
+    no requests leaves the request bucket alone."""
+    async def go():
+        clock = Clock()
+        (link,), (shared,) = replicas(redis_server.url, 1, clock)
+        local = RateLimiter(clock)
+
+        async def local_charge(*args):
+            return local.charge_now(*args)
+
+        t = Tenant("t", tokens_per_min=60, requests_per_s=1.0)  # a token a second, 60 at most
+        for charge in (shared.charge, local_charge):
+            assert await charge(t, 1, 1) == 0 and await charge(t, 0, 99, 1) == 0  # 100 > 60: alone, in debt
+            assert await charge(t, 0, 1) > 0  # the bucket is 40 below empty
+            clock.t += 100.0  # full again
+            assert await charge(t, 1, 1) == 0 and await charge(t, 0, 59, 1) == 0  # exactly the bucket
+            clock.t += 30.0  # 30 tokens back
+            assert await charge(t, 1, 1) == 0 and await charge(t, 0, 30, 1) > 0  # 31 of 30: the rest waits
+            assert await charge(t, 0, 28, 1) == 0  # 29 of 30 fit
+            clock.t += 100.0
+        await link.close()
+
+    asyncio.run(go())
+
+
 def test_losing_redis_falls_back_to_local_limits_and_recovers(redis_server):
     async def go():
         clock = Clock()

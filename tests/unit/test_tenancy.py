@@ -169,6 +169,25 @@ def test_over_the_limit_is_a_429_with_retry_after(backend):
     assert call(srv, "POST", "/v1/completions", GAMMA, completion()).status_code == 200
 
 
+@pytest.mark.parametrize("limit", [{"requests_per_s": 1}, {"tokens_per_min": 60}])
+def test_a_tenant_over_its_limit_is_refused_before_its_prompt_is_tokenized(backend, monkeypatch, limit):
+    """Authentication, then the rate limit, then tokenization: once a tenant's bucket is empty,
+    its next requests on every route are 429s that never reach the tokenizer or the template."""
+    keys = {"keys": [{"key": GAMMA, "tenant": "gamma", **limit}]}
+    srv = server(backend, keys=keys, limiter=RateLimiter(Clock()))
+    tok, seen = backend.tokenizer, []
+    for name in ("encode", "encode_chat"):
+        real = getattr(tok, name)
+        monkeypatch.setattr(tok, name, lambda *a, _real=real, _name=name, **kw: (seen.append(_name), _real(*a, **kw))[1])
+    assert call(srv, "POST", "/v1/completions", GAMMA, completion(max_tokens=58)).status_code == 200  # empties it
+    assert seen == ["encode"]
+    for path, body in (("/v1/completions", completion()), ("/v1/chat/completions", CHAT),
+                       ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2})):
+        r = call(srv, "POST", path, GAMMA, body)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", (path, r.text)
+    assert seen == ["encode"]  # none of the refused ones was tokenized
+
+
 def test_a_tenants_requests_in_flight_are_capped(backend):
     """A key's `max_inflight`: while the tenant's streams hold its places, one more is a 429
     (code tenant_concurrency) and the rate limit is not charged for it; other tenants are not

@@ -16,21 +16,22 @@ from splitserve.ingress.shared.redis_link import RedisLink
 from splitserve.tenancy.keys import Tenant
 from splitserve.tenancy.limits import RateLimiter
 
-# KEYS: one hash per bucket (level, at); ARGV: now, then rate, burst, amount for each key.
+# KEYS: one hash per bucket (level, at); ARGV: now, then rate, burst, amount, paid for each key
+# (paid: what this charge took before, as `TokenBucket.wait_for` counts it).
 _CHARGE = """
 local now, wait, levels = tonumber(ARGV[1]), 0, {}
 for i, key in ipairs(KEYS) do
-  local rate, burst, amount = tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1])
+  local rate, burst, amount, paid = tonumber(ARGV[4*i-2]), tonumber(ARGV[4*i-1]), tonumber(ARGV[4*i]), tonumber(ARGV[4*i+1])
   local s = redis.call('HMGET', key, 'level', 'at')
   local level, at = tonumber(s[1]) or burst, tonumber(s[2]) or now
   level = math.min(burst, level + math.max(0, now - at) * rate)
   levels[i] = level
-  local need = math.min(amount, burst)
+  local need = math.min(amount + paid, burst) - paid
   if level < need then wait = math.max(wait, (need - level) / rate) end
 end
 if wait > 0 then return tostring(wait) end
 for i, key in ipairs(KEYS) do
-  local rate, burst, amount = tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1])
+  local rate, burst, amount = tonumber(ARGV[4*i-2]), tonumber(ARGV[4*i-1]), tonumber(ARGV[4*i])
   redis.call('HSET', key, 'level', tostring(levels[i] - amount), 'at', tostring(now))
   redis.call('EXPIRE', key, math.ceil(burst / rate) + 60)
 end
@@ -39,7 +40,7 @@ return '0'
 _REFUND = """
 local now = tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do
-  local rate, burst, amount = tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1])
+  local rate, burst, amount = tonumber(ARGV[4*i-2]), tonumber(ARGV[4*i-1]), tonumber(ARGV[4*i])
   local s = redis.call('HMGET', key, 'level', 'at')
   if s[1] then
     local level = math.min(burst, tonumber(s[1]) + math.max(0, now - tonumber(s[2])) * rate + amount)
@@ -58,20 +59,22 @@ class SharedRateLimiter:
         self._refund = link.client.register_script(_REFUND)
         self._background: set[asyncio.Task] = set()
 
-    def _args(self, tenant: Tenant, requests: int, tokens: int) -> tuple[list[str], list[float]]:
+    def _args(self, tenant: Tenant, requests: int, tokens: int, tokens_paid: int = 0) -> tuple[list[str], list[float]]:
         keys, argv = [], [self._clock()]
         for kind, rate, burst in self.local.limits(tenant):
-            keys.append(self.link.key("limit", tenant.name, kind))
-            argv += [rate, burst, requests if kind == "requests" else tokens]
+            amount, paid = (requests, 0) if kind == "requests" else (tokens, tokens_paid)
+            if amount > 0:  # a charge of none of a kind leaves that bucket alone
+                keys.append(self.link.key("limit", tenant.name, kind))
+                argv += [rate, burst, amount, paid]
         return keys, argv
 
-    async def charge(self, tenant: Tenant, requests: int, tokens: int) -> float:
-        keys, argv = self._args(tenant, requests, tokens)
+    async def charge(self, tenant: Tenant, requests: int, tokens: int, tokens_paid: int = 0) -> float:
+        keys, argv = self._args(tenant, requests, tokens, tokens_paid)
         if not keys:
             return 0.0
         answer = await self.link.call(lambda _: self._charge(keys=keys, args=argv))
         if answer is None:  # Redis away: this replica's own buckets
-            return self.local.charge_now(tenant, requests, tokens)
+            return self.local.charge_now(tenant, requests, tokens, tokens_paid)
         return float(answer)
 
     def refund(self, tenant: Tenant, requests: int, tokens: int) -> None:
