@@ -73,6 +73,9 @@ class DeployConfig:
     # of the app (a config change, a replica restart) makes a new DeployConfig, and the workers
     # it keeps must go on accepting the ones it starts. Given: rotating it replaces every worker.
     kv_secret: str | None = dataclasses.field(default=None, repr=False)
+    # A file holding kv_secret (a mounted Kubernetes Secret, on the node where the app is built):
+    # read once, here, into kv_secret.
+    kv_secret_file: str | None = None
     # Redis, where the ingress replicas share rate limits and in-flight load (None: each its own).
     redis_url: str | None = None
 
@@ -82,11 +85,27 @@ class DeployConfig:
             return self
         return dataclasses.replace(self, kv_secret=kept or secrets.token_hex(32))
 
+    def _read_kv_secret_file(self) -> None:
+        """kv_secret from its file, once: the path is dropped, so a copy of this config made
+        elsewhere (`dataclasses.replace` in the Controller) does not look for the file there."""
+        if self.kv_secret_file is None:
+            return
+        if self.kv_secret is not None:
+            raise ConfigError("set kv_secret or kv_secret_file, not both")
+        try:
+            with open(self.kv_secret_file, encoding="ascii") as f:
+                text = f.read(4096).strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"kv_secret_file {self.kv_secret_file}: cannot be read ({e.__class__.__name__})") from None
+        object.__setattr__(self, "kv_secret", text)
+        object.__setattr__(self, "kv_secret_file", None)
+
     def __post_init__(self) -> None:
         from splitserve.router.policy import POLICIES
         from splitserve.tenancy import KeyRing
 
         object.__setattr__(self, "api_keys", KeyRing.from_options(self.api_keys).with_env())
+        self._read_kv_secret_file()
         try:
             if self.kv_secret is not None and len(bytes.fromhex(self.kv_secret)) < 16:
                 raise ValueError

@@ -155,8 +155,10 @@ def _matrix() -> list[Case]:
                       ("rayAuth.secretName=ray-token", "apiKeys.secretName=splitserve-keys")))
     cases.append(Case("cpu-demo-ray-auth-disabled-no-pdb", ("values-cpu-demo.yaml",),
                       ("rayAuth.mode=disabled", "podDisruptionBudget.enabled=false", "networkPolicy.enabled=false")))
-    cases.append(Case("gpu-servicemonitor", ("values-gpu.yaml",),
-                      ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prometheus"),
+    cases.append(Case("gpu-servicemonitor-secrets", ("values-gpu.yaml",),
+                      ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prometheus",
+                       "apiKeys.secretName=splitserve-keys", "kvSecret.secretName=splitserve-kv",
+                       "metrics.serviceMonitor.bearerTokenSecret.name=prometheus-key"),
                       (_peers("metricsFrom", "monitoring"), _peers("apiFrom", "gateway"))))
     cases.append(Case("cpu-demo-min-prefill-0", ("values-cpu-demo.yaml",),
                       ("autoscale.enabled=true", "rayAutoscaler.enabled=true", "prefill.replicas=0",
@@ -184,6 +186,11 @@ class Rendered:
     def one(self, kind: str) -> dict:
         (doc,) = self.all(kind)
         return doc
+
+    def service(self, component: str) -> dict:
+        """The Service of one component: `api` (HTTP and gRPC) or `metrics`."""
+        (svc,) = [s for s in self.all("Service") if s["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+        return svc
 
     @property
     def rayservice(self) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def test_lint(helm: Path, values: str | None) -> None:
 def test_renders_what_it_should(rendered: Rendered) -> None:
     v = rendered.case.values()
     kinds = sorted(d["kind"] for d in rendered.docs)
-    expected = (["RayService", "Service"] + (["ServiceMonitor"] if v["metrics"]["serviceMonitor"]["enabled"] else [])
+    expected = (["RayService", "Service", "Service"] + (["ServiceMonitor"] if v["metrics"]["serviceMonitor"]["enabled"] else [])
                 + ["PodDisruptionBudget"] * (2 if v["podDisruptionBudget"]["enabled"] else 0)
                 + (["NetworkPolicy"] if v["networkPolicy"]["enabled"] else []))
     assert kinds == sorted(expected)
@@ -66,6 +67,11 @@ def _deploy_config(args: dict, tmp_path: Path) -> DeployConfig:
         keys = tmp_path / "keys.yaml"
         keys.write_text("keys:\n  - {key_sha256: " + "ab" * 32 + ", tenant: alpha}\n")
         local["api_keys"] = str(keys)
+    if "kv_secret_file" in local:  # likewise the KV secret's
+        assert local["kv_secret_file"].startswith("/etc/splitserve/kv-secret/")
+        kv = tmp_path / "kv_secret"
+        kv.write_text("cd" * 32 + "\n")
+        local["kv_secret_file"] = str(kv)
     return DeployConfig.from_options(local)
 
 
@@ -187,8 +193,12 @@ def test_pod_templates_carry_only_stable_labels(rendered: Rendered) -> None:
         assert not {"helm.sh/chart", "app.kubernetes.io/version"} & set(labels)
 
 
-def test_service_selects_the_serving_head(rendered: Rendered) -> None:
-    svc = rendered.one("Service")
+@pytest.mark.parametrize("component,ports", [("api", {"http": 8000, "grpc": 50051}),
+                                               ("metrics", {"http-metrics": 8000, "ray-metrics": 8080})])
+def test_services_select_the_serving_head(rendered: Rendered, component: str, ports: dict) -> None:
+    """The API Service carries the API ports only; the metrics (splitserve's at /metrics on the
+    HTTP port, Ray's on 8080) are a Service of their own. Both select the serving head alone."""
+    svc = rendered.service(component)
     head = rendered.group("head")["template"]
     # What KubeRay adds to the head pod of a RayService's cluster once its Serve proxy is healthy.
     head_labels = {**head["metadata"]["labels"], "ray.io/node-type": "head", "ray.io/serve": "true"}
@@ -199,28 +209,36 @@ def test_service_selects_the_serving_head(rendered: Rendered) -> None:
         worker_labels = {**rendered.group(role)["template"]["metadata"]["labels"], "ray.io/node-type": "worker",
                          "ray.io/serve": "true"}
         assert not selector.items() <= worker_labels.items()
-    container_ports = {p["name"] for p in head["spec"]["containers"][0]["ports"]}
-    ports = {p["name"]: p for p in svc["spec"]["ports"]}
-    assert {n: p["port"] for n, p in ports.items()} == {"http": 8000, "grpc": 50051, "metrics": 8080}
-    assert {p["targetPort"] for p in ports.values()} <= container_ports
+    container_ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
+    got = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert {n: p["port"] for n, p in got.items()} == ports
+    assert all(container_ports[p["targetPort"]] == p["port"] for p in got.values())
 
 
-def test_service_monitor_scrapes_the_service(rendered: Rendered) -> None:
+def test_service_monitor_scrapes_the_metrics_service(rendered: Rendered) -> None:
+    """The ServiceMonitor reads the metrics Service; with a bearer-token Secret named, its
+    /metrics scrape presents that key (the operator's), from the Secret, never inline."""
     v = rendered.case.values()["metrics"]["serviceMonitor"]
     monitors = rendered.all("ServiceMonitor")
     if not v["enabled"]:
         assert monitors == []
         return
     (sm,) = monitors
-    svc = rendered.one("Service")
+    svc = rendered.service("metrics")
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert not sm["spec"]["selector"]["matchLabels"].items() <= rendered.service("api")["metadata"]["labels"].items()
     assert sm["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
     assert sm["metadata"]["labels"].items() >= v["labels"].items()
-    svc_ports = {p["name"] for p in svc["spec"]["ports"]}
     endpoints = {e["port"]: e for e in sm["spec"]["endpoints"]}
-    assert set(endpoints) == {"http", "metrics"} and set(endpoints) <= svc_ports
+    assert set(endpoints) == {p["name"] for p in svc["spec"]["ports"]} == {"http-metrics", "ray-metrics"}
     assert all(e["path"] == "/metrics" and e["interval"] == v["interval"] for e in endpoints.values())
+    token = v["bearerTokenSecret"]
+    if token["name"]:
+        assert endpoints["http-metrics"]["authorization"] == {"type": "Bearer", "credentials": dict(token)}
+    else:
+        assert "authorization" not in endpoints["http-metrics"]
+    assert "authorization" not in endpoints["ray-metrics"]  # Ray's has none: the NetworkPolicy decides
 
 
 def test_model_volume_on_every_pod(rendered: Rendered) -> None:
@@ -273,20 +291,67 @@ def test_ray_token_auth_is_on_unless_turned_off(rendered: Rendered) -> None:
     assert got == {"mode": "token", **({"secretName": auth["secretName"]} if auth["secretName"] else {})}
 
 
-def test_api_keys_come_from_the_operators_secret(rendered: Rendered) -> None:
-    """apiKeys.secretName: the Secret mounted read-only on the head only, its key file the app's
-    api_keys; the rendering holds its name, never a key."""
-    v = rendered.case.values()["apiKeys"]
+@pytest.mark.parametrize("values_key,volume,arg,kind", [("apiKeys", "api-keys", "api_keys", "a key file"),
+                                                           ("kvSecret", "kv-secret", "kv_secret_file", "the KV secret")])
+def test_secrets_come_from_the_operators_secret(rendered: Rendered, values_key, volume, arg, kind) -> None:
+    """apiKeys / kvSecret secretName: the Secret mounted read-only on the head only, the file in
+    it the app's arg; the rendering holds the Secret's name, never its content."""
+    v = rendered.case.values()[values_key]
     head = rendered.group("head")["template"]["spec"]
     vols = {x["name"]: x for x in head["volumes"]}
     if not v["secretName"]:
-        assert "api-keys" not in vols and "api_keys" not in rendered.args
+        assert volume not in vols and arg not in rendered.args
         return
-    assert vols["api-keys"]["secret"] == {"secretName": v["secretName"]}
-    (mount,) = [m for m in head["containers"][0]["volumeMounts"] if m["name"] == "api-keys"]
-    assert mount["readOnly"] is True and rendered.args["api_keys"] == f"{mount['mountPath']}/{v['key']}"
+    assert vols[volume]["secret"] == {"secretName": v["secretName"]}
+    (mount,) = [m for m in head["containers"][0]["volumeMounts"] if m["name"] == volume]
+    assert mount["readOnly"] is True and rendered.args[arg] == f"{mount['mountPath']}/{v['key']}", kind
     for role in ("prefill", "decode"):
-        assert "api-keys" not in {x["name"] for x in rendered.group(role)["template"]["spec"]["volumes"]}
+        assert volume not in {x["name"] for x in rendered.group(role)["template"]["spec"]["volumes"]}
+
+
+SECRET_NAME = re.compile(r"(?i)(secret|password|passwd|api_?keys?|credential|(^|_)token$)")  # not max_tokens
+
+
+def inline_secrets(rendered: Rendered) -> list[str]:
+    """Where a rendered object other than a Secret holds a secret's value rather than a
+    reference to one: an env var or a Serve arg named like a secret with a literal value, or
+    an API key file's content inlined in the args."""
+    found = []
+    for doc in rendered.docs:
+        if doc["kind"] == "Secret":
+            continue
+        for path, env in _walk_env(doc):
+            if SECRET_NAME.search(env["name"]) and "value" in env:
+                found.append(f"{doc['kind']} {path}: env {env['name']}")
+    for k, val in rendered.args.items():
+        if k == "api_keys" and not (isinstance(val, str) and val.startswith("/")):
+            found.append("serve args: api_keys inlined")
+        elif SECRET_NAME.search(k) and not k.endswith("_file") and k != "api_keys":
+            found.append(f"serve args: {k}")
+    return found
+
+
+def _walk_env(node, path=""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "env" and isinstance(v, list):
+                yield from ((f"{path}.env", e) for e in v if isinstance(e, dict) and "name" in e)
+            else:
+                yield from _walk_env(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk_env(v, f"{path}[{i}]")
+
+
+def test_no_secret_value_in_any_rendered_object(rendered: Rendered) -> None:
+    """Every secret the chart uses (API keys, the KV secret, Ray's token, the GCS Redis password,
+    Prometheus's key) reaches the pods by reference to a Secret: no rendered object holds one."""
+    assert inline_secrets(rendered) == []
+
+
+def test_the_inline_secret_check_can_fail(render) -> None:
+    for sets in (("serve.extraArgs.kv_secret=" + "ab" * 32,), ("head.env[0].name=REDIS_PASSWORD", "head.env[0].value=x")):
+        assert inline_secrets(render(Case("inlined-" + sets[0].split("=")[0], sets=sets)))
 
 
 def test_each_worker_group_has_a_disruption_budget_over_its_pods(rendered: Rendered) -> None:
@@ -467,6 +532,10 @@ REFUSED = [
     (Case("ray-auth-unknown-mode", sets=("rayAuth.mode=password",)), "rayAuth.mode"),
     (Case("api-keys-twice", sets=("apiKeys.secretName=k", "serve.extraArgs.api_keys=/x")),
      "serve.extraArgs.api_keys is set by the chart"),
+    (Case("kv-secret-twice", sets=("kvSecret.secretName=k", "serve.extraArgs.kv_secret=" + "ab" * 32)),
+     "serve.extraArgs.kv_secret is set by the chart"),
+    (Case("monitor-without-operator-key", sets=("metrics.serviceMonitor.enabled=true", "apiKeys.secretName=k")),
+     "metrics.serviceMonitor.bearerTokenSecret.name"),
 ]
 
 

@@ -100,6 +100,6 @@ def test_schema_is_strict(render, validators: dict[str, CrdValidator]) -> None:
 
 
 def test_builtin_check_is_strict(render) -> None:
-    svc = copy.deepcopy(render(CASES[0]).one("Service"))
+    svc = copy.deepcopy(render(CASES[0]).service("api"))
     svc["spec"]["ports"][0]["targetport"] = "serve"
     assert validate_builtin(svc)

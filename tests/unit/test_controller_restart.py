@@ -139,3 +139,25 @@ def test_the_app_keeps_its_kv_secret_across_rebuilds(model, monkeypatch):
     assert ctl.cfg.kv_secret == secret and not reconciled and ctl.registry[wid].state is S.READY
     asyncio.run(ctl.configure(DeployConfig.from_options({**opts, "kv_secret": "ab" * 32})))
     assert ctl.cfg.kv_secret == "ab" * 32 and reconciled and ctl.registry[wid].state is S.DRAINING
+
+
+def test_kv_secret_from_a_file(model, tmp_path):
+    """kv_secret_file (the chart's mounted Secret): read once where the config is made, then
+    carried as kv_secret (a copy made on another node does not look for the file); unreadable,
+    too short, or given twice: a ConfigError that names the file, never its content."""
+    import dataclasses
+
+    path = tmp_path / "kv_secret"
+    path.write_text("cd" * 32 + "\n")
+    cfg = DeployConfig.from_options({"model": str(model), "kv_secret_file": str(path)})
+    assert cfg.kv_secret == "cd" * 32 and cfg.kv_secret_file is None
+    path.unlink()
+    assert dataclasses.replace(cfg, decode=2).kv_secret == "cd" * 32  # no second read
+    with pytest.raises(ConfigError, match="kv_secret_file .*cannot be read"):
+        DeployConfig.from_options({"model": str(model), "kv_secret_file": str(path)})
+    path.write_text("short-and-not-hex")
+    with pytest.raises(ConfigError, match="at least 32 hex digits") as refused:
+        DeployConfig.from_options({"model": str(model), "kv_secret_file": str(path)})
+    assert "short-and-not-hex" not in str(refused.value)
+    with pytest.raises(ConfigError, match="not both"):
+        DeployConfig.from_options({"model": str(model), "kv_secret_file": str(path), "kv_secret": "ab" * 32})

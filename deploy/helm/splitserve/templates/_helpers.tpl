@@ -117,12 +117,29 @@ object, quoted and escaped for the shell KubeRay hands it to, e.g. "{\"prefill_n
 {{- if and (hasPrefix "cuda" $device) (or (eq (int $v.prefill.gpus) 0) (eq (int $v.decode.gpus) 0)) -}}
 {{- fail (printf "serve.engine.device %s needs prefill.gpus and decode.gpus > 0" $device) -}}
 {{- end -}}
+{{- if and $v.metrics.serviceMonitor.enabled $v.apiKeys.secretName (not $v.metrics.serviceMonitor.bearerTokenSecret.name) -}}
+{{- fail "metrics.serviceMonitor.bearerTokenSecret.name: with API keys, /metrics answers an operator key only; name the Secret holding the one Prometheus presents" -}}
+{{- end -}}
 {{- if hasKey ($v.serve.engine | default dict) "model" -}}
 {{- fail "serve.engine.model: the model is set by model.*" -}}
 {{- end -}}
 {{- end -}}
 
 {{- define "splitserve.apiKeysMount" -}}/etc/splitserve/api-keys{{- end -}}
+{{- define "splitserve.kvSecretMount" -}}/etc/splitserve/kv-secret{{- end -}}
+
+{{/* The operator's Secrets mounted read-only on the head (where the app is built and reads
+them): volume name -> (Secret, mount path), for those whose secretName is set. */}}
+{{- define "splitserve.headSecrets" -}}
+{{- $out := dict -}}
+{{- if .Values.apiKeys.secretName -}}
+{{- $_ := set $out "api-keys" (dict "secretName" .Values.apiKeys.secretName "mountPath" (include "splitserve.apiKeysMount" .)) -}}
+{{- end -}}
+{{- if .Values.kvSecret.secretName -}}
+{{- $_ := set $out "kv-secret" (dict "secretName" .Values.kvSecret.secretName "mountPath" (include "splitserve.kvSecretMount" .)) -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
 
 {{/* The Serve app's args (a DeployConfig, read by splitserve.deploy:build_app). One worker per
 pod: each pool's resource is one unit of its group's custom resource, the starting sizes are
@@ -165,6 +182,11 @@ DeployConfig also reads at the top level (they belong under serve.engine). */ -}
 {{- /* the key file, from the operator's Secret mounted on the head (where the app is built) */ -}}
 {{- $_ := set $args "api_keys" (printf "%s/%s" (include "splitserve.apiKeysMount" .) $v.apiKeys.key) -}}
 {{- $managed = append $managed "api_keys" -}}
+{{- end -}}
+{{- if $v.kvSecret.secretName -}}
+{{- /* the KV secret, from the operator's Secret mounted on the head, read once when the app is built */ -}}
+{{- $_ := set $args "kv_secret_file" (printf "%s/%s" (include "splitserve.kvSecretMount" .) $v.kvSecret.key) -}}
+{{- $managed = concat $managed (list "kv_secret" "kv_secret_file") -}}
 {{- end -}}
 {{- range $k, $val := ($v.serve.extraArgs | default dict) -}}
 {{- if has $k $managed -}}
@@ -275,10 +297,10 @@ spec:
         - {name: tmp, mountPath: /tmp}
         - {name: home, mountPath: /home/ray}
         - {name: dshm, mountPath: /dev/shm}
-        {{- if and (eq .role "head") $root.Values.apiKeys.secretName }}
-        - name: api-keys
-          mountPath: {{ include "splitserve.apiKeysMount" $root }}
-          readOnly: true
+        {{- if eq .role "head" }}
+        {{- range $name, $s := include "splitserve.headSecrets" $root | fromJson }}
+        - {name: {{ $name }}, mountPath: {{ $s.mountPath }}, readOnly: true}
+        {{- end }}
         {{- end }}
         {{- if $volume }}
         - name: model
@@ -292,10 +314,12 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $g.shmSize | default $root.Values.shmSize | quote }}
-    {{- if and (eq .role "head") $root.Values.apiKeys.secretName }}
-    - name: api-keys
+    {{- if eq .role "head" }}
+    {{- range $name, $s := include "splitserve.headSecrets" $root | fromJson }}
+    - name: {{ $name }}
       secret:
-        secretName: {{ $root.Values.apiKeys.secretName | quote }}
+        secretName: {{ $s.secretName | quote }}
+    {{- end }}
     {{- end }}
     {{- if $volume }}
     - name: model
