@@ -64,6 +64,9 @@ def ray_session():
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    from splitserve.cli.serve import bound_grpc_messages
+
+    bound_grpc_messages()  # as `splitserve serve` starts its Ray: Serve's gRPC proxy takes 8 MiB at most
     # Ray's token authentication on, as a user's cluster has it: a token of this run's own (the
     # user's ~/.ray/auth_token is not touched), in the environment every node and every
     # `splitserve` subprocess inherits. tests/integration/test_cli_token_auth.py shows the CLI

@@ -75,6 +75,15 @@ def deploy_options(args: argparse.Namespace, model: str) -> dict:
     return {"model": model, "engine": engine, **pools_tp, **{k: getattr(args, k) for k in keys}}
 
 
+def bound_grpc_messages() -> None:
+    """Serve's gRPC proxy takes messages of up to 2 GiB unless told otherwise: bound them like an
+    HTTP body, in the environment of a Ray this process starts (its processes inherit it). On
+    a cluster we join, the nodes' environment decides (the chart sets it)."""
+    from splitserve.ingress.protocol import MAX_BODY_BYTES
+
+    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(MAX_BODY_BYTES))
+
+
 def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
     import ray
     from ray import serve
@@ -85,15 +94,11 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
     from splitserve.cli.app import GRPC_SERVICER
     from splitserve.control.deploy_config import DeployConfig
     from splitserve.cli.app import bind_app
-    from splitserve.ingress.protocol import MAX_BODY_BYTES
 
     cfg = DeployConfig.from_options(deploy_options(args, model))
     _say_keys(cfg.api_keys)
     began = time.monotonic()
-    # Serve's gRPC proxy takes messages of up to 2 GiB unless told otherwise; a Ray we start
-    # (its processes inherit this) bounds them like an HTTP body. On a cluster we join, the
-    # nodes' environment decides (the chart sets it).
-    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(MAX_BODY_BYTES))
+    bound_grpc_messages()
     a = cfg.autoscale
     started = connect_ray(args.address, cfg.ranks(a.prefill.max, a.decode.max) if a else cfg.ranks(cfg.prefill, cfg.decode))
     _say(f"{'started a local Ray cluster' if started else 'joined the Ray cluster'}")

@@ -141,3 +141,153 @@ def test_grpc_through_serve(deployed):
     assert all(re.search(r"retry in \d+ s", e.details()) for e in refused), [e.details() for e in refused]
     for s in cluster.check_invariants():
         assert s["in_use"] == 0 and s.get("leases", 0) == 0, s
+
+
+class Tricklers:
+    """Connections to a TCP KV server that never finish its challenge, each sending a byte now
+    and then (under any per-recv timeout), kept up from a thread until stopped."""
+
+    def __init__(self, address: str, n: int) -> None:
+        import threading
+
+        host, port = address.rsplit(":", 1)
+        self.target, self.n, self.dropped, self.opened = (host, int(port)), n, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import time
+
+        live: list[socket.socket] = []
+        try:
+            while not self._stop.is_set():
+                while len(live) < self.n:  # the server dropped some: open new ones
+                    s = socket.create_connection(self.target, timeout=5.0)
+                    s.setblocking(False)
+                    live.append(s)
+                    self.opened += 1
+                for s in list(live):
+                    try:
+                        s.send(b"x")
+                        while s.recv(4096):
+                            pass
+                        live.remove(s)  # b"": the server closed it
+                        s.close()
+                        self.dropped += 1
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        live.remove(s)
+                        s.close()
+                        self.dropped += 1
+                time.sleep(0.2)
+        finally:
+            for s in live:
+                s.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def _p99(gaps: list[float]) -> float:
+    gaps = sorted(gaps)
+    return gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+
+
+def test_abuse_is_refused_fast_while_a_stream_goes_on(deployed):
+    """Issue 31's abuse cases against the served app, through Serve's proxies, while a
+    well-formed stream runs and 300 connections trickle bytes at the prefill worker's TCP KV
+    server: a 100 MB gRPC message (RESOURCE_EXHAUSTED at the proxy), a million stop_token_ids,
+    JSON 10^5 levels deep, a 2 MB body in 100-byte parts (each a 400). The stream ends with the
+    same greedy text as unloaded, requests started meanwhile are handed off over TCP (no
+    transfer failed), and nothing is left held. Its inter-token latency p99, loaded against
+    unloaded, and each refusal's time are printed, not asserted. (A client SLO looser than the
+    server's: tests/unit/test_admission.py.)"""
+    import time
+
+    import ray
+
+    from splitserve.control import controller
+    from splitserve.types import Role
+
+    _, workers, url, target = deployed
+    snap = ray.get(controller.find(workers.name).snapshot.remote())
+    (prefill,) = snap.role(Role.PREFILL)
+    (kv_address,) = [e.address for e in prefill.info.endpoints if e.transport == "tcp"]
+    stream_body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+                   "stream": True}
+
+    async def stream(h: httpx.AsyncClient) -> tuple[str, list[float]]:
+        text, arrivals = [], []
+        async with h.stream("POST", "/v1/completions", json=stream_body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+                    text.append(__import__("json").loads(line[6:])["choices"][0]["text"])
+        return "".join(text), [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+    async def timed(coro):
+        began = time.monotonic()
+        out = await coro
+        return out, time.monotonic() - began
+
+    async def big_grpc():
+        async with grpc.aio.insecure_channel(target) as ch:
+            try:
+                async for _ in pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(text="x" * (100 << 20))):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+        return "answered"
+
+    async def small_parts(h: httpx.AsyncClient):
+        body = b'{"model": "tiny", "prompt": "x", "user": "' + b"u" * (2 << 20) + b'"}'
+
+        async def parts():
+            for i in range(0, len(body), 100):
+                yield body[i:i + 100]
+
+        return (await h.post("/v1/completions", content=parts(), headers={"content-type": "application/json"})).status_code
+
+    def post(h: httpx.AsyncClient, raw: bytes):
+        return h.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as h:
+            quiet_text, quiet_gaps = await stream(h)
+            tricklers = Tricklers(kv_address, 300)
+            try:
+                loaded = asyncio.ensure_future(stream(h))
+                abuse = await asyncio.gather(
+                    timed(big_grpc()),
+                    timed(post(h, b'{"model": "tiny", "prompt": "x", "stop_token_ids": '
+                               + str(list(range(10**6))).encode() + b"}")),
+                    timed(post(h, b'{"model": "tiny", "prompt": "x", "user": ' + b"[" * 10**5 + b"]" * 10**5 + b"}")),
+                    timed(small_parts(h)))
+                handed = [await h.post("/v1/completions", json={  # one by one: the app's max_inflight is 3
+                    "model": "tiny", "prompt": f"{PROMPT} {i}", "max_tokens": 4, "ignore_eos": True}) for i in range(4)]
+                loaded_text, loaded_gaps = await loaded
+            finally:
+                tricklers.stop()
+        return quiet_text, quiet_gaps, abuse, handed, loaded_text, loaded_gaps, tricklers
+
+    quiet_text, quiet_gaps, abuse, handed, loaded_text, loaded_gaps, tricklers = asyncio.run(go())
+    (grpc_code, t_grpc), (stops, t_stops), (deep, t_deep), (parts_status, t_parts) = abuse
+    print(f"\nrefused in: 100 MB gRPC {t_grpc:.2f} s, 1M stop_token_ids {t_stops:.2f} s, 10^5-deep JSON {t_deep:.2f} s, "
+          f"2 MB in 100-byte parts {t_parts:.2f} s; tricklers: {tricklers.opened} opened, {tricklers.dropped} dropped")
+    print(f"stream ITL p99: unloaded {_p99(quiet_gaps) * 1e3:.1f} ms, under abuse {_p99(loaded_gaps) * 1e3:.1f} ms "
+          f"({len(loaded_gaps) + 1} chunks)")
+    assert grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stops.status_code == 400 and stops.json()["error"]["param"] == "stop_token_ids", stops.text
+    assert deep.status_code == 400 and "deep" in deep.json()["error"]["message"], deep.text
+    assert parts_status == 400
+    assert tricklers.dropped > 0  # the KV server dropped tricklers meanwhile (its handshake deadline)
+    assert loaded_text == quiet_text and len(quiet_gaps) >= 100
+    assert all(r.status_code == 200 for r in handed), [r.text for r in handed]
+    decode = [s for s in workers.check_invariants() if "transfer_failures" in s]
+    assert decode and all(s["transfer_failures"] == {} for s in decode), decode
+    for s in workers.check_invariants():
+        assert s["in_use"] == 0 and s.get("leases", 0) == 0, s
