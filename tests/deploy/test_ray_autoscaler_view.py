@@ -59,8 +59,9 @@ def _fits(demand: dict, resources: dict) -> bool:
 
 
 def _local_args(rendered: Rendered) -> dict:
-    """The app's args as this machine can read them: the key file is in the head pod only."""
-    return {k: v for k, v in rendered.args.items() if k != "api_keys"}
+    """The app's args as this machine can read them: the key file and the KV secret's are in the
+    head pod only."""
+    return {k: v for k, v in rendered.args.items() if k not in ("api_keys", "kv_secret_file")}
 
 
 def test_each_actor_fits_only_its_own_node_type(rendered: Rendered, tmp_path: Path) -> None:
