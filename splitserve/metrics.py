@@ -35,6 +35,10 @@ class Metrics:
         self.kv_transfer_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV bytes moved between workers", registry=r)
         self.kv_transfer_seconds = Histogram(PREFIX + "kv_transfer_seconds", "KV transfer time", buckets=_LATENCY,
                                              registry=r)
+        self.kv_exposed_transfer_seconds = Histogram(
+            PREFIX + "kv_exposed_transfer_seconds",
+            "From the end of a prompt's last prefill forward pass to its KV verified on the decode worker: "
+            "the hand-over on the request's critical path", buckets=_LATENCY, registry=r)
         self.kv_usage = Gauge(PREFIX + "worker_kv_usage_ratio", "KV blocks in use / total", ["role", "worker"],
                               registry=r)
         self.queue = Gauge(PREFIX + "worker_queue_length", "Requests waiting", ["role", "worker"], registry=r)

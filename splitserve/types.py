@@ -229,6 +229,9 @@ class PhaseTimes:
     prefill_s: float | None = None  # first scheduled → first token sampled
     transfer_s: float | None = None  # KV pull + verify + ack on the decode worker
     transfer_bytes: int | None = None  # what that pull moved
+    # the prefill's last forward pass ended → its KV landed and verified on the decode worker:
+    # the part of the hand-over on the request's critical path (wall clocks of both workers)
+    exposed_transfer_s: float | None = None
 
     def merged(self, other: "PhaseTimes | None") -> "PhaseTimes":
         if other is None:

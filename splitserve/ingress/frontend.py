@@ -88,6 +88,7 @@ class Choice:
         the first-token time admission predicted for it."""
         p = self.phases
         out = {"queue": p.queue_s, "prefill": p.prefill_s, "transfer": p.transfer_s,
+               "exposed_transfer": p.exposed_transfer_s,
                "first_token": None if self.first_at is None else self.first_at - self.arrived,
                "decode": None if self.first_at is None or self.ended_at is None else self.ended_at - self.first_at,
                "predicted_first_token": self.decision.predicted_ttft_s if self.decision is not None else None}
@@ -320,6 +321,8 @@ class Frontend:
         if c.phases.transfer_s is not None:
             m.kv_transfer_seconds.observe(c.phases.transfer_s)
             m.kv_transfer_bytes.inc(c.phases.transfer_bytes or 0)
+        if c.phases.exposed_transfer_s is not None:
+            m.kv_exposed_transfer_seconds.observe(max(0.0, c.phases.exposed_transfer_s))
 
     def export_worker_gauges(self) -> None:
         """Worker load gauges, as of the backend's last look at its workers (a gone worker's removed)."""

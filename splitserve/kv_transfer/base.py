@@ -106,6 +106,7 @@ class KVHandoff:
     # a tensor-parallel source (or a tensor-parallel reader): every source rank's endpoints and
     # per-head checksums (head_slices.RankSource); each reader rank pulls its heads from them
     ranks: tuple = ()
+    computed_at: float = 0.0  # time.time() when the prefill's last forward pass ended (its first token sampled)
 
 
 class TransferState(enum.Enum):

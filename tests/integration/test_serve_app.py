@@ -95,6 +95,9 @@ def test_http_through_serve(deployed):
     assert raw.parse().choices[0].text == ref and streamed == ref
     assert float(raw.headers["x-splitserve-first-token-ms"]) > 0
     assert float(raw.headers["x-splitserve-transfer-ms"]) > 0  # disaggregated: the KV moved
+    # the part of it on the critical path: from the prefill's last pass to the KV verified
+    assert float(raw.headers["x-splitserve-exposed-transfer-ms"]) > 0
+    assert "splitserve_kv_exposed_transfer_seconds_count" in metrics
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
     assert 'splitserve_pool_size{role="prefill"} 1.0' in metrics
     assert "splitserve_kv_transfer_bytes_total" in metrics
@@ -131,7 +134,7 @@ def test_grpc_through_serve(deployed):
 
     msgs, bad, services, burst = asyncio.run(go())
     assert len(msgs) >= 2 and "".join(m.text for m in msgs) == ref and msgs[-1].finish_reason == "length"
-    assert msgs[-1].timings.transfer_s > 0
+    assert msgs[-1].timings.transfer_s > 0 and msgs[-1].timings.exposed_transfer_s > 0
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in bad.details()
     assert SERVICE_NAME in services
     refused = [e for e in burst if isinstance(e, grpc.aio.AioRpcError)]

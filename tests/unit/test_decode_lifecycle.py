@@ -382,3 +382,25 @@ def test_an_ack_is_answered_while_the_prefill_engine_is_busy(workers):
         assert pre.held() == 0
 
     asyncio.run(go())
+
+
+def test_the_exposed_transfer_is_from_the_prefills_last_pass_to_the_kv_verified(workers):
+    """The handoff carries when the prefill's last forward pass ended; the first chunk after the
+    landing reports the time from then to the KV verified here (`exposed_transfer_s`), which
+    holds the whole pull and, with the gap before the pull began, is at least its transfer_s."""
+    pre, dec, _ = workers
+
+    async def go():
+        req, r = await handed_off(pre, "exposed")
+        assert r.handoff.computed_at == r.done_at
+        await asyncio.sleep(0.2)  # the hand-over waits: that wait is on the critical path too
+        began = time.time()
+        chunks = await landing(pre, dec, req, r)
+        await no_leaks(pre, dec)
+        return r, began, chunks
+
+    r, began, chunks = asyncio.run(go())
+    (phases,) = [c.phases for c in chunks if c.phases is not None and c.phases.transfer_s is not None]
+    # (wall clock against the monotonic one transfer_s is taken on: a millisecond's slack)
+    assert phases.exposed_transfer_s >= (began - r.handoff.computed_at) + phases.transfer_s - 1e-3
+    assert phases.exposed_transfer_s >= 0.2 and phases.transfer_bytes > 0

@@ -80,7 +80,9 @@ class DecodeWorker(KVWorker):
             phases = None
             if handoff is not None:
                 moved = len(handoff.block_ids) * self.layout.num_layers * 2 * self.layout.block_bytes
-                phases = PhaseTimes(transfer_s=time.monotonic() - started, transfer_bytes=moved)
+                exposed = time.time() - handoff.computed_at if handoff.computed_at else None
+                phases = PhaseTimes(transfer_s=time.monotonic() - started, transfer_bytes=moved,
+                                    exposed_transfer_s=exposed)
             while True:
                 item = await q.get()
                 if isinstance(item, Exception):

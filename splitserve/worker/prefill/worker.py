@@ -91,14 +91,14 @@ class PrefillWorker(KVWorker):
         if item.kv_blocks is None:
             return PrefillResult(item, None, done_at)
         try:
-            return PrefillResult(item, await self._handoff(req, item, endpoint, reader_ranks), done_at)
+            return PrefillResult(item, await self._handoff(req, item, endpoint, reader_ranks, done_at), done_at)
         except BaseException:  # cancelled or failed after the blocks were detached: nobody will ack
             # (a lease _handoff granted before failing, it ended on its way out)
             await self.loop.call(self.engine.release_detached, req.request_id)
             raise
 
     async def _handoff(self, req: Request, chunk: TokenChunk, endpoint: TransportEndpoint,
-                       reader_ranks: int) -> KVHandoff:
+                       reader_ranks: int, computed_at: float) -> KVHandoff:
         blocks = chunk.kv_blocks
         checksum, ranks = 0, ()
         if reader_ranks > 1 or self.engine.tp.size > 1:  # sliced: every rank's heads checksummed instead
@@ -120,7 +120,7 @@ class PrefillWorker(KVWorker):
                                 self.layout.block_size, self.layout.num_layers, len(blocks), lease.epoch)
         return KVHandoff(req.request_id, chunk.token_ids[0], chunk.logprobs[0] if chunk.logprobs else None,
                          chunk.num_prompt_tokens, chunk.num_cached_tokens, tuple(blocks), endpoint,
-                         lease.lease_id, lease.expires_at, header, checksum, lease.token, ranks)
+                         lease.lease_id, lease.expires_at, header, checksum, lease.token, ranks, computed_at)
 
     async def _rank_sources(self, blocks) -> tuple[RankSource, ...]:
         """Every rank's part of the handoff: its endpoints, its KV heads, a checksum per head
