@@ -258,6 +258,18 @@ class TokenChunk:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class KVProgress:
+    """A streamed prefill's progress (the engine → its prefill worker, `add_request(stream_kv=
+    True)`): the leading blocks of the request's context whose KV is computed — full blocks,
+    which nothing rewrites while the request holds them. `epoch` counts the request's
+    preemptions: blocks reported under an earlier epoch are void (they were freed)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    epoch: int
+
+
 # The terms of an engine's fitted step time (engine/step_model.py), in the order of
 # WorkerStats.step_time_coeffs: what the router's admission and /metrics name them by.
 STEP_TERMS = ("const", "prefill_tokens", "decode_seqs", "decode_ctx_tokens", "prefill_attention_pairs")

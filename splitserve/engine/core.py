@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 from splitserve.engine.kv_cache.block_pool import BlockPool, BlockStored, KVEvent
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence, SeqStatus
 from splitserve.engine.step_shape import StepShape, shape_of
-from splitserve.types import ConfigError, FinishReason, PhaseTimes, Request, Tier, TokenChunk, WorkerStats
+from splitserve.types import (ConfigError, FinishReason, KVProgress, PhaseTimes, Request, Tier, TokenChunk,
+                              WorkerStats)
 
 Sampled = tuple[Sequence, int, object]  # (sequence, next token, its logprob or None)
 
@@ -40,6 +41,9 @@ class EngineCore:
         self._seqs: dict[str, Sequence] = {}
         self._pulling: dict[str, Sequence] = {}  # blocks allocated, KV arriving from a peer
         self._detached: dict[str, list[int]] = {}  # blocks pinned for a KV handoff
+        self._reserved: dict[str, list[int]] = {}  # blocks for KV a peer is still computing (streamed)
+        # where a streamed prefill's progress goes, on the engine thread, as soon as it is known
+        self.kv_progress: Callable[[KVProgress], None] | None = None
         self._order = itertools.count()
         self._steps = 0
         self._prefill_tokens = 0  # prompt tokens computed, ever (the autoscaler's served rate)
@@ -74,14 +78,19 @@ class EngineCore:
         """Blocks were just allocated for a transport to write into."""
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = ()) -> None:
+    def add_request(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = (),
+                    stream_kv: bool = False) -> None:
         """Queue a request; bad input raises ConfigError here, before anything is allocated.
         `prefill_only`: stop after the first token and hand the prompt's KV blocks over (the
-        chunk carries `kv_blocks`; `release_detached` frees them later). `outputs`: tokens
-        already generated elsewhere (a handoff that fell back to local compute, a migration):
-        they are recomputed as context and generation continues after them."""
+        chunk carries `kv_blocks`; `release_detached` frees them later). `stream_kv` (with
+        it): report the context's full blocks to `kv_progress` as they are computed — cached
+        ones once scheduled, before any compute — except those the last step completes, which
+        the final chunk hands over. `outputs`: tokens already generated elsewhere (a handoff
+        that fell back to local compute, a migration): they are recomputed as context and
+        generation continues after them."""
         seq = self._checked_new_seq(req, tuple(outputs))
         seq.prefill_only = prefill_only
+        seq.stream_kv = prefill_only and stream_kv
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
 
@@ -97,8 +106,9 @@ class EngineCore:
         return max_tokens
 
     def _checked_new_seq(self, req: Request, outputs: tuple[int, ...]) -> Sequence:
-        if req.request_id in self._seqs or req.request_id in self._pulling or req.request_id in self._detached:
-            raise ConfigError(f"request id {req.request_id!r} is already running")
+        rid = req.request_id
+        if rid in self._seqs or rid in self._pulling or rid in self._detached or rid in self._reserved:
+            raise ConfigError(f"request id {rid!r} is already running")
         seq = self._new_seq(req, outputs)
         seq.update_hashes(self.block_size)
         return seq
@@ -118,6 +128,9 @@ class EngineCore:
         pulling = self._pulling.pop(request_id, None)
         if pulling is not None:  # the caller has stopped its transfer into these blocks
             self.pool.free(pulling.block_ids)
+        reserved = self._reserved.pop(request_id, None)
+        if reserved is not None:  # likewise
+            self.pool.free(reserved)
         self.release_detached(request_id)
 
     def has_unfinished(self) -> bool:
@@ -125,7 +138,7 @@ class EngineCore:
 
     def holds_nothing(self) -> bool:
         """No request runs, waits, lands KV or keeps blocks pinned for a peer."""
-        return not (self._seqs or self._pulling or self._detached)
+        return not (self._seqs or self._pulling or self._detached or self._reserved)
 
     # -- disaggregation: the prefill side hands blocks over, the decode side takes KV in -------
     def release_detached(self, request_id: str) -> bool:
@@ -139,12 +152,36 @@ class EngineCore:
     def detached_requests(self) -> list[str]:
         return list(self._detached)
 
+    def reserve_pulled(self, req: Request, outputs: tuple[int, ...] = ()) -> list[int]:
+        """Allocate blocks for a context whose KV a peer is still computing (a streamed
+        handoff): the prompt, and `outputs` when the request migrated. The caller fills them
+        as the peer publishes, then `add_pulled` takes them over once the peer's token is known
+        (`abort` frees them). Raises OutOfBlocks if none free."""
+        if req.request_id in self._reserved:
+            raise ConfigError(f"request id {req.request_id!r} is already running")
+        self.check_lengths(req)
+        n = len(req.prompt_token_ids) + len(outputs)
+        blocks = self.pool.allocate(-(-n // self.block_size))
+        self._reserved[req.request_id] = blocks
+        self._before_pull()
+        return list(blocks)
+
     def add_pulled(self, req: Request, first_token: int, outputs: tuple[int, ...] = ()) -> list[int]:
         """Allocate blocks for a context whose KV a peer computed — the prompt, and `outputs`
-        when the request migrated — and which the peer continued with `first_token`; the caller
-        fills them and then calls kv_ready (or kv_failed to recompute locally). Raises
-        OutOfBlocks if none free."""
-        seq = self._checked_new_seq(req, (*outputs, first_token))
+        when the request migrated — and which the peer continued with `first_token` (the
+        blocks `reserve_pulled` set aside for it, if it did); the caller fills them and then
+        calls kv_ready (or kv_failed to recompute locally). Raises OutOfBlocks if none free."""
+        reserved = self._reserved.pop(req.request_id, None)
+        try:
+            seq = self._checked_new_seq(req, (*outputs, first_token))
+        except BaseException:
+            if reserved is not None:
+                self.pool.free(reserved)
+            raise
+        if reserved is not None:
+            seq.block_ids = reserved
+            self._pulling[req.request_id] = seq
+            return list(seq.block_ids)
         seq.block_ids = self.pool.allocate(-(-(seq.num_tokens - 1) // self.block_size))
         self._pulling[req.request_id] = seq
         self._before_pull()
@@ -175,6 +212,8 @@ class EngineCore:
     def step(self) -> list[TokenChunk]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        if self.kv_progress is not None:  # before the forward: cached blocks move while it runs
+            self._report_progress(sched)
         if not sched.scheduled:
             return []
         shape = shape_of(sched)  # before the step advances what it counts
@@ -182,10 +221,31 @@ class EngineCore:
         self._observe(shape, time.perf_counter() - t0)
         return chunks
 
+    def _report_progress(self, sched: SchedulerOutput) -> None:
+        """Streamed prefills: a preempted one's blocks are void (a new epoch); a scheduled one's
+        full blocks computed so far (its cached prefix, at first) are reported."""
+        for seq in sched.preempted:
+            if seq.stream_kv:
+                seq.published = 0
+                self.kv_progress(KVProgress(seq.request_id, (), seq.num_preemptions))
+        for seq, _ in sched.scheduled:
+            if seq.stream_kv:
+                self._publish(seq)
+
+    def _publish(self, seq: Sequence) -> None:
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        if full > seq.published:
+            seq.published = full
+            self.kv_progress(KVProgress(seq.request_id, tuple(seq.block_ids[:full]), seq.num_preemptions))
+
     def _complete(self, sched: SchedulerOutput, sampled: list[Sampled]) -> list[TokenChunk]:
         """The step's forward pass is done: advance what it computed, append what it sampled."""
         for seq, n in sched.scheduled:
             self._advance(seq, n)
+            # a streamed prefill not done yet reports what this step completed (the last step's
+            # blocks go with the final chunk: publishing them first would only delay it)
+            if seq.stream_kv and self.kv_progress is not None and seq.num_computed_tokens < seq.num_tokens:
+                self._publish(seq)
             if n != 1:
                 self._prefill_tokens += n
         chunks = [self._append(seq, tok, lp) for seq, tok, lp in sampled]
@@ -271,7 +331,7 @@ class EngineCore:
         if self.host is not None:
             self.host.check_invariants()
         held = sum(len(s.block_ids) for s in (*self._seqs.values(), *self._pulling.values()))
-        held += sum(len(b) for b in self._detached.values())
+        held += sum(len(b) for b in (*self._detached.values(), *self._reserved.values()))
         if self.holds_nothing() and self.pool.num_in_use:
             raise AssertionError(f"no requests, yet {self.pool.num_in_use} blocks are in use")
         if held < self.pool.num_in_use:

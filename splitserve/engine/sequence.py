@@ -38,6 +38,8 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
     num_preemptions: int = 0
     prefill_only: bool = False  # stop after the first token and hand the KV blocks over
+    stream_kv: bool = False  # report its complete blocks as they are computed (KVProgress)
+    published: int = 0  # leading blocks reported so far (this epoch)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     added_at: float = field(default_factory=time.monotonic)

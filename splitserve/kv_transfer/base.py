@@ -21,6 +21,7 @@ decided elsewhere. Byte offsets are relative to the start of the KV storage tens
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -107,6 +108,40 @@ class KVHandoff:
     # per-head checksums (head_slices.RankSource); each reader rank pulls its heads from them
     ranks: tuple = ()
     computed_at: float = 0.0  # time.time() when the prefill's last forward pass ended (its first token sampled)
+    # a streamed handoff: its leading blocks were published as `StreamPiece`s, each checked by
+    # its own checksum as it landed; `checksum` covers block_ids[streamed:] only
+    streamed: int = 0
+
+    def piece(self, first: int, count: int, checksum: int) -> "KVHandoff":
+        """This handoff narrowed to block_ids[first:first + count] (a streamed piece, or the
+        tail after the pieces), with that run's checksum: what a transport reads."""
+        ids = self.block_ids[first:first + count]
+        header = dataclasses.replace(self.header, num_blocks=len(ids))
+        return dataclasses.replace(self, block_ids=ids, header=header, checksum=checksum, streamed=0)
+
+
+@dataclass(frozen=True)
+class StreamPiece:
+    """Blocks of a streamed handoff, published by the prefill worker as its prefill computed
+    them: context blocks [first, first + len(block_ids)) — `block_ids` the source's — and
+    their checksum (all layers)."""
+
+    first: int
+    block_ids: tuple[int, ...]
+    checksum: int
+
+
+@dataclass(frozen=True)
+class StreamUpdate:
+    """What a reader of a streamed handoff learns per call (`PrefillWorker.kv_stream`): the
+    handoff so far (lease, endpoint, header; its block_ids the published ones, first_token
+    unset), the pieces after those it had, and whether more will come. A new `epoch` (the
+    prefill was preempted) voids every earlier piece."""
+
+    handoff: "KVHandoff | None"  # None: no such stream (over, or never started)
+    pieces: tuple[StreamPiece, ...]
+    epoch: int
+    done: bool
 
 
 class TransferState(enum.Enum):

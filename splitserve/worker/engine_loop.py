@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.types import ConfigError, FinishReason, Request, SamplingParams, TokenChunk
+from splitserve.types import ConfigError, FinishReason, KVProgress, Request, SamplingParams, TokenChunk
 
 GRAMMAR_COMPILE_S = 10.0  # a structured-output grammar that takes longer to compile is refused
 
@@ -47,6 +47,8 @@ class EngineLoop:
         self._inbox: list[tuple[Request, dict]] = []
         self._inbox_lock = threading.Lock()
         self.latest_stats = engine.stats()
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        engine.kv_progress = self._progress  # a streamed prefill's blocks, to its request's queue
 
     @classmethod
     def start(cls, config: EngineConfig, **engine_kw: Any) -> "EngineLoop":
@@ -64,6 +66,7 @@ class EngineLoop:
 
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
+            self._aloop = asyncio.get_running_loop()
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -144,6 +147,16 @@ class EngineLoop:
         await self.call(self.engine.abort, request_id)
         if q is not None:
             q.put_nowait(TokenChunk(request_id, (), finish_reason=FinishReason.ABORT))
+
+    def _progress(self, p: KVProgress) -> None:
+        """On the engine thread, mid-step: a streamed prefill's progress goes to its queue now
+        (ahead of the step's chunks), so its blocks can move while the step computes."""
+        self._aloop.call_soon_threadsafe(self._deliver, p)
+
+    def _deliver(self, p: KVProgress) -> None:
+        q = self._queues.get(p.request_id)
+        if q is not None:
+            q.put_nowait(p)
 
     def _take_inbox_and_step(self) -> tuple[list[TokenChunk], list[tuple[str, Exception]]]:
         """On the engine thread: admit what arrived, step, leave a stats snapshot."""

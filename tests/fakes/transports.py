@@ -137,3 +137,24 @@ class SlowToStop(Wrapped):
     def release(self, handle) -> None:
         handle._released_at = time.monotonic()
         self.inner.release(handle)
+
+
+class CorruptNthLanding(Wrapped):
+    """Like CorruptLanding, for the `n`-th read only (0-based): one piece in a stream's middle."""
+
+    def __init__(self, inner, worker=None, n: int = 2) -> None:
+        super().__init__(inner, worker)
+        self.n, self.reads = n, 0
+
+    def read(self, src, dst_blocks, layers=None):
+        h = self.inner.read(src, dst_blocks, layers)
+        h._corrupt, self.reads = self.reads == self.n, self.reads + 1
+        return h
+
+    def poll(self, handle):
+        st = self.inner.poll(handle)
+        if st.state is TransferState.DONE and handle._corrupt:
+            handle._corrupt = False
+            w = self.worker
+            w.engine.kv.storage.view(-1)[w.layout.offset(0, 0, handle.dst_blocks[0]) // w.layout.element_size] += 1.0
+        return st

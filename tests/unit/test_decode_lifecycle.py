@@ -7,6 +7,7 @@ handoff. Also: a prefill cancelled after its blocks were detached frees them, an
 detached with no lease are an invariant violation."""
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -404,3 +405,117 @@ def test_the_exposed_transfer_is_from_the_prefills_last_pass_to_the_kv_verified(
     # (wall clock against the monotonic one transfer_s is taken on: a millisecond's slack)
     assert phases.exposed_transfer_s >= (began - r.handoff.computed_at) + phases.transfer_s - 1e-3
     assert phases.exposed_transfer_s >= 0.2 and phases.transfer_bytes > 0
+
+
+@pytest.fixture(scope="module")
+def chunked(tiny_checkpoint):
+    """Workers whose prefill takes 16 tokens a step: a 90-token prompt is six steps, five
+    pieces streamed and a tail."""
+    cfg = EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=64)
+    pre = PrefillWorker(dataclasses.replace(cfg, max_num_batched_tokens=16), ["tcp"])
+    dec = DecodeWorker(cfg, ["tcp"])
+    yield pre, dec
+    pre.close()
+    dec.close()
+
+
+LONG = tuple(range(7, 97))
+
+
+def long_reference(tiny_checkpoint, prompt=LONG):
+    from splitserve.engine.engine import Engine
+
+    eng = Engine(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=64))
+    eng.add_request(Request("ref", prompt, SP))
+    out = []
+    while eng.has_unfinished():
+        out += [t for c in eng.step() for t in c.token_ids]
+    return out
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_a_streamed_handoff_lands_its_pieces_during_the_prefill(chunked, tiny_checkpoint, staged, monkeypatch):
+    """The decode worker stages the stream as the prefill starts: every piece lands and is
+    checked while the prompt is computed (each prefill step made to take 0.1 s here, a
+    long prompt's chunk), and the handoff then carries only the tail; the output equals the
+    single engine's. Without stage() (its call lost or late), generate() takes the pieces
+    itself. Nothing is held afterwards on either side."""
+    pre, dec = chunked
+    step = pre.engine.step
+    monkeypatch.setattr(pre.engine, "step", lambda: (time.sleep(0.1), step())[1])
+    rid = f"streamed-{staged}"
+    prompt = LONG if staged else tuple(range(3, 93))[::-1]  # each its own: no prefix cached before
+    req = Request(rid, prompt, SP)
+
+    async def go():
+        staging = asyncio.ensure_future(dec.stage(req, Local(pre))) if staged else None
+        result = await pre.prefill(req, "tcp", (), 1, True)
+        landed_before = dec.staged[rid].landed if staged else 0
+        chunks = await collect(dec.generate(req, result.handoff, Local(pre)))
+        if staging is not None:
+            await staging
+        await no_leaks(pre, dec)
+        return result, landed_before, chunks
+
+    result, landed_before, chunks = asyncio.run(go())
+    h = result.handoff
+    assert (h.streamed, len(h.block_ids)) == (5, 6)  # five pieces, one block in the tail
+    if staged:
+        assert landed_before == 5  # all five landed before the prefill's handoff came back
+    assert [h.first_token] + [t for c in chunks for t in c.token_ids] == long_reference(tiny_checkpoint, prompt)
+    assert not pre.streams and not dec.staged
+
+
+def test_a_corrupt_piece_mid_stream_recomputes_exactly(chunked, tiny_checkpoint, monkeypatch):
+    """The third of five pieces lands corrupt: its own check catches it as it lands, the
+    request is recomputed here, the output still equals the reference, nothing is held."""
+    from tests.fakes.transports import CorruptNthLanding
+
+    pre, dec = chunked
+    real = dec.transports["tcp"]
+    monkeypatch.setitem(dec.transports, "tcp", CorruptNthLanding(real, dec, n=2))
+    step = pre.engine.step
+    monkeypatch.setattr(pre.engine, "step", lambda: (time.sleep(0.05), step())[1])
+    prompt = tuple(range(101, 191))  # its own: no prefix of it cached by earlier tests
+    req = Request("corrupt-piece", prompt, SP)
+    before = (dec.transfer_failures.get("corrupt", 0), outcome_count(dec, HandoffState.RECOMPUTE))
+
+    async def go():
+        staging = asyncio.ensure_future(dec.stage(req, Local(pre)))
+        result = await pre.prefill(req, "tcp", (), 1, True)
+        chunks = await collect(dec.generate(req, result.handoff, Local(pre)))
+        await staging
+        await no_leaks(pre, dec)
+        return result, chunks
+
+    result, chunks = asyncio.run(go())
+    assert dec.transports["tcp"].reads == 3, (dec.transfer_failures, result.handoff.streamed)  # it stopped at the corrupt piece: no tail read
+    assert (dec.transfer_failures["corrupt"], outcome_count(dec, HandoffState.RECOMPUTE)) == (before[0] + 1,
+                                                                                                before[1] + 1)
+    assert [result.handoff.first_token] + [t for c in chunks for t in c.token_ids] == long_reference(tiny_checkpoint,
+                                                                                                      prompt)
+
+
+def test_a_stream_whose_prefill_dies_mid_way_leaves_nothing_held(chunked, monkeypatch):
+    """The prefill stops after three of its six steps (cancelled, as a dead worker's call
+    ends): its stream and lease end, the decode worker's staging finds the stream gone, and —
+    no generate() coming — gives its reserved blocks back after claim_s."""
+    pre, dec = chunked
+    monkeypatch.setattr(dec, "claim_s", 0.2)
+    step, steps = pre.engine.step, []
+    monkeypatch.setattr(pre.engine, "step", lambda: (steps.append(1), time.sleep(0.1), step())[2])
+    req = Request("prefill-dies", tuple(range(201, 291)), SP)
+
+    async def go():
+        staging = asyncio.ensure_future(dec.stage(req, Local(pre)))
+        prefill = asyncio.ensure_future(pre.prefill(req, "tcp", (), 1, True))
+        while len(steps) < 3:
+            await asyncio.sleep(0.005)
+        prefill.cancel()
+        await asyncio.gather(prefill, return_exceptions=True)
+        await asyncio.wait_for(staging, 10)
+        await no_leaks(pre, dec)
+
+    before = outcome_count(dec, HandoffState.ABORTED)
+    asyncio.run(go())
+    assert outcome_count(dec, HandoffState.ABORTED) == before + 1 and not dec.staged and not pre.streams

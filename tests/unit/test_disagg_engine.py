@@ -102,3 +102,61 @@ def test_pull_without_room_raises_and_leaks_nothing(path):
     run(dec)
     dec.check_invariants()
     assert dec.pool.num_in_use == 0
+
+
+def test_a_streamed_prefill_reports_its_blocks_as_they_are_computed(path, expected):
+    """stream_kv with a 16-token budget, so a 90-token prompt takes six steps: the engine
+    reports growing prefixes of the prompt's blocks, each as its step completes it and none the
+    last step completes (the final chunk hands those over); a block, once reported, never
+    changes; a decode engine that took the reported blocks early (into blocks it reserved) and
+    the rest at the end continues exactly. A second request with the same prompt reports its
+    cached blocks when it is first scheduled, before any of its compute."""
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    pre, dec = engine(path, max_num_batched_tokens=16), engine(path, num_kv_blocks=64)
+    prompt = prompts()[5]
+    seen: list[tuple[int, object]] = []  # (step it came in, progress)
+    snaps = {}
+
+    def sink(p):
+        seen.append((pre._steps, p))
+        for b in p.block_ids:
+            snaps.setdefault(b, pre.kv.storage[:, :, b].clone())
+
+    pre.kv_progress = sink
+    pre.add_request(Request("5", prompt, sp), prefill_only=True, stream_kv=True)
+    dst = dec.reserve_pulled(Request("5", prompt, sp))
+    first = blocks = None
+    while pre.has_unfinished():
+        for c in pre.step():
+            first, blocks = c.token_ids[0], c.kv_blocks
+    reported = [p.block_ids for _, p in seen]
+    assert [len(b) for b in reported] == [1, 2, 3, 4, 5]  # 90 tokens: 5 full blocks, one per 16-token step
+    assert all(b == blocks[:len(b)] for b in reported) and len(blocks) == 6
+    for b, before in snaps.items():
+        assert torch.equal(pre.kv.storage[:, :, b], before)  # reported, then never rewritten
+    dec.kv.storage[:, :, dst[:5]] = pre.kv.storage[:, :, list(reported[-1])]  # what streamed
+    dec.kv.storage[:, :, dst[5:]] = pre.kv.storage[:, :, list(blocks[5:])]  # the rest, at the end
+    assert dec.add_pulled(Request("5", prompt, sp), first) == dst
+    dec.kv_ready("5")
+    assert [first] + run(dec)["5"] == expected["5"]
+    assert pre.release_detached("5")
+
+    seen.clear()
+    step = pre._steps
+    pre.add_request(Request("again", prompt, sp), prefill_only=True, stream_kv=True)
+    pre.step()
+    assert seen and seen[0][0] == step and len(seen[0][1].block_ids) == 5  # cached: before its compute
+    pre.abort("again")
+    for e in (pre, dec):
+        e.check_invariants()
+        assert e.pool.num_in_use == 0
+
+
+def test_reserved_blocks_are_freed_by_an_abort(path):
+    dec = engine(path, num_kv_blocks=16)
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    assert len(dec.reserve_pulled(Request("a", [5] * 40, sp))) == 3
+    assert not dec.holds_nothing() and dec.pool.num_in_use == 3
+    dec.check_invariants()
+    dec.abort("a")
+    assert dec.holds_nothing() and dec.pool.num_in_use == 0

@@ -71,6 +71,18 @@ class Handoff:
             self._abort_requested = True
             return self.state in (S.READY, S.RECOMPUTE)
 
+    def reserve(self, engine: Engine, req, outputs: tuple[int, ...]) -> list[int]:
+        """On the engine thread: destination blocks for a context the peer is still computing
+        (a streamed handoff; `adopt` makes them the request's once its token is known)."""
+        dst = engine.reserve_pulled(req, outputs)
+        self.allocated = True
+        return dst
+
+    def adopt(self, engine: Engine, req, outputs: tuple[int, ...]) -> list[int]:
+        """On the engine thread: the reserved blocks become the request's, `outputs` ending
+        with the peer's token (as `allocate` would have made them)."""
+        return engine.add_pulled(req, outputs[-1], outputs[:-1])
+
     def allocate(self, engine: Engine, req, outputs: tuple[int, ...]) -> list[int]:
         """On the engine thread: destination blocks for the context (prompt + `outputs`, the last
         of which is the peer's token). Raises OutOfBlocks."""

@@ -21,6 +21,7 @@ import time
 from typing import Any, AsyncIterator, Sequence
 
 from splitserve.config import EngineConfig
+from splitserve.worker.decode import streamed
 from splitserve.worker.decode.callers import Callers
 from splitserve.worker.decode.handoff import FINAL, Handoff, HandoffState
 from splitserve.engine.kv_cache import OutOfBlocks
@@ -50,6 +51,8 @@ class DecodeWorker(KVWorker):
         self.policy = on_transfer_failure
         self.transfer_failures: dict[str, int] = {}
         self.handoffs: dict[str, Handoff] = {}  # landing now
+        self.staged: dict[str, streamed.Staging] = {}  # streamed handoffs landing ahead of their generate()
+        self.claim_s = 30.0  # how long a staging whose stream ended waits for its generate()
         self.handoff_outcomes: collections.Counter[HandoffState] = collections.Counter()
         self._early_aborts: collections.OrderedDict[str, bool] = collections.OrderedDict()
         self.callers = Callers(self.abort)  # the ingress replicas streaming from here, watched
@@ -71,8 +74,12 @@ class DecodeWorker(KVWorker):
                 return
             started = time.monotonic()
             outputs = tuple(outputs)
-            q = await (self._admit_pulled(req, handoff, prefill, outputs) if handoff else
-                       self.loop.submit(req, outputs=outputs))
+            if handoff is not None and (handoff.streamed or rid in self.staged):
+                q = await self._admit_streamed(req, handoff, prefill, outputs)
+            elif handoff is not None:
+                q = await self._admit_pulled(req, handoff, prefill, outputs)
+            else:
+                q = await self.loop.submit(req, outputs=outputs)
             if q is None:  # aborted during the handoff: its blocks are free already
                 finished = True
                 yield TokenChunk(rid, (), finish_reason=FinishReason.ABORT)
@@ -100,7 +107,100 @@ class DecodeWorker(KVWorker):
                 await self.loop.abort(rid)
 
     def held(self) -> int:
-        return super().held() + self._streams
+        return super().held() + self._streams + len(self.staged)
+
+    # -- a streamed handoff (streamed.py) --------------------------------------------------------
+    async def stage(self, req: Request, prefill: Any, outputs: tuple[int, ...] = ()) -> None:
+        """Start landing a streamed handoff while its prompt is being computed (the
+        orchestrator calls it with the prefill). Returns when the stream has ended here."""
+        rid = req.request_id
+        if rid in self.handoffs or self._early_aborts.get(rid):
+            return  # generate() got here first, or the request is over already
+        await streamed.stage(self, req, prefill, tuple(outputs), self.claim_s)
+
+    async def drop_staging(self, request_id: str) -> None:
+        """A staging nobody claimed: its reserved blocks go (once no transfer writes them)."""
+        st = self.staged.get(request_id)
+        if st is None or st.claimed:
+            return
+        del self.staged[request_id]
+        ho = st.ho
+        try:
+            await _uncancelled(self.loop.call(ho.finish, self.engine, S.ABORTED))
+        finally:
+            if self.handoffs.get(request_id) is ho:
+                del self.handoffs[request_id]
+            self.handoff_outcomes[ho.state] += 1
+
+    async def _admit_streamed(self, req: Request, h: KVHandoff, prefill: Any, outputs: tuple[int, ...]
+                              ) -> asyncio.Queue | None:
+        """Land a streamed handoff: the staging's pieces (waited for, or taken now if stage()
+        never came), then the tail. Every way out ends the state machine once."""
+        rid = req.request_id
+        st = self.staged.get(rid)
+        if st is None:
+            st = await streamed.stage(self, req, prefill, outputs, 0.0, claimed=True)
+        else:
+            st.claimed = True
+            await st.ended.wait()
+        ho = st.ho
+        try:
+            return await self._land_streamed(req, h, prefill, st, outputs)
+        finally:
+            try:
+                if ho.state not in FINAL:
+                    await _uncancelled(self.loop.call(ho.finish, self.engine, S.ABORTED))
+            finally:
+                self.staged.pop(rid, None)
+                if self.handoffs.get(rid) is ho:
+                    del self.handoffs[rid]
+                self.handoff_outcomes[ho.state] += 1
+
+    async def _land_streamed(self, req: Request, h: KVHandoff, prefill: Any, st: streamed.Staging,
+                             outputs: tuple[int, ...]) -> asyncio.Queue | None:
+        ho, context = st.ho, (*outputs, h.first_token)
+        if not st.dst:  # no blocks were reserved: as an allocation that failed
+            await self._settle(h, prefill)
+            return await self._recompute(req, context, ho)
+        await self.loop.call(ho.adopt, self.engine, req, context)  # the request's blocks now
+        q = self.loop.watch(req.request_id)
+        if ho.abort_requested:
+            await self._settle(h, prefill)
+            return await self._end(ho, S.ABORTED, q)
+        kind = h.endpoint.transport
+        self.transfers_by_transport[kind] = self.transfers_by_transport.get(kind, 0) + 1
+        try:
+            if st.failure is not None:
+                raise st.failure
+            if st.landed != h.streamed and h.streamed:
+                raise TransferError("truncated", f"{st.landed} blocks of the stream landed, {h.streamed} were published")
+            await self._pull_tail(h, st.dst, prefill, ho)
+        except TransferError as e:
+            await self._settle(h, prefill)
+            if e.kind == "aborted" or ho.abort_requested:
+                return await self._end(ho, S.ABORTED, q)
+            self.transfer_failures[e.kind] = self.transfer_failures.get(e.kind, 0) + 1
+            if self.policy == "fail":
+                raise
+            log.warning("streamed KV for %s failed (%s): recomputing locally", req.request_id, e)
+            return await self._end(ho, S.RECOMPUTE, q)
+        return await self._end(ho, S.READY, q)
+
+    async def _pull_tail(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
+        """The blocks after the pieces (all of them when none were streamed), then the ack,
+        then their check."""
+        n = len(h.block_ids)
+        tail = h.piece(h.streamed, n - h.streamed, h.checksum)
+        check_header(h, self.layout)
+        try:
+            if n > h.streamed:
+                await self._read(tail, dst[h.streamed:], prefill, ho)
+        finally:
+            live = await self._settle(h, prefill)
+        if not live:
+            raise TransferError("lease_expired", f"lease {h.lease_id} lapsed before the read was acknowledged")
+        ho.move(S.VERIFYING)
+        await asyncio.to_thread(verify_landed, self.engine.kv.storage, self.layout, tail, dst[h.streamed:])
 
     # -- the handoff ----------------------------------------------------------------------------
     async def _admit_pulled(self, req: Request, h: KVHandoff, prefill: Any, outputs: tuple[int, ...]
@@ -175,6 +275,8 @@ class DecodeWorker(KVWorker):
                 raise TransferError("header", "this decode worker is tensor-parallel: it reads handoffs that "
                                               "carry every source rank's part only")
             else:
+                kind = h.endpoint.transport
+                self.transfers_by_transport[kind] = self.transfers_by_transport.get(kind, 0) + 1
                 await self._read(h, dst, prefill, ho)
         finally:
             live = await self._settle(h, prefill)
@@ -226,8 +328,6 @@ class DecodeWorker(KVWorker):
         if transport is None:
             raise TransferError("unreachable", f"handoff over {h.endpoint.transport!r}; this worker reads "
                                 f"{list(self.transports)}")
-        kind = h.endpoint.transport
-        self.transfers_by_transport[kind] = self.transfers_by_transport.get(kind, 0) + 1
         handle = transport.read(h, dst)
         renewing = asyncio.ensure_future(self._renew(h, prefill))
         try:

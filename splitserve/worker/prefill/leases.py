@@ -48,6 +48,11 @@ class LeaseTable:
         lease.expires_at = self._clock() + self.ttl_s
         return True
 
+    def get(self, lease_id: str) -> Lease | None:
+        """The lease if it is live."""
+        lease = self._leases.get(lease_id)
+        return lease if lease is not None and lease.expires_at > self._clock() else None
+
     def settle(self, lease_id: str) -> Lease | None:
         """The reader is done: the lease ends. Returns it if it was still live (the blocks were
         pinned throughout), None if it had lapsed or is unknown."""

@@ -11,6 +11,7 @@ Ray actor.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -18,14 +19,15 @@ from typing import Sequence
 
 from splitserve.config import EngineConfig
 from splitserve.worker.kv_worker import KVWorker
-from splitserve.kv_transfer.base import KVHandoff, TransferHeader, TransportEndpoint
+from splitserve.kv_transfer.base import KVHandoff, StreamUpdate, TransferHeader, TransportEndpoint
 from splitserve.kv_transfer.head_slices import RankSource
 from splitserve.engine.parallel.rank_calls import on_all_ranks
 from splitserve.engine.parallel.shard import Shard
 from splitserve.worker import rank_kv
 from splitserve.kv_transfer.regions import kv_checksum
 from splitserve.worker.prefill.leases import LeaseTable
-from splitserve.types import ConfigError, Request, TokenChunk
+from splitserve.worker.prefill.stream import KVStream
+from splitserve.types import ConfigError, KVProgress, Request, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ class PrefillWorker(KVWorker):
         self._reaper: asyncio.Task | None = None
         self._prefilling: set[str] = set()  # prefill() calls in progress
         self._releasing: dict[str, asyncio.Task] = {}  # acknowledged leases whose blocks are being freed
+        self.streams: dict[str, KVStream] = {}  # streamed handoffs, from their prefill's start to their lease's end
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # streams over (bounded)
 
     def held(self) -> int:
         return super().held() + len(self._prefilling) + len(self.leases) + len(self._releasing)
@@ -63,51 +67,130 @@ class PrefillWorker(KVWorker):
         return self.endpoints[transport]
 
     async def prefill(self, req: Request, transport: str | None = None, outputs: tuple[int, ...] = (),
-                      reader_ranks: int = 1) -> PrefillResult:
+                      reader_ranks: int = 1, stream: bool = False) -> PrefillResult:
         """`outputs`: tokens the request already generated elsewhere (it migrated): computed as
         context, and the token sampled here is the one after them. `reader_ranks`: the
         tensor-parallel size of the decode worker that reads the handoff (more than 1, or more
-        than one rank here: the handoff carries every rank's part, head_slices.RankSource)."""
+        than one rank here: the handoff carries every rank's part, head_slices.RankSource).
+        `stream`: publish the prompt's blocks as they are computed (`kv_stream`), where the
+        handoff is one rank's to one rank."""
         endpoint = self.endpoint(transport)
         self._ensure_reaper()
         self._prefilling.add(req.request_id)
+        st = self._open_stream(req, endpoint, outputs) if stream and reader_ranks == 1 and self.engine.tp.size == 1 else None
         try:
-            return await self._prefill(req, endpoint, tuple(outputs), reader_ranks)
+            return await self._prefill(req, endpoint, tuple(outputs), reader_ranks, st)
         finally:
             self._prefilling.discard(req.request_id)
 
     async def _prefill(self, req: Request, endpoint: TransportEndpoint, outputs: tuple[int, ...],
-                       reader_ranks: int) -> PrefillResult:
-        q = await self.loop.submit(req, prefill_only=True, outputs=outputs)
+                       reader_ranks: int, st: KVStream | None) -> PrefillResult:
         try:
-            item = await q.get()
-        except BaseException:  # cancelled: the caller is gone
-            await self.loop.abort(req.request_id)
+            q = await self.loop.submit(req, prefill_only=True, outputs=outputs, stream_kv=st is not None)
+            while isinstance(item := await q.get(), KVProgress):
+                await self._publish(st, item)
+        except BaseException as e:  # cancelled (the caller is gone) or refused
+            await self._close_stream(st)
+            if not isinstance(e, ConfigError):
+                await self.loop.abort(req.request_id)
             raise
         if isinstance(item, Exception):
+            await self._close_stream(st)
             await self.loop.abort(req.request_id)
             raise item
         done_at = time.time()
         if item.kv_blocks is None:
+            await self._close_stream(st)
             return PrefillResult(item, None, done_at)
         try:
-            return PrefillResult(item, await self._handoff(req, item, endpoint, reader_ranks, done_at), done_at)
+            return PrefillResult(item, await self._handoff(req, item, endpoint, reader_ranks, done_at, st), done_at)
         except BaseException:  # cancelled or failed after the blocks were detached: nobody will ack
             # (a lease _handoff granted before failing, it ended on its way out)
+            await self._close_stream(st)
             await self.loop.call(self.engine.release_detached, req.request_id)
             raise
 
+    # -- a streamed handoff -----------------------------------------------------------------
+    def _open_stream(self, req: Request, endpoint: TransportEndpoint, outputs) -> KVStream:
+        """A stream, and the lease its reader reads under from the first piece to the ack."""
+        lease = self.leases.grant(req.request_id)
+        header = TransferHeader(req.request_id, self.layout.model_fingerprint, self.layout.dtype,
+                                self.layout.block_size, self.layout.num_layers, 0, lease.epoch)
+        opening = KVHandoff(req.request_id, -1, None, len(req.prompt_token_ids) + len(outputs), 0, (), endpoint,
+                            lease.lease_id, lease.expires_at, header, 0, lease.token)
+        st = self.streams[req.request_id] = KVStream(opening)
+        return st
+
+    async def _publish(self, st: KVStream, p: KVProgress) -> None:
+        """New complete blocks: checksummed off the engine thread (the prefill goes on), then
+        readable under the stream's lease. A new epoch (preempted) voids the earlier ones."""
+        if st.done:
+            return
+        if p.epoch != st.epoch:
+            st.restart(p.epoch)
+            self._allow(st, ())
+        new = p.block_ids[len(st.blocks):]
+        if not new or p.block_ids[:len(st.blocks)] != st.blocks:
+            return
+        checksum = await asyncio.to_thread(kv_checksum, self.engine.kv.storage, self.layout, new)
+        if st.done or p.epoch != st.epoch:  # it ended (or restarted) meanwhile
+            return
+        st.add(new, checksum)
+        self._allow(st, st.blocks)
+
+    def _allow(self, st: KVStream, blocks) -> None:
+        token = st.opening.lease_token
+        for t in self.transports.values():
+            t.revoke(token)
+            if blocks:
+                t.allow(token, blocks)
+
+    async def _close_stream(self, st: KVStream | None) -> None:
+        """The stream ends without a handoff (the request failed or finished in its prefill):
+        its lease ends, so nothing of it is read any more."""
+        if st is None:
+            return
+        self._drop_stream(st)
+        lease = self.leases.settle(st.lease_id)
+        for t in self.transports.values():
+            t.revoke(st.opening.lease_token)
+        if lease is None:
+            await self._reap()
+
+    async def kv_stream(self, request_id: str, have: int = 0, epoch: int = 0, wait_s: float = 1.0) -> StreamUpdate:
+        """A reader's view of a streamed handoff: what is new after its `have` pieces of `epoch`,
+        once there is some (or after `wait_s`). Renews the stream's lease: its reader is alive.
+        A stream not begun yet (the reader's call came first: Ray orders neither) is waited for;
+        one that is over says so (`done`, no handoff)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while (st := self.streams.get(request_id)) is None:
+            if request_id in self._ended:
+                return StreamUpdate(None, (), 0, True)
+            if loop.time() >= deadline:
+                return StreamUpdate(None, (), 0, False)
+            await asyncio.sleep(0.002)
+        self.leases.renew(st.lease_id)
+        return await st.wait(have, epoch, max(0.0, deadline - loop.time()))
+
     async def _handoff(self, req: Request, chunk: TokenChunk, endpoint: TransportEndpoint,
-                       reader_ranks: int, computed_at: float) -> KVHandoff:
+                       reader_ranks: int, computed_at: float, st: KVStream | None = None) -> KVHandoff:
         blocks = chunk.kv_blocks
         checksum, ranks = 0, ()
+        lease = self.leases.get(st.lease_id) if st is not None else None
+        streamed = len(st.blocks) if lease is not None and tuple(blocks[:len(st.blocks)]) == st.blocks else 0
         if reader_ranks > 1 or self.engine.tp.size > 1:  # sliced: every rank's heads checksummed instead
             ranks = await self._rank_sources(blocks)
         else:  # off the engine thread (prefills keep running): detached blocks are written by no one
-            checksum = await asyncio.to_thread(kv_checksum, self.engine.kv.storage, self.layout, blocks)
-        lease = self.leases.grant(req.request_id)
+            checksum = await asyncio.to_thread(kv_checksum, self.engine.kv.storage, self.layout, blocks[streamed:])
+        if st is not None and lease is None:  # its lease lapsed mid-stream: the handoff starts afresh
+            await self._close_stream(st)
+            st = None
+        lease = lease or self.leases.grant(req.request_id)
         for t in self.transports.values():  # its reader may read these blocks, and only while leased
             t.allow(lease.token, blocks)
+        if st is not None:
+            st.close()  # no more pieces: the reader reads the rest with the handoff
         if self.engine.tp.size > 1:  # and those of the other ranks' caches
             try:
                 await self.loop.call(on_all_ranks, self.engine, rank_kv.allow, lease.token, blocks)
@@ -120,7 +203,8 @@ class PrefillWorker(KVWorker):
                                 self.layout.block_size, self.layout.num_layers, len(blocks), lease.epoch)
         return KVHandoff(req.request_id, chunk.token_ids[0], chunk.logprobs[0] if chunk.logprobs else None,
                          chunk.num_prompt_tokens, chunk.num_cached_tokens, tuple(blocks), endpoint,
-                         lease.lease_id, lease.expires_at, header, checksum, lease.token, ranks, computed_at)
+                         lease.lease_id, lease.expires_at, header, checksum, lease.token, ranks, computed_at,
+                         streamed)
 
     async def _rank_sources(self, blocks) -> tuple[RankSource, ...]:
         """Every rank's part of the handoff: its endpoints, its KV heads, a checksum per head
@@ -143,6 +227,7 @@ class PrefillWorker(KVWorker):
             await self._reap()
             return False
         rid = lease.request_id
+        self._forget_stream(rid, lease_id)
         # registered at once (check_invariants counts these blocks as being freed); the task
         # runs only after the revokes below, at this coroutine's return
         self._releasing[rid] = asyncio.get_running_loop().create_task(self._release(rid, lease.token))
@@ -177,8 +262,21 @@ class PrefillWorker(KVWorker):
             except Exception:  # the engine stopped: the worker is replaced, its memory with it
                 log.warning("could not free the blocks of a lapsed lease", exc_info=True)
 
+    def _forget_stream(self, request_id: str, lease_id: str) -> None:
+        st = self.streams.get(request_id)
+        if st is not None and st.lease_id == lease_id:  # its lease is over: so is the stream
+            self._drop_stream(st)
+
+    def _drop_stream(self, st: KVStream) -> None:
+        st.close()
+        self.streams.pop(st.request_id, None)
+        self._ended[st.request_id] = None
+        while len(self._ended) > 4096:  # bounded: readers ask within seconds of the end
+            self._ended.popitem(last=False)
+
     async def _end(self, lease) -> None:
         """A lease is over: its token reads nothing more, then its blocks are free."""
+        self._forget_stream(lease.request_id, lease.lease_id)
         for t in self.transports.values():
             t.revoke(lease.token)
         await self.loop.call(self._free, lease.request_id, lease.token)
@@ -199,6 +297,9 @@ class PrefillWorker(KVWorker):
                         - set(self._releasing))
             if unleased:
                 raise AssertionError(f"blocks detached with no lease for requests {sorted(unleased)}")
+            stray = set(self.streams) - self.leases.request_ids() - self._prefilling
+            if stray:
+                raise AssertionError(f"streams with neither a prefill nor a lease: {sorted(stray)}")
             return self.engine.block_counts()
 
         def check_rank_grants() -> None:  # the other ranks forget an acknowledged lease's token as its blocks are freed

@@ -1,0 +1,117 @@
+"""The decode side of a streamed handoff (DESIGN.md §1 step 6, streamed): the orchestrator
+calls `stage` as it sends the prompt to the prefill worker, so blocks for the context are
+reserved here and every piece the prefill publishes (`PrefillWorker.kv_stream`) is pulled and
+checked against its own checksum while the prompt is still being computed. `generate` then
+finds the staging, and once the prefill's handoff arrives only the tail — the blocks its last
+step completed — is pulled and checked before the request joins the batch.
+
+A `Staging` is the landing's first half. It runs under the request's `Handoff` (the state
+machine of handoff.py: ALLOCATING while blocks are reserved, PULLING while pieces land), so an
+abort at any point frees the reserved blocks once no transfer writes them. A staging that no
+`generate` claims within `claim_s` after its stream ended aborts itself (its orchestrator went
+elsewhere, or away). Its failure — a corrupt or void piece, no room — is kept for `generate`,
+which then recomputes (or fails) as for any pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.engine.kv_cache import OutOfBlocks
+from splitserve.kv_transfer.base import KVHandoff, StreamPiece, TransferError
+from splitserve.kv_transfer.verify import check_header, verify_landed
+from splitserve.types import Request
+from splitserve.worker.decode.handoff import Handoff, HandoffState
+
+log = logging.getLogger(__name__)
+S = HandoffState
+STREAM_POLL_S = 1.0  # the longest one kv_stream call waits for news
+
+
+@dataclass
+class Staging:
+    ho: Handoff
+    dst: list[int] = field(default_factory=list)  # reserved destination blocks, in context order
+    landed: int = 0  # leading blocks pulled and checked
+    pieces: int = 0  # pieces taken, of `epoch`
+    epoch: int = 0
+    failure: TransferError | None = None
+    claimed: bool = False  # generate() has taken it over
+    transport: str = ""
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # stage() has returned
+
+
+async def stage(worker, req: Request, prefill: Any, outputs: tuple[int, ...], claim_s: float,
+                claimed: bool = False) -> Staging:
+    """Reserve blocks and pull the pieces as they are published, until the stream ends."""
+    rid = req.request_id
+    ho = worker.handoffs[rid] = Handoff(rid)
+    st = worker.staged[rid] = Staging(ho, claimed=claimed)
+    try:
+        return await _stage(worker, st, req, prefill, outputs, claim_s)
+    finally:
+        st.ended.set()
+
+
+async def _stage(worker, st: Staging, req: Request, prefill: Any, outputs: tuple[int, ...], claim_s: float) -> Staging:
+    rid, ho = req.request_id, st.ho
+    try:
+        await worker.loop.prepare(req.params)
+        st.dst = await worker.loop.call(ho.reserve, worker.engine, req, outputs)
+    except OutOfBlocks:
+        st.failure = TransferError("internal", "no free blocks to stage the stream into")
+        return st
+    if ho.abort_requested:
+        st.failure = TransferError("aborted", "aborted while its blocks were reserved")
+    else:
+        ho.move(S.PULLING)
+    try:
+        if st.failure is None:
+            await _follow(worker, st, rid, prefill, max(claim_s, 5.0))
+    except TransferError as e:
+        st.failure = e
+    except Exception as e:  # the prefill worker is gone (a Ray error): generate() learns it from its handoff
+        st.failure = TransferError("unreachable", f"the stream's prefill worker failed: {type(e).__name__}")
+    if not st.claimed:  # wait a while for generate() to take it over, else give the blocks back
+        waited = asyncio.get_running_loop().time()
+        while not st.claimed and not ho.abort_requested and asyncio.get_running_loop().time() - waited < claim_s:
+            await asyncio.sleep(0.01)
+        if not st.claimed:
+            await worker.drop_staging(rid)
+    return st
+
+
+async def _follow(worker, st: Staging, rid: str, prefill: Any, claim_s: float) -> None:
+    """Take pieces until the stream ends; each is read and checked before the next."""
+    began = asyncio.get_running_loop().time()
+    while not st.ho.abort_requested:
+        upd = await prefill.kv_stream.remote(rid, st.pieces, st.epoch, STREAM_POLL_S)
+        if upd.handoff is None:
+            if upd.done or asyncio.get_running_loop().time() - began > claim_s:
+                return  # over (its lease ended), or it never began: generate() decides
+            continue  # not begun yet: our call came before the prefill's
+        if upd.epoch != st.epoch:  # the prefill was preempted: what landed is void
+            st.epoch, st.pieces, st.landed = upd.epoch, 0, 0
+        if not st.transport:
+            check_header(upd.handoff, worker.layout)
+            st.transport = upd.handoff.endpoint.transport
+        for p in upd.pieces:
+            await land_piece(worker, st, upd.handoff, p)
+            st.pieces += 1
+        if upd.done and not upd.pieces:
+            return
+
+
+async def land_piece(worker, st: Staging, h: KVHandoff, p: StreamPiece) -> None:
+    if p.first != st.landed:
+        raise TransferError("truncated", f"piece at block {p.first}, {st.landed} landed before it")
+    if p.first + len(p.block_ids) > len(st.dst):
+        raise TransferError("header", f"piece past the context's {len(st.dst)} blocks")
+    piece = h.piece(p.first, len(p.block_ids), p.checksum)  # h lists every published block
+    dst = st.dst[p.first:p.first + len(p.block_ids)]
+    await worker._read(piece, dst, None, st.ho)
+    await asyncio.to_thread(verify_landed, worker.engine.kv.storage, worker.layout, piece, dst)
+    st.landed = p.first + len(p.block_ids)
