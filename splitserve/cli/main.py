@@ -136,6 +136,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    choices=["cache_aware", "round_robin", "least_loaded", "power_of_two"])
     p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "nixl"])
     p.add_argument("--disagg-min-tokens", type=int, default=32)
+    p.add_argument("--kv-streaming", choices=["on", "off"], default="on",
+                   help="move a prompt's KV to its decode worker while the prefill computes it (on), or in one "
+                        "piece after it (off) (default: %(default)s)")
+    p.add_argument("--kv-streaming-min-tokens", type=int, default=512, metavar="N",
+                   help="stream only contexts of at least N tokens (default: %(default)s)")
     p.add_argument("--address", default=None, help="join this Ray cluster ('auto': the one running here; by "
                                                    "default a cluster running here is joined, else one is started)")
     p.add_argument("--prefill-resources", type=_json_object, default={}, metavar="JSON",

@@ -37,6 +37,11 @@ class DeployConfig:
     transport: str = "auto"
     policy: str = "cache_aware"
     disagg_min_tokens: int = 32
+    # Stream a prompt's KV to its decode worker while the prefill computes it (DESIGN.md §1,
+    # worker/decode/streamed.py), for contexts of at least kv_streaming_min_tokens; below, and
+    # with it off, the KV moves in one piece after the prefill.
+    kv_streaming: bool = True
+    kv_streaming_min_tokens: int = 512
     engine: dict = dataclasses.field(default_factory=dict)  # EngineConfig keys (model aside)
     max_inflight: int = 256
     # max_tokens of a request that sets none (chat; completions too): None, the model's
@@ -119,7 +124,10 @@ class DeployConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}")
 
-        for name, low in (("prefill", 0), ("decode", 1), ("disagg_min_tokens", 0), ("max_inflight", 1),
+        if not isinstance(self.kv_streaming, bool):
+            raise ConfigError(f"kv_streaming must be true or false, got {self.kv_streaming!r}")
+        for name, low in (("prefill", 0), ("decode", 1), ("disagg_min_tokens", 0), ("kv_streaming_min_tokens", 0),
+                          ("max_inflight", 1),
                           ("ingress_replicas", 1), ("migration_limit", 0), ("max_pool_size", 1),
                           ("prefill_tp", 1), ("decode_tp", 1)):
             integer(name, low)

@@ -68,7 +68,8 @@ class ClusterBackend:
         self._reporter: asyncio.Task | None = None
         self.orchestrator = Orchestrator(self.directory, migration_limit=cfg.migration_limit,
                                          inactivity_timeout_s=cfg.decode_inactivity_timeout_s,
-                                         prefill_timeout_s=cfg.prefill_timeout_s)
+                                         prefill_timeout_s=cfg.prefill_timeout_s,
+                                         kv_streaming_min_tokens=cfg.kv_streaming_min_tokens if cfg.kv_streaming else None)
 
     async def start(self) -> None:
         await self.directory.start()

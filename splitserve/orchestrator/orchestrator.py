@@ -27,8 +27,11 @@ __all__ = ["Orchestrator", "RequestTrace"]
 
 class Orchestrator:
     def __init__(self, directory: Directory, traces: int = 4096, migration_limit: int = 3,
-                 inactivity_timeout_s: float = 30.0, prefill_timeout_s: float = 120.0) -> None:
+                 inactivity_timeout_s: float = 30.0, prefill_timeout_s: float = 120.0,
+                 kv_streaming_min_tokens: int | None = None) -> None:
         self.directory = directory
+        # contexts this long or longer stream their KV during the prefill (None: none does)
+        self.kv_streaming_min_tokens = kv_streaming_min_tokens
         self.migration_limit = migration_limit
         self.inactivity_timeout_s, self.prefill_timeout_s = inactivity_timeout_s, prefill_timeout_s
         self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=traces)  # recent only

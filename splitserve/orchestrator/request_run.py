@@ -120,7 +120,29 @@ class RequestRun:
         """Its PrefillResult, or None when the worker failed (it leaves placement)."""
         reader = self.route.decode.info
         readers = 1 + len(reader.ranks) if reader is not None else 1  # its tensor-parallel size
-        ref = worker.handle.prefill.remote(self.req, self.route.transport, tuple(self.delivered), readers)
+        stream = self._streams(worker, readers)
+        ref = worker.handle.prefill.remote(self.req, self.route.transport, tuple(self.delivered), readers, stream)
+        if not stream:
+            return await self._prefill_result(worker, ref)
+        # its decode worker lands the KV as the prefill publishes it (worker/decode/streamed.py)
+        decode = self.route.decode.handle
+        _in_background(_quietly(decode.stage.remote(self.req, worker.handle, tuple(self.delivered))))
+        result = None
+        try:
+            result = await self._prefill_result(worker, ref)
+        finally:
+            if result is None or result.handoff is None:  # nothing to land: what it staged goes back now
+                _fire(decode.drop_staging.remote(self.req.request_id))
+        return result
+
+    def _streams(self, worker, readers: int) -> bool:
+        """Whether this prefill streams its KV: on, one rank to one rank, and a long context."""
+        least = self.o.kv_streaming_min_tokens
+        ranks = worker.info.ranks if worker.info is not None else ()
+        return (least is not None and readers == 1 and not ranks
+                and len(self.req.prompt_token_ids) + len(self.delivered) >= least)
+
+    async def _prefill_result(self, worker, ref):
         try:
             result = await asyncio.wait_for(_awaitable(ref), self.o.prefill_timeout_s)
         except asyncio.CancelledError:  # the caller left: stop the prefill (and its lease) now
@@ -289,6 +311,14 @@ def _in_background(coro) -> None:
 
 def _fire(ref: Any) -> None:
     _in_background(_bounded(ref))
+
+
+async def _quietly(ref: Any) -> None:
+    """Wait for a long call nobody needs the answer of (a staging runs as long as its stream)."""
+    try:
+        await _awaitable(ref)
+    except Exception:  # its worker is gone: the request's own path finds out and moves on
+        pass
 
 
 def _abandon(ref, worker) -> None:

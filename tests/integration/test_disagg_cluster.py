@@ -59,10 +59,18 @@ def transports():
 
 @pytest.mark.parametrize("transport", transports())
 def test_32_concurrent_requests_exact(ray_session, model, expected, transport):
-    with Cluster.start(model=model, transport=transport, disagg_min_tokens=0, num_kv_blocks=256) as c:
+    """Streamed (issue 32): every prompt, however short, streams its KV, and a 32-token step
+    budget makes the longer ones span several chunks, so pieces land while they are computed
+    — over each transport the tokens still equal the single engine's (which the off mode, the
+    other tests here, equals too)."""
+    with Cluster.start(model=model, transport=transport, disagg_min_tokens=0, num_kv_blocks=256,
+                       kv_streaming_min_tokens=0, max_num_batched_tokens=32) as c:
         outs = c.generate(prompts(), SP)
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert all(t.prefill_done_to_first_token_s is not None for t in c.timings)  # all disaggregated
+        decode = c.check_invariants()[-1]
+        assert decode["pieces_landed"] > 0 and decode["transfer_failures"] == {}, decode
+        assert decode["staged"] == 0
         assert_drained(c)
 
 

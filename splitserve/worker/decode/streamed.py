@@ -40,6 +40,7 @@ class Staging:
     epoch: int = 0
     failure: TransferError | None = None
     claimed: bool = False  # generate() has taken it over
+    abandoned: bool = False  # generate() came with a handoff that streamed nothing: stop following
     transport: str = ""
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # stage() has returned
 
@@ -87,7 +88,7 @@ async def _stage(worker, st: Staging, req: Request, prefill: Any, outputs: tuple
 async def _follow(worker, st: Staging, rid: str, prefill: Any, claim_s: float) -> None:
     """Take pieces until the stream ends; each is read and checked before the next."""
     began = asyncio.get_running_loop().time()
-    while not st.ho.abort_requested:
+    while not st.ho.abort_requested and not st.abandoned:
         upd = await prefill.kv_stream.remote(rid, st.pieces, st.epoch, STREAM_POLL_S)
         if upd.handoff is None:
             if upd.done or asyncio.get_running_loop().time() - began > claim_s:
@@ -115,3 +116,4 @@ async def land_piece(worker, st: Staging, h: KVHandoff, p: StreamPiece) -> None:
     await worker._read(piece, dst, None, st.ho)
     await asyncio.to_thread(verify_landed, worker.engine.kv.storage, worker.layout, piece, dst)
     st.landed = p.first + len(p.block_ids)
+    worker.pieces_landed += 1

@@ -53,6 +53,7 @@ class DecodeWorker(KVWorker):
         self.handoffs: dict[str, Handoff] = {}  # landing now
         self.staged: dict[str, streamed.Staging] = {}  # streamed handoffs landing ahead of their generate()
         self.claim_s = 30.0  # how long a staging whose stream ended waits for its generate()
+        self.pieces_landed = 0  # streamed pieces landed and checked ahead of their handoff
         self.handoff_outcomes: collections.Counter[HandoffState] = collections.Counter()
         self._early_aborts: collections.OrderedDict[str, bool] = collections.OrderedDict()
         self.callers = Callers(self.abort)  # the ingress replicas streaming from here, watched
@@ -142,6 +143,7 @@ class DecodeWorker(KVWorker):
             st = await streamed.stage(self, req, prefill, outputs, 0.0, claimed=True)
         else:
             st.claimed = True
+            st.abandoned = not h.streamed  # nothing was streamed after all: the whole pull follows
             await st.ended.wait()
         ho = st.ho
         try:
@@ -373,7 +375,8 @@ class DecodeWorker(KVWorker):
 
     async def check_invariants(self) -> dict:
         counts = await self.loop.call(self.engine.block_counts)
-        return {**counts, "handoffs": len(self.handoffs), "transfer_failures": dict(self.transfer_failures),
+        return {**counts, "handoffs": len(self.handoffs), "staged": len(self.staged), "pieces_landed": self.pieces_landed,
+                "transfer_failures": dict(self.transfer_failures),
                 "transfers_by_transport": dict(self.transfers_by_transport)}
 
 
