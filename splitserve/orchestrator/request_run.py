@@ -87,6 +87,8 @@ class RequestRun:
             r = pre.result
             self.trace.prefill_worker, self.trace.transport = str(pre.worker.id), self.route.transport
             self.trace.prefill_done_to_first_token_s = time.time() - r.done_at
+            if r.chunk.phases is not None:
+                self.trace.prefill_s = r.chunk.phases.prefill_s
             if r.handoff is None:  # finished during prefill (EOS, max_tokens)
                 self._deliver(r.chunk)
                 yield r.chunk
@@ -175,14 +177,16 @@ class RequestRun:
             if first is not None:
                 self._deliver(first)
                 yield first
-            first_at = time.monotonic()
+            last_at = time.monotonic()
             async with aclosing(_within(gen, self.o.inactivity_timeout_s)) as chunks:
                 async for chunk in chunks:
                     self.route.confirm(decode.id)
                     if chunk.finish_reason is FinishReason.ABORT:  # nobody here asked for that
                         raise DecodeLost("ended the stream", worker_may_run=False)
-                    if first is not None and self.trace.first_to_second_token_s is None and chunk.token_ids:
-                        self.trace.first_to_second_token_s = time.monotonic() - first_at
+                    if chunk.token_ids:
+                        self._record_gap(time.monotonic() - last_at, first is not None)
+                        last_at = time.monotonic()
+                    self._record_transfer(chunk)
                     self._deliver(chunk)
                     yield chunk
                     if chunk.finished:
@@ -201,6 +205,21 @@ class RequestRun:
                 _fire(decode.handle.abort.remote(self.req.request_id))
             elif stop_worker:  # the caller left: stopped before its slot is given back (bounded)
                 await _bounded(decode.handle.abort.remote(self.req.request_id))
+
+    def _record_gap(self, gap: float, after_prefill: bool) -> None:
+        """A token chunk's gap after the one before: the first after the prefill worker's token
+        (the hand-over's share of it), then the decode's own (the first 64)."""
+        t = self.trace
+        if after_prefill and t.first_to_second_token_s is None:
+            t.first_to_second_token_s = gap
+        elif len(t.inter_token_s) < 64:
+            t.inter_token_s.append(gap)
+
+    def _record_transfer(self, chunk: TokenChunk) -> None:
+        p = chunk.phases
+        if p is not None and p.transfer_s is not None:
+            t = self.trace
+            t.transfer_s, t.transfer_bytes, t.exposed_transfer_s = p.transfer_s, p.transfer_bytes, p.exposed_transfer_s
 
     # -- deliveries and moves -------------------------------------------------------------------
     def _deliver(self, chunk: TokenChunk) -> None:

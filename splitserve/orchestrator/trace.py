@@ -15,6 +15,11 @@ class RequestTrace:
     transport: str | None = None
     prefill_done_to_first_token_s: float | None = None  # prefill worker sampled → the caller has it
     first_to_second_token_s: float | None = None
+    prefill_s: float | None = None  # the prefill worker's: first scheduled → first token sampled
+    transfer_s: float | None = None  # the KV hand-over as the decode worker saw it, and its bytes
+    transfer_bytes: int | None = None
+    exposed_transfer_s: float | None = None  # the prefill's last pass ended → the KV verified (on the critical path)
+    inter_token_s: list[float] = field(default_factory=list)  # gaps between later decode chunks (the first 64)
     migrations: int = 0
     migrated_after: list[int] = field(default_factory=list)  # tokens delivered when each migration began
     migration_gaps_s: list[float] = field(default_factory=list)  # last token before → first after (client-seen)

@@ -154,7 +154,8 @@ def _matrix() -> list[Case]:
     cases.append(Case("gpu-ray-auth-own-secret-api-keys", ("values-gpu.yaml",),
                       ("rayAuth.secretName=ray-token", "apiKeys.secretName=splitserve-keys")))
     cases.append(Case("cpu-demo-ray-auth-disabled-no-pdb", ("values-cpu-demo.yaml",),
-                      ("rayAuth.mode=disabled", "podDisruptionBudget.enabled=false", "networkPolicy.enabled=false")))
+                      ("rayAuth.mode=disabled", "podDisruptionBudget.enabled=false", "networkPolicy.enabled=false",
+                       "serve.kvStreaming=false", "serve.kvStreamingMinTokens=0")))
     cases.append(Case("gpu-servicemonitor-secrets", ("values-gpu.yaml",),
                       ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prometheus",
                        "apiKeys.secretName=splitserve-keys", "kvSecret.secretName=splitserve-kv",
