@@ -168,11 +168,12 @@ class Recompute:
 
 
 def assert_nothing_held(c, load: Load, timeout: float = 10.0) -> None:
-    """Every live worker: no block in use, no lease, no handoff; admission back to zero."""
+    """Every live worker: no block in use, no lease, no handoff or staging; admission back to zero."""
     deadline = time.time() + timeout
     while True:
         counts = c.check_invariants()
-        held = [s for s in counts if s["in_use"] or s.get("leases", 0) or s.get("grants", 0) or s.get("handoffs", 0)]
+        held = [s for s in counts if s["in_use"] or s.get("leases", 0) or s.get("grants", 0) or s.get("handoffs", 0)
+                or s.get("staged", 0)]
         inflight = [f.admission.inflight for f in load.fronts]
         if not held and not any(inflight):
             break

@@ -519,3 +519,73 @@ def test_a_stream_whose_prefill_dies_mid_way_leaves_nothing_held(chunked, monkey
     before = outcome_count(dec, HandoffState.ABORTED)
     asyncio.run(go())
     assert outcome_count(dec, HandoffState.ABORTED) == before + 1 and not dec.staged and not pre.streams
+
+
+def test_a_stream_missing_a_piece_recomputes_exactly(chunked, tiny_checkpoint, monkeypatch):
+    """The stream as its reader sees it loses its second piece (a truncated stream): the next
+    piece does not start where the landed ones end, so the landing stops there ("truncated")
+    and the request is recomputed here, exactly; nothing is held."""
+    import dataclasses as dc
+
+    pre, dec = chunked
+    step = pre.engine.step
+    monkeypatch.setattr(pre.engine, "step", lambda: (time.sleep(0.05), step())[1])
+    prompt = tuple(range(11, 101))[::-1]
+    req = Request("truncated-stream", prompt, SP)
+
+    class Lossy(Local):
+        def __getattr__(self, name):
+            if name != "kv_stream":
+                return super().__getattr__(name)
+
+            async def kv_stream(*a):
+                upd = await pre.kv_stream(*a)
+                return dc.replace(upd, pieces=tuple(p for p in upd.pieces if p.first != 1))
+
+            return type("Method", (), {"remote": staticmethod(lambda *a: asyncio.ensure_future(kv_stream(*a)))})
+
+    before = dec.transfer_failures.get("truncated", 0)
+
+    async def go():
+        staging = asyncio.ensure_future(dec.stage(req, Lossy(pre)))
+        result = await pre.prefill(req, "tcp", (), 1, True)
+        chunks = await collect(dec.generate(req, result.handoff, Local(pre)))
+        await staging
+        await no_leaks(pre, dec)
+        return result, chunks
+
+    result, chunks = asyncio.run(go())
+    assert dec.transfer_failures["truncated"] == before + 1
+    assert [result.handoff.first_token] + [t for c in chunks for t in c.token_ids] == long_reference(tiny_checkpoint,
+                                                                                                      prompt)
+
+
+def test_a_dropped_staging_and_a_late_stage_give_their_blocks_back(chunked, monkeypatch):
+    """drop_staging mid-stream (the orchestrator will not claim it) stops the staging, which
+    frees its blocks once its read has stopped; a stage() that arrives after its request's
+    generate() has come and gone (Ray orders neither) finds the stream over and frees at once,
+    not after claim_s."""
+    pre, dec = chunked
+    step, steps = pre.engine.step, []
+    monkeypatch.setattr(pre.engine, "step", lambda: (steps.append(1), time.sleep(0.05), step())[2])
+    dropped, late = Request("dropped", tuple(range(21, 111)), SP), Request("late", tuple(range(31, 121)), SP)
+
+    async def go():
+        staging = asyncio.ensure_future(dec.stage(dropped, Local(pre)))
+        prefill = asyncio.ensure_future(pre.prefill(dropped, "tcp", (), 1, True))
+        while len(steps) < 3:
+            await asyncio.sleep(0.005)
+        await dec.drop_staging(dropped.request_id)
+        result = await prefill
+        await pre.ack(result.handoff.lease_id)  # what the orchestrator does with a result it drops
+        await asyncio.wait_for(staging, 10)
+        await no_leaks(pre, dec)
+
+        result = await pre.prefill(late, "tcp", (), 1, True)
+        await collect(dec.generate(late, result.handoff, Local(pre)))
+        await asyncio.wait_for(dec.stage(late, Local(pre)), 5)  # claim_s is 30 s
+        await no_leaks(pre, dec)
+
+    before = outcome_count(dec, HandoffState.ABORTED)
+    asyncio.run(go())
+    assert outcome_count(dec, HandoffState.ABORTED) == before + 2 and not dec.staged

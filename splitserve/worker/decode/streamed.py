@@ -7,9 +7,10 @@ step completed — is pulled and checked before the request joins the batch.
 
 A `Staging` is the landing's first half. It runs under the request's `Handoff` (the state
 machine of handoff.py: ALLOCATING while blocks are reserved, PULLING while pieces land), so an
-abort at any point frees the reserved blocks once no transfer writes them. A staging that no
-`generate` claims within `claim_s` after its stream ended aborts itself (its orchestrator went
-elsewhere, or away). Its failure — a corrupt or void piece, no room — is kept for `generate`,
+abort at any point frees the reserved blocks once no transfer writes them. Only the staging
+itself frees an unclaimed staging, on its way out: an abort (or `drop_staging`) only asks it
+to stop. One that no `generate` claims within `claim_s` after its stream ended frees itself
+(its orchestrator went elsewhere, or away). Its failure — a corrupt or void piece, no room — is kept for `generate`,
 which then recomputes (or fails) as for any pull.
 """
 
@@ -69,30 +70,35 @@ async def _stage(worker, st: Staging, req: Request, prefill: Any, outputs: tuple
         st.failure = TransferError("aborted", "aborted while its blocks were reserved")
     else:
         ho.move(S.PULLING)
+    over = False
     try:
         if st.failure is None:
-            await _follow(worker, st, rid, prefill, max(claim_s, 5.0))
+            over = await _follow(worker, st, rid, prefill, max(claim_s, 5.0))
     except TransferError as e:
         st.failure = e
     except Exception as e:  # the prefill worker is gone (a Ray error): generate() learns it from its handoff
         st.failure = TransferError("unreachable", f"the stream's prefill worker failed: {type(e).__name__}")
-    if not st.claimed:  # wait a while for generate() to take it over, else give the blocks back
-        waited = asyncio.get_running_loop().time()
-        while not st.claimed and not ho.abort_requested and asyncio.get_running_loop().time() - waited < claim_s:
-            await asyncio.sleep(0.01)
-        if not st.claimed:
-            await worker.drop_staging(rid)
+    # Wait a while for generate() to take it over, else give the blocks back — at once when the
+    # stream's lease is over already (its generate() came and went: a stage() that came late).
+    waited = asyncio.get_running_loop().time()
+    while not (st.claimed or over or ho.abort_requested) and asyncio.get_running_loop().time() - waited < claim_s:
+        await asyncio.sleep(0.01)
+    if not st.claimed:
+        await worker.free_staging(rid)
     return st
 
 
-async def _follow(worker, st: Staging, rid: str, prefill: Any, claim_s: float) -> None:
-    """Take pieces until the stream ends; each is read and checked before the next."""
+async def _follow(worker, st: Staging, rid: str, prefill: Any, claim_s: float) -> bool:
+    """Take pieces until the stream ends; each is read and checked before the next. True when
+    the stream was over before anything of it was seen (its lease ended)."""
     began = asyncio.get_running_loop().time()
     while not st.ho.abort_requested and not st.abandoned:
         upd = await prefill.kv_stream.remote(rid, st.pieces, st.epoch, STREAM_POLL_S)
         if upd.handoff is None:
-            if upd.done or asyncio.get_running_loop().time() - began > claim_s:
-                return  # over (its lease ended), or it never began: generate() decides
+            if upd.done:
+                return st.pieces == 0 and st.epoch == 0  # over: its lease ended
+            if asyncio.get_running_loop().time() - began > claim_s:
+                return False  # it never began: generate() decides
             continue  # not begun yet: our call came before the prefill's
         if upd.epoch != st.epoch:  # the prefill was preempted: what landed is void
             st.epoch, st.pieces, st.landed = upd.epoch, 0, 0
@@ -103,7 +109,8 @@ async def _follow(worker, st: Staging, rid: str, prefill: Any, claim_s: float) -
             await land_piece(worker, st, upd.handoff, p)
             st.pieces += 1
         if upd.done and not upd.pieces:
-            return
+            return False
+    return False
 
 
 async def land_piece(worker, st: Staging, h: KVHandoff, p: StreamPiece) -> None:

@@ -120,7 +120,14 @@ class DecodeWorker(KVWorker):
         await streamed.stage(self, req, prefill, tuple(outputs), self.claim_s)
 
     async def drop_staging(self, request_id: str) -> None:
-        """A staging nobody claimed: its reserved blocks go (once no transfer writes them)."""
+        """The orchestrator will not claim this staging (its prefill failed, or the request ended
+        there): it stops, and gives its blocks back once no transfer writes them."""
+        st = self.staged.get(request_id)
+        if st is not None and not st.claimed:
+            st.ho.request_abort()
+
+    async def free_staging(self, request_id: str) -> None:
+        """The staging's own way out, unclaimed: its reserved blocks go (no transfer runs now)."""
         st = self.staged.get(request_id)
         if st is None or st.claimed:
             return
@@ -139,6 +146,9 @@ class DecodeWorker(KVWorker):
         never came), then the tail. Every way out ends the state machine once."""
         rid = req.request_id
         st = self.staged.get(rid)
+        if st is not None and not st.claimed and st.ho.abort_requested:  # dropped, on its way out
+            await st.ended.wait()  # (a failed attempt's: this one stages afresh)
+            st = self.staged.get(rid)
         if st is None:
             st = await streamed.stage(self, req, prefill, outputs, 0.0, claimed=True)
         else:
