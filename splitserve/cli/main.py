@@ -139,7 +139,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-streaming", choices=["on", "off"], default="on",
                    help="move a prompt's KV to its decode worker while the prefill computes it (on), or in one "
                         "piece after it (off) (default: %(default)s)")
-    p.add_argument("--kv-streaming-min-tokens", type=int, default=512, metavar="N",
+    p.add_argument("--kv-streaming-min-tokens", type=int, default=2048, metavar="N",
                    help="stream only contexts of at least N tokens (default: %(default)s)")
     p.add_argument("--address", default=None, help="join this Ray cluster ('auto': the one running here; by "
                                                    "default a cluster running here is joined, else one is started)")

@@ -71,7 +71,7 @@ def deploy_options(args: argparse.Namespace, model: str) -> dict:
             "autoscale", "api_keys", "redis_url", "max_tokens_default", "tool_call_parser")
     engine = _engine_options(args)
     streaming = {"kv_streaming": getattr(args, "kv_streaming", "on") == "on",
-                 "kv_streaming_min_tokens": getattr(args, "kv_streaming_min_tokens", 512)}
+                 "kv_streaming_min_tokens": getattr(args, "kv_streaming_min_tokens", 2048)}
     tp = engine.pop("tensor_parallel_size", 1)  # on a cluster each pool has its own
     pools_tp = {f"{r}_tp": getattr(args, f"{r}_tp", None) or tp for r in ("prefill", "decode")}
     return {"model": model, "engine": engine, **pools_tp, **streaming, **{k: getattr(args, k) for k in keys}}

@@ -41,7 +41,7 @@ class DeployConfig:
     # worker/decode/streamed.py), for contexts of at least kv_streaming_min_tokens; below, and
     # with it off, the KV moves in one piece after the prefill.
     kv_streaming: bool = True
-    kv_streaming_min_tokens: int = 512
+    kv_streaming_min_tokens: int = 2048  # the default step budget: a prompt within one step streams nothing
     engine: dict = dataclasses.field(default_factory=dict)  # EngineConfig keys (model aside)
     max_inflight: int = 256
     # max_tokens of a request that sets none (chat; completions too): None, the model's
