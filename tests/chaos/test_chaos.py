@@ -41,10 +41,13 @@ def work(model):
 
 
 def cluster(model, name, **kw):
-    """Every prompt streams its KV (issue 32), and a 32-token step budget spreads the longer
-    ones over several chunks: the faults land mid-stream too."""
+    """Every prompt takes the streamed path (issue 32: staged on its decode worker, the KV
+    handed over as pieces and a tail). The step budget stays the default: these prompts are
+    compared token for token with an unchunked run, and a prompt computed in small chunks
+    differs in the last bits — enough to flip a near-tie (pieces landing mid-prefill under
+    faults: tests/unit/test_decode_lifecycle.py)."""
     opts = {"prefill": 1, "decode": 2, "transport": "auto", "disagg_min_tokens": 0, "num_kv_blocks": 512,
-            "decode_inactivity_timeout_s": 1.5, "kv_streaming_min_tokens": 0, "max_num_batched_tokens": 32, **kw}
+            "decode_inactivity_timeout_s": 1.5, "kv_streaming_min_tokens": 0, **kw}
     return Cluster.start(model=model, name=name, **opts)
 
 
@@ -88,12 +91,10 @@ def test_sigkill_the_prefill_worker_mid_transfer(ray_session, model, work):
     with cluster(model, "chaos-kill-prefill") as c:
         load = Load(c, ps, sps)
         load.wait_progress(1, of=max)  # the first handoffs are done, the rest are in flight or queued
-        streamed_before = pieces_landed(c)
         signal_worker(c.prefills[0], signal.SIGKILL)
         outcomes = load.result()
         report("SIGKILL prefill", c, outcomes, started)
         assert_outcomes(outcomes, ref, min_exact=N)
-        assert streamed_before > 0  # the kill landed on streams under way
         assert_nothing_held(c, load)
 
 
@@ -145,7 +146,7 @@ def test_every_transfer_corrupted(ray_session, model, work):
         assert_outcomes(outcomes, ref, min_exact=N)
         failures = sum(s.get("transfer_failures", {}).get("corrupt", 0) for s in c.check_invariants())
         assert failures >= N // 2, failures  # caught by verification, recomputed: right answers anyway
-        assert pieces_landed(c) == 0  # each stream's first piece was caught corrupt: none landed
+        assert pieces_landed(c) == 0  # every piece (or tail) was caught corrupt: none landed
         assert_nothing_held(c, load)
 
 

@@ -79,7 +79,8 @@ class DecodeWorker(KVWorker):
                 q = await self._admit_streamed(req, handoff, prefill, outputs)
             elif handoff is not None:
                 q = await self._admit_pulled(req, handoff, prefill, outputs)
-            else:
+            else:  # computed here (placed again without a prefill worker): a staging of before goes first
+                await self._stop_staging(rid)
                 q = await self.loop.submit(req, outputs=outputs)
             if q is None:  # aborted during the handoff: its blocks are free already
                 finished = True
@@ -126,6 +127,13 @@ class DecodeWorker(KVWorker):
         if st is not None and not st.claimed:
             st.ho.request_abort()
 
+    async def _stop_staging(self, request_id: str) -> None:
+        """Until an unclaimed staging of this id (an earlier attempt's) has given its blocks back."""
+        st = self.staged.get(request_id)
+        if st is not None and not st.claimed:
+            st.ho.request_abort()
+            await st.ended.wait()
+
     async def free_staging(self, request_id: str) -> None:
         """The staging's own way out, unclaimed: its reserved blocks go (no transfer runs now)."""
         st = self.staged.get(request_id)
@@ -147,7 +155,7 @@ class DecodeWorker(KVWorker):
         rid = req.request_id
         st = self.staged.get(rid)
         if st is not None and not st.claimed and st.ho.abort_requested:  # dropped, on its way out
-            await st.ended.wait()  # (a failed attempt's: this one stages afresh)
+            await self._stop_staging(rid)  # (a failed attempt's: this one stages afresh)
             st = self.staged.get(rid)
         if st is None:
             st = await streamed.stage(self, req, prefill, outputs, 0.0, claimed=True)
