@@ -466,6 +466,17 @@ def test_a_streamed_handoff_lands_its_pieces_during_the_prefill(chunked, tiny_ch
     assert not pre.streams and not dec.staged
 
 
+async def streamed_run(pre, dec, req, stage_peer):
+    """One streamed handoff end to end: staged through `stage_peer` (the prefill worker as the
+    decode worker's staging sees it), prefilled, landed, decoded; nothing held afterwards."""
+    staging = asyncio.ensure_future(dec.stage(req, stage_peer))
+    result = await pre.prefill(req, "tcp", (), 1, True)
+    chunks = await collect(dec.generate(req, result.handoff, Local(pre)))
+    await staging
+    await no_leaks(pre, dec)
+    return result, chunks
+
+
 def test_a_corrupt_piece_mid_stream_recomputes_exactly(chunked, tiny_checkpoint, monkeypatch):
     """The third of five pieces lands corrupt: its own check catches it as it lands, the
     request is recomputed here, the output still equals the reference, nothing is held."""
@@ -480,16 +491,8 @@ def test_a_corrupt_piece_mid_stream_recomputes_exactly(chunked, tiny_checkpoint,
     req = Request("corrupt-piece", prompt, SP)
     before = (dec.transfer_failures.get("corrupt", 0), outcome_count(dec, HandoffState.RECOMPUTE))
 
-    async def go():
-        staging = asyncio.ensure_future(dec.stage(req, Local(pre)))
-        result = await pre.prefill(req, "tcp", (), 1, True)
-        chunks = await collect(dec.generate(req, result.handoff, Local(pre)))
-        await staging
-        await no_leaks(pre, dec)
-        return result, chunks
-
-    result, chunks = asyncio.run(go())
-    assert dec.transports["tcp"].reads == 3, (dec.transfer_failures, result.handoff.streamed)  # it stopped at the corrupt piece: no tail read
+    result, chunks = asyncio.run(streamed_run(pre, dec, req, Local(pre)))
+    assert dec.transports["tcp"].reads == 3  # it stopped at the corrupt piece: no tail read
     assert (dec.transfer_failures["corrupt"], outcome_count(dec, HandoffState.RECOMPUTE)) == (before[0] + 1,
                                                                                                 before[1] + 1)
     assert [result.handoff.first_token] + [t for c in chunks for t in c.token_ids] == long_reference(tiny_checkpoint,
@@ -546,15 +549,7 @@ def test_a_stream_missing_a_piece_recomputes_exactly(chunked, tiny_checkpoint, m
 
     before = dec.transfer_failures.get("truncated", 0)
 
-    async def go():
-        staging = asyncio.ensure_future(dec.stage(req, Lossy(pre)))
-        result = await pre.prefill(req, "tcp", (), 1, True)
-        chunks = await collect(dec.generate(req, result.handoff, Local(pre)))
-        await staging
-        await no_leaks(pre, dec)
-        return result, chunks
-
-    result, chunks = asyncio.run(go())
+    result, chunks = asyncio.run(streamed_run(pre, dec, req, Lossy(pre)))
     assert dec.transfer_failures["truncated"] == before + 1
     assert [result.handoff.first_token] + [t for c in chunks for t in c.token_ids] == long_reference(tiny_checkpoint,
                                                                                                       prompt)
