@@ -14,6 +14,11 @@ the JSON.
             tokens + causal attention FLOPs) / time / peak; triton vs torch SDPA (vs flash_attn)
   fused_ablation  decode (batch 64 × 2K) and a 2K prefill with the fused residual+RMSNorm and
             rotary kernels vs the torch ops: whether they matter
+  streaming what publishing a streamed handoff's piece costs (issue 32) for one prefill chunk of
+            512 / 2K tokens of this model's KV: the piece's checksum (kv_transfer/regions.py, on
+            the device), its copy to pinned host memory (what tcp sends from) and device to device
+            (a same-node peer), each also as a share of that chunk's prefill time when the
+            prefill section measured one
   tp        the same model split over T = 2 and 4 GPUs (splitserve/engine/parallel: NCCL, one process
             per rank): decode step at batch 16 / 64 × 2K context and a 2K prefill; skipped with
             fewer GPUs than T (one H200 is the usual loan), run on CPU over gloo at T = 2 in --smoke
@@ -425,6 +430,41 @@ class Bench:
         print("host tier:", json.dumps(self.result["host_tier"]), flush=True)
         del ref
 
+    def streaming(self) -> None:
+        """Per prefill chunk: the piece's checksum and copies, against the chunk's prefill time."""
+        torch = self.torch
+        from splitserve.kv_transfer.base import KVLayout
+        from splitserve.kv_transfer.regions import kv_checksum
+
+        storage = self.kv_storage
+        L, _, nb, bs, h, d = storage.shape
+        layout = KVLayout(L, nb, bs, h, d, str(storage.dtype).removeprefix("torch."), storage.element_size(), "bench")
+        prefill_s = {r["tokens"]: r["seconds"] for r in self.result.get("prefill", [])
+                     if r.get("backend") == "triton" and "seconds" in r}
+        sync = torch.cuda.synchronize if storage.device.type == "cuda" else (lambda: None)
+        rows = []
+        for tokens in ((32, 64) if self.smoke else (512, 2048)):
+            n = min(tokens // self.block_size, storage.shape[2])
+            blocks = list(range(n))
+            idx = torch.tensor(blocks, device=storage.device)
+            piece = storage.index_select(2, idx)
+            host = torch.empty(piece.shape, dtype=piece.dtype, pin_memory=storage.device.type == "cuda")
+            peer = torch.empty_like(piece)
+            nbytes = piece.numel() * piece.element_size()
+            iters = 3 if self.smoke else 20
+            checksum_s = self.timeit(lambda: kv_checksum(storage, layout, blocks), iters)
+            d2h_s = self.timeit(lambda: (host.copy_(piece, non_blocking=True), sync()), iters)
+            d2d_s = self.timeit(lambda: (peer.copy_(piece), sync()), iters)
+            row = {"tokens": n * self.block_size, "bytes": nbytes, "checksum_s": checksum_s,
+                   "to_pinned_host_gb_per_s": nbytes / d2h_s / 1e9, "device_to_device_gb_per_s": nbytes / d2d_s / 1e9}
+            chunk_s = prefill_s.get(tokens)
+            if chunk_s:
+                row["checksum_share_of_chunk_prefill"] = checksum_s / chunk_s
+                row["to_host_share_of_chunk_prefill"] = d2h_s / chunk_s
+            rows.append(row)
+            print("streaming:", json.dumps(row), flush=True)
+        self.result["streaming"] = rows
+
     def summary(self) -> dict:
         """The issue's two goals, read off the rows."""
         out: dict[str, Any] = {}
@@ -688,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, if the GPU name is not known")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    ap.add_argument("--sections", default="kernels,decode,prefill,fused_ablation,host_tier,tp")
+    ap.add_argument("--sections", default="kernels,decode,prefill,fused_ablation,host_tier,streaming,tp")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -701,12 +741,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.copy_bandwidth()
     if "kernels" in sections:
         bench.guarded("kernels", bench.kernels)
-    if {"decode", "prefill", "fused_ablation", "host_tier"} & set(sections):
+    if {"decode", "prefill", "fused_ablation", "host_tier", "streaming"} & set(sections):
         bench.guarded("model", bench.build_model)
         need = 512 if args.smoke else 256 * (8192 + 16)  # the largest batch x context (capped by memory)
         if hasattr(bench, "model"):
             bench.guarded("kv", lambda: bench.allocate_kv(need))
-        for name in ("decode", "prefill", "fused_ablation", "host_tier"):
+        for name in ("decode", "prefill", "fused_ablation", "host_tier", "streaming"):
             if name in sections and hasattr(bench, "kv_storage"):
                 bench.guarded(name, getattr(bench, name))
     if "tp" in sections:
