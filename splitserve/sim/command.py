@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("router")
     r.add_argument("--policy", default="cache_aware", help="round_robin, least_loaded, power_of_two, cache_aware")
     r.add_argument("--disagg-min-tokens", type=int, default=32)
+    r.add_argument("--kv-streaming", choices=("on", "off"), default="on",
+                   help="the KV moves while the prompt is computed (on: only the last chunk's after it)")
+    r.add_argument("--kv-streaming-min-tokens", type=int, default=2048)
     r.add_argument("--ttft-slo-ms", type=float, default=None)
     r.add_argument("--tpot-slo-ms", type=float, default=None)
     r.add_argument("--no-admission", action="store_true", help="admit everything")
@@ -140,6 +143,7 @@ def config_of(a: argparse.Namespace) -> SimConfig:
         autoscale = AutoscaleConfig.from_dict(d, a.ttft_slo_ms and a.ttft_slo_ms / 1e3,
                                               a.tpot_slo_ms and a.tpot_slo_ms / 1e3)
     return SimConfig(prefill=prefill, decode=decode, policy=a.policy, disagg_min_tokens=a.disagg_min_tokens,
+                     kv_streaming=a.kv_streaming == "on", kv_streaming_min_tokens=a.kv_streaming_min_tokens,
                      block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                      max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                      ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms, admission=not a.no_admission,

@@ -37,6 +37,10 @@ class SimConfig:
     decode: int = 1
     policy: str = "cache_aware"
     disagg_min_tokens: int = 32
+    # the KV streams while the prompt is computed (DeployConfig.kv_streaming): for a context of
+    # kv_streaming_min_tokens or more, only the last step's share is moved after the prefill
+    kv_streaming: bool = True
+    kv_streaming_min_tokens: int = 2048
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -227,10 +231,19 @@ class Simulation:
             sr.phase = "decode"
             dw.submit(sr.req, outputs=(first_token,), grammar=sr.spec.grammar)
             return
-        nbytes = sr.spec.input_len * self.cost.kv_bytes_per_token
+        nbytes = self._exposed_tokens(sr.spec.input_len) * self.cost.kv_bytes_per_token
         # the decode worker rebuilds the grammar's matcher once the KV has landed (a compile if it has none)
         after = self.cost.link.transfer_s(nbytes, pw.node == dw.node) + dw.engine.grammars.delay(sr.spec.grammar)
         self.loop.after(after, self._landed, sr, pw, dw)
+
+    def _exposed_tokens(self, prompt: int) -> int:
+        """The prompt's tokens whose KV moves after its prefill: all of it, or — streamed — the
+        last step's, as when the prompt has the step budget to itself (the earlier chunks' KV
+        moved while the later ones were computed, behind them)."""
+        c = self.config
+        if not c.kv_streaming or prompt < c.kv_streaming_min_tokens:
+            return prompt
+        return (prompt - 1) % c.max_num_batched_tokens + 1
 
     def _replace_decode(self, sr: SimRequest) -> SimWorker | None:
         self.router.pending.done(sr.decode, sr.tickets.pop(sr.decode))

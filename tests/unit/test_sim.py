@@ -121,6 +121,21 @@ def test_timings_follow_the_cost_model_exactly_on_the_disaggregated_path():
     assert o.end_s == pytest.approx(third - cfg.stream_s, rel=1e-12)
 
 
+def test_a_streamed_handoff_exposes_only_the_last_steps_kv():
+    """A 5000-token prompt at 2048 tokens a step: streamed, only the last step's 904 tokens' KV
+    moves after the prefill (the rest moved behind it), so the request ends earlier by exactly
+    the transfer of the other 4096 tokens' bytes; below kv_streaming_min_tokens all of it moves."""
+    cost = linear()
+    ends = {}
+    for streaming, least in ((True, 2048), (False, 2048), (True, 8192)):
+        cfg = SimConfig(prefill=1, decode=1, kv_streaming=streaming, kv_streaming_min_tokens=least)
+        (o,) = Simulation(cfg, cost, Workload((SimRequestSpec(0, 0.0, 5000, 3),), 16)).run().outcomes
+        assert o.status == "ok" and o.disaggregated
+        ends[(streaming, least)] = o.end_s
+    assert ends[(False, 2048)] - ends[(True, 2048)] == pytest.approx(4096 * 1000 / 1e8, rel=1e-9)
+    assert ends[(True, 8192)] == ends[(False, 2048)]
+
+
 def test_a_grammar_compile_delays_a_request_where_it_is_not_cached():
     """Three requests with one json_schema, spaced out, over 1P+1D: the first pays the compile
     on the prefill worker (its TTFT) and again on the decode worker (after the KV lands); the
