@@ -172,7 +172,7 @@ class FakePrefill:
         self.outcome, self.calls = outcome, 0
         self.prefill = Call(self._prefill)
 
-    async def _prefill(self, req, transport, outputs=(), reader_ranks=1):
+    async def _prefill(self, req, transport, outputs=(), reader_ranks=1, stream=False):
         self.calls += 1
         if isinstance(self.outcome, BaseException):
             raise self.outcome
@@ -235,7 +235,7 @@ def test_a_request_placed_again_after_a_failed_prefill_leaves_no_pending_count()
         def __init__(self):
             self.prefill = Call(self._prefill)
 
-        async def _prefill(self, req, transport, outputs=(), reader_ranks=1):
+        async def _prefill(self, req, transport, outputs=(), reader_ranks=1, stream=False):
             calls.append(self)
             if len(calls) == 1:
                 raise RuntimeError("actor died")
