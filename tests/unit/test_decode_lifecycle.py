@@ -58,14 +58,7 @@ def gated(workers):
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
     """The tokens of one uninterrupted run on one engine."""
-    from splitserve.engine.engine import Engine
-
-    eng = Engine(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=64))
-    eng.add_request(Request("ref", PROMPT, SP))
-    out = []
-    while eng.has_unfinished():
-        out += [t for c in eng.step() for t in c.token_ids]
-    return out
+    return long_reference(tiny_checkpoint, PROMPT)
 
 
 async def no_leaks(pre, dec) -> None:
@@ -423,6 +416,7 @@ LONG = tuple(range(7, 97))
 
 
 def long_reference(tiny_checkpoint, prompt=LONG):
+    """The tokens of one uninterrupted run of `prompt` on one engine."""
     from splitserve.engine.engine import Engine
 
     eng = Engine(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=64))
