@@ -105,10 +105,12 @@ class EngineCore:
         self._check_fits(prompt_len + max_tokens)
         return max_tokens
 
-    def _checked_new_seq(self, req: Request, outputs: tuple[int, ...]) -> Sequence:
-        rid = req.request_id
+    def _check_new_id(self, rid: str) -> None:
         if rid in self._seqs or rid in self._pulling or rid in self._detached or rid in self._reserved:
             raise ConfigError(f"request id {rid!r} is already running")
+
+    def _checked_new_seq(self, req: Request, outputs: tuple[int, ...]) -> Sequence:
+        self._check_new_id(req.request_id)
         seq = self._new_seq(req, outputs)
         seq.update_hashes(self.block_size)
         return seq
@@ -157,8 +159,7 @@ class EngineCore:
         handoff): the prompt, and `outputs` when the request migrated. The caller fills them
         as the peer publishes, then `add_pulled` takes them over once the peer's token is known
         (`abort` frees them). Raises OutOfBlocks if none free."""
-        if req.request_id in self._reserved:
-            raise ConfigError(f"request id {req.request_id!r} is already running")
+        self._check_new_id(req.request_id)
         self.check_lengths(req)
         n = len(req.prompt_token_ids) + len(outputs)
         blocks = self.pool.allocate(-(-n // self.block_size))

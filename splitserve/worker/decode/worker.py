@@ -111,6 +111,17 @@ class DecodeWorker(KVWorker):
     def held(self) -> int:
         return super().held() + self._streams + len(self.staged)
 
+    async def _close_handoff(self, request_id: str, ho: Handoff) -> None:
+        """However a landing ended: one failed or cancelled midway ends ABORTED (its blocks
+        freed; an earlier end is kept), it leaves the table, its outcome is counted."""
+        try:
+            if ho.state not in FINAL:
+                await _uncancelled(self.loop.call(ho.finish, self.engine, S.ABORTED))
+        finally:
+            if self.handoffs.get(request_id) is ho:
+                del self.handoffs[request_id]
+            self.handoff_outcomes[ho.state] += 1
+
     # -- a streamed handoff (streamed.py) --------------------------------------------------------
     async def stage(self, req: Request, prefill: Any, outputs: tuple[int, ...] = ()) -> None:
         """Start landing a streamed handoff while its prompt is being computed (the
@@ -129,9 +140,9 @@ class DecodeWorker(KVWorker):
 
     async def _stop_staging(self, request_id: str) -> None:
         """Until an unclaimed staging of this id (an earlier attempt's) has given its blocks back."""
+        await self.drop_staging(request_id)
         st = self.staged.get(request_id)
         if st is not None and not st.claimed:
-            st.ho.request_abort()
             await st.ended.wait()
 
     async def free_staging(self, request_id: str) -> None:
@@ -140,13 +151,7 @@ class DecodeWorker(KVWorker):
         if st is None or st.claimed:
             return
         del self.staged[request_id]
-        ho = st.ho
-        try:
-            await _uncancelled(self.loop.call(ho.finish, self.engine, S.ABORTED))
-        finally:
-            if self.handoffs.get(request_id) is ho:
-                del self.handoffs[request_id]
-            self.handoff_outcomes[ho.state] += 1
+        await self._close_handoff(request_id, st.ho)
 
     async def _admit_streamed(self, req: Request, h: KVHandoff, prefill: Any, outputs: tuple[int, ...]
                               ) -> asyncio.Queue | None:
@@ -163,18 +168,11 @@ class DecodeWorker(KVWorker):
             st.claimed = True
             st.abandoned = not h.streamed  # nothing was streamed after all: the whole pull follows
             await st.ended.wait()
-        ho = st.ho
         try:
             return await self._land_streamed(req, h, prefill, st, outputs)
         finally:
-            try:
-                if ho.state not in FINAL:
-                    await _uncancelled(self.loop.call(ho.finish, self.engine, S.ABORTED))
-            finally:
-                self.staged.pop(rid, None)
-                if self.handoffs.get(rid) is ho:
-                    del self.handoffs[rid]
-                self.handoff_outcomes[ho.state] += 1
+            self.staged.pop(rid, None)
+            await self._close_handoff(rid, st.ho)
 
     async def _land_streamed(self, req: Request, h: KVHandoff, prefill: Any, st: streamed.Staging,
                              outputs: tuple[int, ...]) -> asyncio.Queue | None:
@@ -232,12 +230,7 @@ class DecodeWorker(KVWorker):
         try:
             return await self._land(req, h, prefill, ho, outputs)
         finally:
-            try:
-                if ho.state not in FINAL:  # failed or cancelled midway (finish keeps an earlier end)
-                    await _uncancelled(self.loop.call(ho.finish, self.engine, S.ABORTED))
-            finally:
-                del self.handoffs[rid]
-                self.handoff_outcomes[ho.state] += 1
+            await self._close_handoff(rid, ho)
 
     async def _land(self, req: Request, h: KVHandoff, prefill: Any, ho: Handoff, outputs: tuple[int, ...]
                     ) -> asyncio.Queue | None:
