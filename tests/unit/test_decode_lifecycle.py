@@ -578,3 +578,28 @@ def test_a_dropped_staging_and_a_late_stage_give_their_blocks_back(chunked, monk
     before = outcome_count(dec, HandoffState.ABORTED)
     asyncio.run(go())
     assert outcome_count(dec, HandoffState.ABORTED) == before + 2 and not dec.staged
+
+
+def test_a_staging_with_no_room_is_freed_when_nobody_claims_it(chunked, monkeypatch):
+    """No free blocks to stage into: the staging keeps that as its failure and, unclaimed,
+    still leaves the handoff table once its stream ends (it held no block)."""
+    from splitserve.engine.kv_cache import OutOfBlocks
+
+    pre, dec = chunked
+    monkeypatch.setattr(dec, "claim_s", 0.2)
+
+    def full(*a, **kw):
+        raise OutOfBlocks("no room")
+
+    monkeypatch.setattr(dec.engine, "reserve_pulled", full)
+    req = Request("no-room", tuple(range(41, 131)), SP)
+
+    async def go():
+        staging = asyncio.ensure_future(dec.stage(req, Local(pre)))
+        result = await pre.prefill(req, "tcp", (), 1, True)
+        await pre.ack(result.handoff.lease_id)  # the orchestrator's, for a result it drops
+        await asyncio.wait_for(staging, 10)
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+    assert not dec.staged and not dec.handoffs

@@ -24,7 +24,7 @@ from typing import Any
 from splitserve.engine.kv_cache import OutOfBlocks
 from splitserve.kv_transfer.base import KVHandoff, StreamPiece, TransferError
 from splitserve.kv_transfer.verify import check_header, verify_landed
-from splitserve.types import Request
+from splitserve.types import ConfigError, Request
 from splitserve.worker.decode.handoff import Handoff, HandoffState
 
 log = logging.getLogger(__name__)
@@ -63,12 +63,11 @@ async def _stage(worker, st: Staging, req: Request, prefill: Any, outputs: tuple
     try:
         await worker.loop.prepare(req.params)
         st.dst = await worker.loop.call(ho.reserve, worker.engine, req, outputs)
-    except OutOfBlocks:
-        st.failure = TransferError("internal", "no free blocks to stage the stream into")
-        return st
-    if ho.abort_requested:
+    except (OutOfBlocks, ConfigError) as e:  # no blocks reserved: generate() computes it here
+        st.failure = TransferError("internal", f"the stream could not be staged here: {e}")
+    if st.failure is None and ho.abort_requested:
         st.failure = TransferError("aborted", "aborted while its blocks were reserved")
-    else:
+    elif st.failure is None:
         ho.move(S.PULLING)
     over = False
     try:
