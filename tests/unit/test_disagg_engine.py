@@ -28,6 +28,12 @@ def run(eng):
     return out
 
 
+def assert_holds_nothing(*engines):
+    for e in engines:
+        e.check_invariants()
+        assert e.pool.num_in_use == 0
+
+
 @pytest.fixture(scope="module")
 def path(tiny_checkpoint):
     return tiny_checkpoint("llama")
@@ -74,9 +80,7 @@ def test_handoff_continues_exactly(path, expected, pull_ok):
     got = run(dec)
     for rid, toks in expected.items():
         assert [firsts[rid][0]] + got[rid] == toks
-    for e in (pre, dec):
-        e.check_invariants()
-        assert e.pool.num_in_use == 0
+    assert_holds_nothing(pre, dec)
 
 
 def test_abort_while_pulling_and_while_pinned(path):
@@ -87,9 +91,7 @@ def test_abort_while_pulling_and_while_pinned(path):
     dec.abort("0")
     for rid in firsts:
         pre.abort(rid)  # an abort also drops a pinned handoff
-    for e in (pre, dec):
-        e.check_invariants()
-        assert e.pool.num_in_use == 0
+    assert_holds_nothing(pre, dec)
 
 
 def test_pull_without_room_raises_and_leaks_nothing(path):
@@ -147,9 +149,7 @@ def test_a_streamed_prefill_reports_its_blocks_as_they_are_computed(path, expect
     pre.step()
     assert seen and seen[0][0] == step and len(seen[0][1].block_ids) == 5  # cached: before its compute
     pre.abort("again")
-    for e in (pre, dec):
-        e.check_invariants()
-        assert e.pool.num_in_use == 0
+    assert_holds_nothing(pre, dec)
 
 
 def test_reserved_blocks_are_freed_by_an_abort(path):
