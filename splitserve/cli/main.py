@@ -136,6 +136,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    choices=["cache_aware", "round_robin", "least_loaded", "power_of_two"])
     p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "nixl"])
     p.add_argument("--disagg-min-tokens", type=int, default=32)
+    p.add_argument("--pd-decider", choices=["slo", "threshold"], default="slo",
+                   help="which requests go through a prefill worker: slo (when it pays against the TTFT / TPOT "
+                        "targets, from the workers' load) or threshold (every prompt of --disagg-min-tokens "
+                        "uncached tokens) (default: %(default)s)")
     p.add_argument("--kv-streaming", choices=["on", "off"], default="on",
                    help="move a prompt's KV to its decode worker while the prefill computes it (on), or in one "
                         "piece after it (off) (default: %(default)s)")

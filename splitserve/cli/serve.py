@@ -66,7 +66,7 @@ def _listening(args: argparse.Namespace, name: str) -> None:
 def deploy_options(args: argparse.Namespace, model: str) -> dict:
     """The app's args (control.deploy_config.DeployConfig keys) from the serve flags and the config file."""
     keys = ("prefill", "decode", "prefill_resources", "decode_resources", "transport", "policy",
-            "disagg_min_tokens", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
+            "disagg_min_tokens", "pd_decider", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
             "ingress_replicas", "no_admission", "migration_limit", "decode_inactivity_timeout_s", "prefill_timeout_s",
             "autoscale", "api_keys", "redis_url", "max_tokens_default", "tool_call_parser")
     engine = _engine_options(args)

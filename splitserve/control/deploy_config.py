@@ -37,6 +37,7 @@ class DeployConfig:
     transport: str = "auto"
     policy: str = "cache_aware"
     disagg_min_tokens: int = 32
+    pd_decider: str = "slo"  # router/pd_decider.py: which requests go through a prefill worker
     # Stream a prompt's KV to its decode worker while the prefill computes it (DESIGN.md §1,
     # worker/decode/streamed.py), for contexts of at least kv_streaming_min_tokens; below, and
     # with it off, the KV moves in one piece after the prefill.
@@ -124,6 +125,10 @@ class DeployConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}")
 
+        from splitserve.router.pd_decider import DECIDERS
+
+        if self.pd_decider not in DECIDERS:
+            raise ConfigError(f"pd_decider must be one of {', '.join(DECIDERS)}, got {self.pd_decider!r}")
         if not isinstance(self.kv_streaming, bool):
             raise ConfigError(f"kv_streaming must be true or false, got {self.kv_streaming!r}")
         for name, low in (("prefill", 0), ("decode", 1), ("disagg_min_tokens", 0), ("kv_streaming_min_tokens", 0),

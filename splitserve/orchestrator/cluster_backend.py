@@ -14,6 +14,7 @@ from splitserve.orchestrator.orchestrator import Orchestrator
 from splitserve.router.snapshot import RegistrySnapshot
 from splitserve.control.deploy_config import DeployConfig
 from splitserve.router.admission import Plan
+from splitserve.router.pd_decider import make_decider
 from splitserve.router.policy import NoCapacity, WorkerView, make_router
 from splitserve.ingress.protocol import APIError
 from splitserve.text.tokenizer import Tokenizer
@@ -56,7 +57,9 @@ class ClusterBackend:
         self.vocab_size = mc.vocab_size
         self.sampling_defaults = dict(mc.sampling_defaults)
         self.max_new_tokens = mc.max_new_tokens
-        policy = make_router(cfg.policy, disagg_min_tokens=cfg.disagg_min_tokens)
+        slo_s = lambda ms: None if ms is None else ms / 1e3  # noqa: E731
+        policy = make_router(cfg.policy, decider=make_decider(cfg.pd_decider, cfg.disagg_min_tokens,
+                                                              slo_s(cfg.ttft_slo_ms), slo_s(cfg.tpot_slo_ms)))
         self.directory = Directory(source, policy, int(cfg.engine.get("block_size") or 16))
         self.redis = None  # ingress.shared.RedisLink, with cfg.redis_url: the replicas' shared load and limits
         if cfg.redis_url:

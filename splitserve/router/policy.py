@@ -4,8 +4,10 @@ and the unit tests run exactly this code.
 
 Policies by name: `round_robin`, `least_loaded`, `power_of_two`, `cache_aware` (default: prefix
 overlap from the cluster KV index, weighed against queue length and KV usage, so a hot prefix
-does not pile every request on one worker). The PD decider sends a request whose uncached part
-is shorter than `disagg_min_tokens` to the decode worker alone (aggregated path).
+does not pile every request on one worker). The PD decider (router/pd_decider.py, by name:
+`slo` by default, `threshold`) says whether a request goes through a prefill worker or its
+decode worker computes the prompt (aggregated path); one whose uncached part is shorter than
+`disagg_min_tokens` always stays on the decode worker.
 
 A worker's score is a request-independent part (its load: `Router.load_score`, computed when its
 view changes and kept ranked in a `Pool`) plus a request's bonus, which only a few workers get
@@ -30,6 +32,7 @@ from typing import Callable, Collection, Hashable, Mapping, Protocol, Sequence
 
 from splitserve.hashing import BlockHash
 from splitserve.router.kv_index import Group, KVIndex
+from splitserve.router.pd_decider import PDDecider, ThresholdDecider
 from splitserve.types import Role, WorkerId, WorkerStats
 
 
@@ -49,6 +52,8 @@ class WorkerView:
     draining: bool = False
     step_time_coeffs: tuple[float, ...] = ()  # its engine's online step-time fit (WorkerStats)
     expert_tokens: tuple[int, ...] = ()  # a mixture of experts: tokens each expert took
+    pending_prefill_tokens: int = 0  # prompt tokens it has queued, not yet computed (the PD decider)
+    decode_context_tokens: int = 0  # context its running decodes read each step
 
     @property
     def up(self) -> bool:
@@ -63,7 +68,7 @@ class WorkerView:
             return WorkerView(wid, role, host, pending, healthy=healthy, draining=draining)
         return WorkerView(wid, role, host, stats.num_waiting + pending, stats.num_running, stats.kv_usage,
                           stats.kv_blocks_free + stats.kv_blocks_cached, healthy, draining, stats.step_time_coeffs,
-                          stats.expert_tokens_total)
+                          stats.expert_tokens_total, stats.pending_prefill_tokens, stats.decode_context_tokens)
 
 
 @dataclass(frozen=True)
@@ -302,9 +307,12 @@ class Router:
     name = "base"
 
     def __init__(self, index: KVIndex | None = None, disagg_min_tokens: int = 32,
-                 same_host_margin: float = 0.1, host_hit_weight: float = 0.5) -> None:
+                 same_host_margin: float = 0.1, host_hit_weight: float = 0.5, decider: PDDecider | None = None
+                 ) -> None:
         self.index = index or KVIndex()
-        self.disagg_min_tokens = disagg_min_tokens
+        # which requests go through a prefill worker (None: the threshold alone)
+        self.decider = decider if decider is not None else ThresholdDecider(disagg_min_tokens)
+        self.disagg_min_tokens = self.decider.min_tokens
         self.same_host_margin = same_host_margin
         # a block in a worker's host tier is loaded back, not recomputed, but the load costs:
         # the prefix scorer counts it this fraction of a device block
@@ -325,10 +333,13 @@ class Router:
         need = req.blocks_needed
         (_, d), _ = dpool.best(self.bonus(req, dpool, hits), need)
         d_cached = self._cached_tokens(req, value_of(blocks, d.worker_id))
-        if not ppool or req.num_tokens - d_cached < self.disagg_min_tokens:
+        if not ppool or req.num_tokens - d_cached < self.decider.min_tokens:
             return Placement(None, d.worker_id, d_cached)
         p = self._pick_prefill(ppool, self.bonus(req, ppool, hits), need, d)
-        return Placement(p.worker_id, d.worker_id, self._cached_tokens(req, value_of(blocks, p.worker_id)))
+        p_cached = self._cached_tokens(req, value_of(blocks, p.worker_id))
+        if not self.decider.disaggregate(d, req.num_tokens - d_cached, p, req.num_tokens - p_cached):
+            return Placement(None, d.worker_id, d_cached)
+        return Placement(p.worker_id, d.worker_id, p_cached)
 
     def _hits(self, req: RouteRequest) -> tuple[Sequence[Group], Sequence[Group]]:
         """Blocks the workers would reuse (device + host tier), and what the prefix scorer

@@ -56,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--compute-efficiency", type=float, default=0.6, help="roofline: of peak FLOP/s (default 0.6)")
     c.add_argument("--memory-efficiency", type=float, default=0.8, help="roofline: of HBM bandwidth (default 0.8)")
     c.add_argument("--step-overhead-ms", type=float, default=2.0, help="roofline: per step (default 2)")
+    c.add_argument("--tensor-parallel", type=int, default=1, help="roofline: GPUs per worker (default 1)")
     k = p.add_argument_group("cluster")
     k.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     k.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
@@ -77,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("router")
     r.add_argument("--policy", default="cache_aware", help="round_robin, least_loaded, power_of_two, cache_aware")
     r.add_argument("--disagg-min-tokens", type=int, default=32)
+    r.add_argument("--pd-decider", choices=("slo", "threshold"), default="slo",
+                   help="which requests go through a prefill worker (router/pd_decider.py; default slo)")
     r.add_argument("--kv-streaming", choices=("on", "off"), default="on",
                    help="the KV moves while the prompt is computed (on: only the last chunk's after it)")
     r.add_argument("--kv-streaming-min-tokens", type=int, default=2048)
@@ -126,7 +129,7 @@ def cost_of(a: argparse.Namespace):
     if a.gpu is None:
         raise ConfigError("give a cost model: --gpu NAME (roofline, with --model), --calibrated FILE or --profiled FILE")
     roof = RooflineCost(gpu(a.gpu), model_shape(a.model), a.compute_efficiency, a.memory_efficiency,
-                        a.step_overhead_ms / 1e3)
+                        a.step_overhead_ms / 1e3, tensor_parallel=a.tensor_parallel)
     return profiled_cost(a.profiled, roof, a.block_size) if a.profiled is not None else roof
 
 
@@ -143,7 +146,8 @@ def config_of(a: argparse.Namespace) -> SimConfig:
         autoscale = AutoscaleConfig.from_dict(d, a.ttft_slo_ms and a.ttft_slo_ms / 1e3,
                                               a.tpot_slo_ms and a.tpot_slo_ms / 1e3)
     return SimConfig(prefill=prefill, decode=decode, policy=a.policy, disagg_min_tokens=a.disagg_min_tokens,
-                     kv_streaming=a.kv_streaming == "on", kv_streaming_min_tokens=a.kv_streaming_min_tokens,
+                     pd_decider=a.pd_decider, kv_streaming=a.kv_streaming == "on",
+                     kv_streaming_min_tokens=a.kv_streaming_min_tokens,
                      block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                      max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                      ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms, admission=not a.no_admission,

@@ -3,7 +3,7 @@ worker (READY after `start_s`, the model load), scale a pool up or down (down: t
 go DRAINING, out of placement at once, and STOP once idle), and the autoscaler's tick applying
 its targets. GPUs are counted from a worker's start to its stop.
 
-Nodes: `by-role` puts each pool on its own nodes of `gpus_per_node` GPUs (the Helm chart's
+Nodes: `by-role` puts each pool on its own nodes of `workers_per_node` workers (the Helm chart's
 prefill and decode worker groups), so a handoff always crosses nodes; `mixed` fills nodes in
 the order workers start, whatever their role.
 """
@@ -22,12 +22,12 @@ LAYOUTS = ("by-role", "mixed")
 
 class SimPools:
     def __init__(self, loop: EventLoop, router: SimRouter, make_worker: Callable[[WorkerId, Role, str, int], SimWorker],
-                 gpus_per_node: int = 8, layout: str = "by-role", start_s: float = 30.0, drain_grace_s: float = 1.0
+                 workers_per_node: int = 8, layout: str = "by-role", start_s: float = 30.0, drain_grace_s: float = 1.0
                  ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown node layout {layout!r}; known: {', '.join(LAYOUTS)}")
         self.loop, self.router, self._make = loop, router, make_worker
-        self.gpus_per_node, self.layout = gpus_per_node, layout
+        self.workers_per_node, self.layout = workers_per_node, layout
         self.start_s, self.drain_grace_s = start_s, drain_grace_s
         self.workers: dict[WorkerId, SimWorker] = {}
         self.stopped: list[SimWorker] = []
@@ -59,7 +59,7 @@ class SimPools:
         slot = next(i for i in range(len(used) + 1) if i not in used)
         used.add(slot)
         self._count += 1
-        node = f"{group}-{slot // self.gpus_per_node}"
+        node = f"{group}-{slot // self.workers_per_node}"
         w = self._make(WorkerId(role, f"{self._count:05d}"), role, node, slot)
         self.workers[w.id] = w
         if after_s > 0:
@@ -114,7 +114,7 @@ class SimPools:
 
     # -- accounting ------------------------------------------------------------------------------
     def gpu_seconds(self, until: float) -> float:
-        return sum(w.held_s(until) for w in self.all_workers())
+        return sum(w.held_s(until) * w.gpus for w in self.all_workers())
 
     def all_workers(self) -> list[SimWorker]:
         return list(self.workers.values()) + self.stopped

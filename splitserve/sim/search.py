@@ -5,6 +5,8 @@
                per GPU it is that rate over the run's mean GPUs
   sweep_ratio  that search for every prefill:decode split of a fixed GPU count, and for the
                same GPUs aggregated
+  goodput_scan the same answer for a system whose attainment is not monotonic in the rate
+               (autoscaled pools): every rate on a grid, the best per GPU that meets the target
 """
 
 from __future__ import annotations
@@ -60,3 +62,30 @@ def sweep_ratio(run_split: Callable[[int, int], Run], gpus: int, **search) -> di
     pd_rows = [r for r in rows if r["prefill"] > 0]
     best = max(pd_rows, key=lambda r: r["goodput_rps_per_gpu"], default=None)
     return {"gpus": gpus, "splits": rows, "best": best, "aggregated": rows[0]}
+
+
+def goodput_scan(run: Run, target: float = 0.9, lo: float = 1 / 8, hi: float = 16.0, step: float = 2 ** 0.5,
+                 give_up_below: float = 0.1) -> dict[str, Any]:
+    """`goodput` for a system whose attainment is not monotonic in the rate — an autoscaled one
+    shrinks its pools under a light load and may miss there what it meets under a heavier one,
+    which would stop a bisection early: every rate scale from `lo` to `hi` on a geometric grid
+    (stopping once attainment falls `give_up_below` under the target), and goodput per GPU is the
+    best rate per mean GPU held among the rates that meet the target."""
+    probes: list[dict[str, Any]] = []
+    scale = lo
+    while scale <= hi * (1 + 1e-9):
+        s = run(scale)
+        att = s["slo_attainment"] or 0.0
+        probes.append({"rate_scale": scale, "slo_attainment": s["slo_attainment"], "gpus": s["gpus"],
+                       "rate_rps": s["workload"]["rate_rps"], "ttft_p90_ms": s["ttft_ms"]["p90"],
+                       "tpot_p90_ms": s["tpot_ms"]["p90"]})
+        if att < target - give_up_below and any((p["slo_attainment"] or 0.0) >= target for p in probes):
+            break
+        scale *= step
+    per_gpu = lambda p: p["rate_rps"] / p["gpus"] if p["rate_rps"] and p["gpus"] else 0.0  # noqa: E731
+    met = [p for p in probes if (p["slo_attainment"] or 0.0) >= target]
+    best = max(met, key=per_gpu, default=None)
+    return {"target": target, "rate_scale": best["rate_scale"] if best else 0.0,
+            "rate_rps": best["rate_rps"] if best else 0.0, "gpus": best["gpus"] if best else None,
+            "goodput_rps_per_gpu": per_gpu(best) if best else 0.0,
+            "best_attainment_seen": max((p["slo_attainment"] or 0.0 for p in probes), default=0.0), "probes": probes}

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from splitserve.control.autoscale import AutoscaleConfig, Autoscaler, RequestSample
 from splitserve.engine.kv_cache import OutOfBlocks
 from splitserve.router.admission import Admission, AdmissionConfig, Decision, Plan
+from splitserve.router.pd_decider import DECIDERS, make_decider
 from splitserve.router.policy import NoCapacity, make_router
 from splitserve.sim.cost import ByRole, CostModel
 from splitserve.sim.engine import SimEngine
@@ -37,6 +38,7 @@ class SimConfig:
     decode: int = 1
     policy: str = "cache_aware"
     disagg_min_tokens: int = 32
+    pd_decider: str = "slo"  # router/pd_decider.py: which requests go through a prefill worker
     # the KV streams while the prompt is computed (DeployConfig.kv_streaming): for a context of
     # kv_streaming_min_tokens or more, only the last step's share is moved after the prefill
     kv_streaming: bool = True
@@ -44,6 +46,7 @@ class SimConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    prefill_max_num_batched_tokens: int | None = None  # the prefill pool's step budget (None: the same)
     max_model_len: int = 131072
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
@@ -72,6 +75,10 @@ class SimConfig:
                 raise ConfigError(f"{n} must be >= 0")
         if self.report_interval_s <= 0:
             raise ConfigError("report_interval_s must be > 0")
+        if self.prefill_max_num_batched_tokens is not None and self.prefill_max_num_batched_tokens < 1:
+            raise ConfigError("prefill_max_num_batched_tokens must be >= 1")
+        if self.pd_decider not in DECIDERS:
+            raise ConfigError(f"unknown PD decider {self.pd_decider!r}; known: {', '.join(DECIDERS)}")
 
 
 @dataclass(slots=True)
@@ -115,12 +122,17 @@ class Simulation:
         self.costs = ByRole.of(cost)
         self.cost = self.costs.decode  # KV bytes and links
         self.loop = EventLoop()
-        policy = make_router(config.policy, disagg_min_tokens=config.disagg_min_tokens)
+        slo_s = lambda ms: None if ms is None else ms / 1e3  # noqa: E731
+        decider = make_decider(config.pd_decider, config.disagg_min_tokens, slo_s(config.ttft_slo_ms),
+                               slo_s(config.tpot_slo_ms))
+        policy = make_router(config.policy, decider=decider)
         self.router = SimRouter(policy, lambda: self.loop.now, config.block_size)
         self.admission = Admission(AdmissionConfig(max_inflight=config.max_inflight, ttft_slo_ms=config.ttft_slo_ms,
                                                    tpot_slo_ms=config.tpot_slo_ms, enabled=config.admission))
         self.autoscaler = Autoscaler(config.autoscale) if config.autoscale is not None else None
-        self.pools = SimPools(self.loop, self.router, self._make_worker, config.gpus_per_node, config.layout,
+        # a node holds gpus_per_node GPUs: as many workers as their tensor parallelism leaves room for
+        workers_per_node = max(1, config.gpus_per_node // self.cost.gpus_per_worker)
+        self.pools = SimPools(self.loop, self.router, self._make_worker, workers_per_node, config.layout,
                               config.worker_start_s)
         self.hasher = PrefixHasher(config.block_size, workload.tokens_per_hash)
         self.targets: dict[Role, int] = {Role.PREFILL: config.prefill, Role.DECODE: config.decode}
@@ -161,13 +173,13 @@ class Simulation:
     def _make_worker(self, wid: WorkerId, role: Role, node: str, slot: int) -> SimWorker:
         c = self.config
         engine = SimEngine(self.costs.of_role(role), block_size=c.block_size, max_num_seqs=c.max_num_seqs,
-                           max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
+                           max_num_batched_tokens=self._budget(role), max_model_len=c.max_model_len,
                            compile_s=c.grammar_compile_s)
         host = None
         if c.host_cores is not None:
             host = self._hosts.setdefault(node, HostCPU(c.host_cores))
         return SimWorker(wid, role, node, slot, engine, self.loop, self._on_chunk, self._on_report,
-                         c.report_interval_s, host)
+                         c.report_interval_s, host, self.costs.of_role(role).gpus_per_worker)
 
     def _on_report(self, w: SimWorker, stats, events, at: float) -> None:
         self.router.report(w.id, stats, events, at)
@@ -243,7 +255,13 @@ class Simulation:
         c = self.config
         if not c.kv_streaming or prompt < c.kv_streaming_min_tokens:
             return prompt
-        return (prompt - 1) % c.max_num_batched_tokens + 1
+        return (prompt - 1) % self._budget(Role.PREFILL) + 1
+
+    def _budget(self, role: Role) -> int:
+        c = self.config
+        if role is Role.PREFILL and c.prefill_max_num_batched_tokens is not None:
+            return c.prefill_max_num_batched_tokens
+        return c.max_num_batched_tokens
 
     def _replace_decode(self, sr: SimRequest) -> SimWorker | None:
         self.router.pending.done(sr.decode, sr.tickets.pop(sr.decode))

@@ -32,8 +32,9 @@ class SimWorker:
     def __init__(self, wid: WorkerId, role: Role, node: str, slot: int, engine: SimEngine, loop: EventLoop,
                  on_chunk: Callable[["SimWorker", TokenChunk], None],
                  on_report: Callable[["SimWorker", WorkerStats, list, float], None],
-                 report_interval_s: float = 0.05, host: HostCPU | None = None) -> None:
+                 report_interval_s: float = 0.05, host: HostCPU | None = None, gpus: int = 1) -> None:
         self.id, self.role, self.node, self.slot, self.host = wid, role, node, slot, host
+        self.gpus = gpus  # a tensor-parallel worker holds several
         self.engine, self.loop = engine, loop
         self.state = WorkerState.STARTING
         self._on_chunk, self._on_report = on_chunk, on_report

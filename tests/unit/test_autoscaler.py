@@ -113,3 +113,64 @@ def test_observer_rates_span_the_rate_window():
                                                               pending_prefill_tokens=queued)}, {}, w)
     assert s.prefill.served_tokens_per_s == pytest.approx(1000)  # over t = 6..10
     assert s.prefill.arriving_tokens_per_s == pytest.approx(1000 - 500 / 4)
+
+
+def _decode_with_prompts(computed: int, queued: int, running: int = 0) -> dict:
+    # a decode worker computing prompts itself (aggregated path): 512-token chunks at ~0.52 s
+    return {"d1": stats(prefill_tokens_total=computed, pending_prefill_tokens=queued, num_running=running,
+                        steps_total=5, step_time_coeffs=(0.01, 0.001, 0.001, 0.0))}
+
+
+def test_decode_pool_is_sized_for_the_prompts_it_computes_itself():
+    cfg = AutoscaleConfig(prefill=Bounds(0, 4), decode=Bounds(1, 8), interval_s=1, ttft_slo_s=1.0,
+                          up_cooldown_s=1, down_cooldown_s=100)
+    a = Autoscaler(cfg)
+    for t, computed in ((0.0, 0), (2.0, 2000)):  # ~1000 tok/s served, 2000 queued: ~3 workers' worth
+        d = a.tick(t, {P: 0, D: 1}, {}, _decode_with_prompts(computed, 2000))
+    s = a.observer.observe(3.0, {P: 0, D: 1}, {}, _decode_with_prompts(3000, 2000), a.window)
+    assert s.decode.queued_prompt_tokens == 2000 and s.decode.arriving_prompt_tokens_per_s > 0
+    assert d.decode >= 3 and d.decode_reason is Reason.PREFILL_BACKLOG
+    assert d.prefill == 0  # no prefill worker: nothing says the decode pool misses
+    quiet = Autoscaler(cfg)
+    for t in (0.0, 2.0):
+        d = quiet.tick(t, {P: 0, D: 1}, {}, _decode_with_prompts(0, 0, running=2))
+    assert d.decode == 1  # the same pool without prompt work stays
+
+
+def test_prefill_pool_opens_when_the_decode_pool_misses_with_prompts_queued():
+    cfg = AutoscaleConfig(prefill=Bounds(0, 4), decode=Bounds(1, 1), interval_s=1, ttft_slo_s=1.0, tpot_slo_s=0.05,
+                          up_cooldown_s=1, down_cooldown_s=100)
+    a = Autoscaler(cfg)
+    d = a.tick(0.0, {P: 0, D: 1}, {}, _decode_with_prompts(0, 5000, running=4))
+    assert d.prefill == 0  # meeting its targets: the decode pool keeps its prompts
+    a.record([RequestSample(0.5, 0.2, 0.09)])  # TPOT 90 ms over the 50 ms target
+    d = a.tick(1.0, {P: 0, D: 1}, {}, _decode_with_prompts(0, 5000, running=4))
+    assert d.prefill == 1 and d.prefill_reason is Reason.PREFILL_BACKLOG
+    b = Autoscaler(cfg)
+    b.record([RequestSample(0.5, 0.2, 0.09)])
+    assert b.tick(1.0, {P: 0, D: 1}, {}, _decode_with_prompts(0, 0, running=4)).prefill == 0  # no prompts queued
+
+
+def test_max_workers_sizes_decode_first_and_prefill_gets_what_is_left():
+    cfg = AutoscaleConfig(prefill=Bounds(0, 8), decode=Bounds(1, 8), interval_s=1, ttft_slo_s=0.5,
+                          up_cooldown_s=1, down_cooldown_s=100, max_workers=4)
+    a = Autoscaler(cfg)
+    fit = (0.01, 0.001, 0.001, 0.0)
+    for t, computed in ((0.0, 0), (2.0, 2000)):
+        prefill = {"p1": stats(prefill_tokens_total=computed, pending_prefill_tokens=20000, steps_total=5,
+                               step_time_coeffs=fit)}
+        d = a.tick(t, {P: 1, D: 3}, prefill, _decode_with_prompts(0, 0, running=2))
+    assert d.prefill + d.decode <= 4 and d.decode >= 1
+    assert d.prefill == 4 - d.decode and d.prefill_reason is Reason.BOUND
+    with pytest.raises(ConfigError, match="max_workers"):
+        AutoscaleConfig(prefill=Bounds(1, 4), decode=Bounds(1, 4), max_workers=1)
+
+
+def test_a_pool_just_started_is_not_shrunk_before_its_down_cooldown():
+    cfg = AutoscaleConfig(prefill=Bounds(0, 4), decode=Bounds(1, 8), interval_s=1, up_cooldown_s=1,
+                          down_cooldown_s=10)
+    a = Autoscaler(cfg)
+    sizes = [a.tick(t, {P: 0, D: 8}, {}, {"d1": stats()}) for t in range(0, 12)]
+    assert [d.decode for d in sizes[:10]] == [8] * 10  # idle, but just deployed
+    assert sizes[0].decode_reason is Reason.COOLDOWN
+    assert sizes[10].decode == 1  # a cooldown after the start: shrunk

@@ -416,3 +416,45 @@ def test_a_decode_worker_drained_while_its_request_prefills_hands_the_request_to
     (o,) = sim.outcomes
     assert o.status == "ok" and o.output_tokens == 5 and o.migrations == 1
     assert [x.id for x in sim.pools.stopped] == drained
+
+
+def test_roofline_tensor_parallel_divides_the_step_and_pools_the_kv():
+    two, four = (RooflineCost(gpu("h200"), model_shape("llama-3-70b"), tensor_parallel=t) for t in (2, 4))
+    m = four.model
+    decode = StepShape(decode_seqs=1, decode_context=1000, sampled=1)
+    weights = (m.weight_bytes + m.kv_bytes_per_token * 1001) / 4 / (4.8e12 * 0.8)
+    allreduce = 2 * m.num_layers * (10e-6 + 2 * 3 / 4 * m.hidden * 2 / (450e9 * 0.8))
+    assert four.step_s(decode) == pytest.approx(weights + allreduce + 0.002)
+    assert four.step_s(decode) < two.step_s(decode)
+    # each GPU keeps HBM × 0.9 - its weight shard - the reserve for KV; the worker pools them
+    per_gpu = 141e9 * 0.9 - m.weight_bytes / 4 - 4e9
+    assert four.kv_blocks(16) == int(4 * per_gpu // (m.kv_bytes_per_token * 16))
+    assert (four.gpus_per_worker, four.link.cross_node_bandwidth) == (4, 4 * 50e9 * 0.8)
+    c = four.coeffs()
+    assert c[0] == pytest.approx(m.weight_bytes / 4 / (4.8e12 * 0.8) + 0.002 + 2 * m.num_layers * 10e-6)
+    with pytest.raises(ConfigError, match="does not divide"):
+        RooflineCost(gpu("h200"), model_shape("llama-3-70b"), tensor_parallel=3)
+    with pytest.raises(ConfigError, match="tensor_parallel"):
+        RooflineCost(gpu("h200"), model_shape("llama-3-8b"), tensor_parallel=0)
+
+
+def test_goodput_per_gpu_counts_each_tensor_parallel_worker_as_its_gpus():
+    w = from_records(records(n=20, every_ms=100), tokens_per_hash=16)
+    cost = RooflineCost(gpu("h200"), model_shape("llama-3-70b"), tensor_parallel=4)
+    s = summarize(Simulation(SimConfig(prefill=1, decode=1, admission=False), cost, w).run())
+    assert s["gpus"] == pytest.approx(8.0)  # two workers of four GPUs
+    assert s["completed"] == 20
+
+
+def test_the_goodput_scan_finds_the_best_rate_per_gpu_past_a_dip():
+    # an autoscaled fleet: under a light load it shrinks to 2 GPUs and misses (85%), from 1x it
+    # holds 4 and meets up to 6x; past 8x it misses by far
+    def run(scale):
+        att = 0.85 if scale < 1 else 0.95 if scale <= 6 else 0.5
+        return {"slo_attainment": att, "gpus": 2.0 if scale < 1 else 4.0, "workload": {"rate_rps": 2.0 * scale},
+                "ttft_ms": {"p90": 1.0}, "tpot_ms": {"p90": 1.0}}
+
+    res = search.goodput_scan(run, target=0.9, lo=0.25, hi=16.0, step=2.0)
+    assert [p["rate_scale"] for p in res["probes"]] == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]  # stops past the cliff
+    assert res["rate_scale"] == 4.0 and res["goodput_rps_per_gpu"] == pytest.approx(4.0 * 2.0 / 4.0)
+    assert search.goodput(run, start=0.5)["goodput_rps_per_gpu"] == 0.0  # what a bisection from the dip finds

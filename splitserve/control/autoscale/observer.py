@@ -5,7 +5,8 @@ Rates come from counters between now and the observation `rate_window_s` ago, pe
 in both (a worker that appeared or left contributes no bogus jump): served = prompt tokens
 computed per second; arriving = served + the growth of the queue per second (what came in is
 what was done plus what piled up). Over one short interval the queue's growth is noise — a new
-worker taking half the queue looks like nothing arriving — hence the window.
+worker taking half the queue looks like nothing arriving — hence the window. The decode pool's own
+prompt work (the aggregated path) is counted the same way, from its workers' counters.
 A pool's step-time fit is the mean of its workers' fits that have seen steps.
 """
 
@@ -24,6 +25,8 @@ class _Seen:
     at: float
     computed: dict  # worker id -> prefill_tokens_total
     queued: float
+    decode_computed: dict  # the same for the decode pool (prompts its workers compute themselves)
+    decode_queued: float
 
 
 class SignalObserver:
@@ -39,13 +42,16 @@ class SignalObserver:
         starting = starting or {}
         queued = float(sum(s.pending_prefill_tokens for s in prefill.values()))
         computed = {wid: s.prefill_tokens_total for wid, s in prefill.items()}
-        served = arriving = 0.0
+        d_queued = float(sum(s.pending_prefill_tokens for s in decode.values()))
+        d_computed = {wid: s.prefill_tokens_total for wid, s in decode.items()}
+        served = arriving = d_arriving = 0.0
         last = self._base(at)
-        self._seen.append(_Seen(at, computed, queued))
+        self._seen.append(_Seen(at, computed, queued, d_computed, d_queued))
         if last is not None and at > last.at:
             dt = at - last.at
-            served = sum(max(0, n - last.computed[w]) for w, n in computed.items() if w in last.computed) / dt
+            served = _rate(computed, last.computed, dt)
             arriving = max(0.0, served + (queued - last.queued) / dt)
+            d_arriving = max(0.0, _rate(d_computed, last.decode_computed, dt) + (d_queued - last.decode_queued) / dt)
         running = sum(s.num_running for s in decode.values())
         context = sum(s.decode_context_tokens for s in decode.values())
         return Signals(
@@ -54,13 +60,19 @@ class SignalObserver:
                            pool_fit(prefill.values()), starting.get(Role.PREFILL, 0)),
             DecodeSignals(targets[Role.DECODE], float(running), float(sum(s.num_waiting for s in decode.values())),
                           _mean([s.kv_usage for s in decode.values()]), context / running if running else 0.0,
-                          window.p90("tpot_s", at), pool_fit(decode.values()), starting.get(Role.DECODE, 0)))
+                          window.p90("tpot_s", at), pool_fit(decode.values()), starting.get(Role.DECODE, 0),
+                          d_queued, d_arriving))
 
     def _base(self, at: float) -> _Seen | None:
         """The newest observation at least `rate_window_s` old (else the oldest one kept)."""
         while len(self._seen) > 1 and self._seen[1].at <= at - self.rate_window_s:
             self._seen.popleft()
         return self._seen[0] if self._seen else None
+
+
+def _rate(now: dict, then: dict, dt: float) -> float:
+    """Tokens per second computed by the workers seen both times."""
+    return sum(max(0, n - then[w]) for w, n in now.items() if w in then) / dt
 
 
 def pool_fit(stats) -> StepFit:

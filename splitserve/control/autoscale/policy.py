@@ -4,16 +4,26 @@ step-time fits are the model).
 
   * Prefill: the queued prompt tokens must drain within the TTFT target while the arriving
     ones keep coming: need = arriving tokens/s + queued / TTFT target, in workers of the fitted
-    prefill throughput.
+    prefill throughput. The pool may be 0 (every prompt on the decode workers, the aggregated
+    path; the PD decider sends a prefill worker only the prompts that pay); it opens again with
+    one worker when the decode pool misses its TTFT or TPOT target with prompts of its own
+    queued (its prefills are what slows it).
   * Decode: every sequence in flight must fit a batch whose fitted step time stays under the
-    TPOT target, and its KV must fit: need = sequences / (the batch one worker can carry).
+    TPOT target, and its KV must fit: need = sequences / (the batch one worker can carry); plus,
+    for the prompts the decode workers compute themselves (aggregated path), the prefill
+    pool's formula over their own queue and arrivals, in workers of their fitted prefill
+    throughput.
 
 Going up sizes the pool to `target_utilization` of its capacity; going down only happens when
 the smaller pool would stay under `down_utilization` (a band between the two: noise does not
 flap the pool), and while the observed percentile meets the SLO. A pool whose observed
 percentile misses its SLO grows by at least one. Each change waits out the pool's cooldown
-since its last change (`up_cooldown_s`, the longer `down_cooldown_s`); targets stay within
-`Bounds`. Pure: the caller passes the time in the signals, so tests and the simulator replay it.
+since its last change (`up_cooldown_s`, the longer `down_cooldown_s`); for shrinking the start
+counts as a change (a pool just deployed is not cut before it has seen a cooldown's worth of
+load). Targets stay within `Bounds`. With `max_workers` (a fleet of that many workers) decode
+is sized first and prefill gets at most what is left: a prompt with no prefill worker is
+computed by its decode worker, a sequence with no decode worker is not served. Pure: the caller
+passes the time in the signals, so tests and the simulator replay it.
 """
 
 from __future__ import annotations
@@ -77,6 +87,7 @@ class AutoscaleConfig:
     kv_headroom: float = 0.9  # the KV share a decode worker is sized to
     window_s: float = 30.0  # latency percentiles are over this much of the recent past
     rate_window_s: float = 20.0  # token rates (served, arriving) are over this much
+    max_workers: int | None = None  # the two pools together (None: each within its own bounds)
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
@@ -89,6 +100,10 @@ class AutoscaleConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"autoscale {name} must be a positive number, got {v!r}")
+        if self.max_workers is not None and (not isinstance(self.max_workers, int) or isinstance(self.max_workers, bool)
+                                             or self.max_workers < self.prefill.min + self.decode.min):
+            raise ConfigError(f"autoscale max_workers must be an integer >= prefill.min + decode.min "
+                              f"({self.prefill.min + self.decode.min}), got {self.max_workers!r}")
         if not 0 < self.down_utilization < self.target_utilization <= 1:
             raise ConfigError("autoscale needs 0 < down_utilization < target_utilization <= 1, got "
                               f"{self.down_utilization} and {self.target_utilization}")
@@ -152,9 +167,16 @@ class _Pool:
 class AutoscalePolicy:
     config: AutoscaleConfig
     _pools: dict = field(default_factory=lambda: {Role.PREFILL: _Pool(), Role.DECODE: _Pool()})
+    _started_at: float | None = None  # the first decision's time
 
     def decide(self, s: Signals) -> AutoscaleDecision:
-        (p, p_reason, p_why), (d, d_reason, d_why) = self._prefill(s), self._decode(s)
+        if self._started_at is None:
+            self._started_at = s.at
+        (d, d_reason, d_why) = self._decode(s)
+        (p, p_reason, p_why) = self._prefill(s)
+        cap = self.config.max_workers
+        if cap is not None and p + d > cap:  # decode first: prefill gets what is left
+            p, p_reason = max(self.config.prefill.min, cap - d), Reason.BOUND
         decision = AutoscaleDecision(s.at, p, d, p_reason, d_reason, f"prefill: {p_why}; decode: {d_why}")
         changed = p != s.prefill.workers or d != s.decode.workers
         (log.info if changed else log.debug)("autoscale: prefill %d→%d (%s), decode %d→%d (%s) — %s",
@@ -176,6 +198,8 @@ class AutoscalePolicy:
         missed = over and sig.queued_tokens > 0
         if over:
             down = max(down, sig.workers)
+        if sig.workers + sig.starting == 0 and s.decode.queued_prompt_tokens > 0 and (over or self._tpot_over(s)):
+            up, missed = max(up, 1), False  # the decode pool's own prompts slow it: open the prefill pool
         why = f"need {need:.0f} tok/s of {capacity or 0:.0f} per worker, TTFT p90 {sig.ttft_p90_s}"
         return self._settle(Role.PREFILL, s.at, sig.workers, sig.starting, up, down, missed,
                             Reason.PREFILL_BACKLOG, Reason.TTFT_MISS, c.prefill) + (why,)
@@ -190,6 +214,9 @@ class AutoscalePolicy:
             return sig.served_tokens_per_s / sig.workers
         return None
 
+    def _tpot_over(self, s: Signals) -> bool:
+        return s.decode.tpot_p90_s is not None and s.decode.tpot_p90_s > self.config.tpot_slo_s
+
     # -- decode ---------------------------------------------------------------------------------
     def _decode(self, s: Signals) -> tuple[int, Reason, str]:
         sig, c = s.decode, self.config
@@ -200,14 +227,26 @@ class AutoscalePolicy:
         per_worker_kv = self._kv_batch(sig)
         batch_up, batch_down = (self._tpot_batch(pool.fit, sig.mean_context, u)
                                 for u in (c.target_utilization, c.down_utilization))
-        up = _ceil(seqs / min(batch_up, per_worker_kv))
-        down = _ceil(seqs / min(batch_down, per_worker_kv * c.down_utilization / c.target_utilization))
+        prompts = self._decode_prompt_workers(sig, pool.fit)  # workers' worth of prompt work, at full use
+        up = _ceil(seqs / min(batch_up, per_worker_kv) + prompts / c.target_utilization)
+        down = _ceil(seqs / min(batch_down, per_worker_kv * c.down_utilization / c.target_utilization)
+                     + prompts / c.down_utilization)
         reason = Reason.KV_FULL if per_worker_kv < batch_up else Reason.DECODE_BATCH
-        missed = sig.tpot_p90_s is not None and sig.tpot_p90_s > c.tpot_slo_s
+        if prompts / c.target_utilization > seqs / min(batch_up, per_worker_kv):
+            reason = Reason.PREFILL_BACKLOG
+        missed = self._tpot_over(s)
         why = (f"{seqs:.0f} seqs, batch ≤ {batch_up:.0f} by TPOT and ≤ {per_worker_kv:.0f} by KV, "
                f"TPOT p90 {sig.tpot_p90_s}")
         return self._settle(Role.DECODE, s.at, sig.workers, sig.starting, up, down, missed, reason,
                             Reason.TPOT_MISS, c.decode) + (why,)
+
+    def _decode_prompt_workers(self, sig: DecodeSignals, fit: StepFit | None) -> float:
+        """Decode workers' worth of the prompts they compute themselves: their arrivals plus their
+        queue drained within the TTFT target, over one worker's fitted prefill throughput."""
+        need = sig.arriving_prompt_tokens_per_s + sig.queued_prompt_tokens / self.config.ttft_slo_s
+        if need <= 0 or fit is None or not fit.knows_prefill:
+            return 0.0
+        return need / fit.prefill_tokens_per_s(self.config.chunk_tokens)
 
     def _tpot_batch(self, fit: StepFit | None, context: float, utilization: float) -> float:
         """The largest batch whose fitted step time stays within `utilization` of the TPOT SLO."""
@@ -245,7 +284,8 @@ class AutoscalePolicy:
         if clamped < current and starting:
             return current, Reason.STARTING
         cooldown = c.up_cooldown_s if clamped > current else c.down_cooldown_s
-        if now - pool.last_change_at < cooldown:
+        since = now - pool.last_change_at if clamped > current else now - max(pool.last_change_at, self._started_at)
+        if since < cooldown:
             return current, Reason.COOLDOWN
         pool.last_change_at = now
         return clamped, reason

@@ -57,6 +57,8 @@ class DecodeSignals:
     tpot_p90_s: float | None
     fit: StepFit
     starting: int = 0
+    queued_prompt_tokens: float = 0.0  # prompt tokens the decode workers compute themselves (aggregated path)
+    arriving_prompt_tokens_per_s: float = 0.0  # of those, arriving
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ class CostModel(Protocol):
     name: str
     kv_bytes_per_token: int
     link: Link
+    gpus_per_worker: int  # GPUs one worker holds (tensor parallelism)
 
     def step_s(self, shape: StepShape) -> float:
         """Seconds one engine step of this shape takes."""

@@ -29,12 +29,15 @@ class LinearCost:
     c4: float = 0.0  # s per causal attention pair of prefill chunks (what makes a long prompt superlinear)
     name: str = "linear"
     source: str = ""  # where the numbers were measured
+    gpus_per_worker: int = 1  # a tensor-parallel worker's GPUs (what goodput per GPU divides by)
 
     def __post_init__(self) -> None:
         if min(self.c0, self.c1, self.c2, self.c3, self.c4) < 0:
             raise ConfigError(f"step-time coefficients must be >= 0, got {self.coeffs()}")
         if self.num_kv_blocks < 1 or self.block_size < 1 or self.kv_bytes_per_token < 1:
             raise ConfigError("num_kv_blocks, block_size and kv_bytes_per_token must be >= 1")
+        if not isinstance(self.gpus_per_worker, int) or self.gpus_per_worker < 1:
+            raise ConfigError(f"gpus_per_worker must be an integer >= 1, got {self.gpus_per_worker!r}")
 
     def step_s(self, s: StepShape) -> float:
         return (self.c0 + self.c1 * s.prefill_tokens + self.c2 * s.decode_seqs + self.c3 * s.decode_context
