@@ -90,8 +90,21 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"chunk": a.chunk, "requests": a.requests, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"chunk": a.chunk, "requests": a.requests, "machine": machine(a.chunk),
+                               "rows": rows}, indent=2))
     plot(rows, out.with_suffix(".png"))
+
+
+def machine(chunk: int) -> str:
+    import os
+    import platform
+
+    from splitserve.engine.engine import KV_LAYER_GROUPS
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return (f"{os.cpu_count()}-core {cpu}, CPU workers, demo model, prefill {chunk} tokens a step, "
+            f"{KV_LAYER_GROUPS} layer groups a step")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -263,11 +263,15 @@ class KVProgress:
     """A streamed prefill's progress (the engine → its prefill worker, `add_request(stream_kv=
     True)`): the leading blocks of the request's context whose KV is computed — full blocks,
     which nothing rewrites while the request holds them. `epoch` counts the request's
-    preemptions: blocks reported under an earlier epoch are void (they were freed)."""
+    preemptions: blocks reported under an earlier epoch are void (they were freed). Mid-forward
+    (layer by layer): `computing`, the blocks the running step completes (the last step: up to
+    the context's end), of which the first `layers` layers are written and stay as they are."""
 
     request_id: str
     block_ids: tuple[int, ...]
     epoch: int
+    computing: tuple[int, ...] = ()
+    layers: int = 0
 
 
 # The terms of an engine's fitted step time (engine/step_model.py), in the order of

@@ -19,10 +19,21 @@ from splitserve.engine.kv_cache.block_pool import BlockPool, BlockStored, KVEven
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence, SeqStatus
 from splitserve.engine.step_shape import StepShape, shape_of
+from splitserve.hashing import block_hashes
 from splitserve.types import (ConfigError, FinishReason, KVProgress, PhaseTimes, Request, Tier, TokenChunk,
                               WorkerStats)
 
 Sampled = tuple[Sequence, int, object]  # (sequence, next token, its logprob or None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reservation:
+    """Blocks set aside for a context a peer is still computing (a streamed handoff): the
+    first `held` are this engine's own prefix-cache blocks for it — shared, never written, so
+    their KV is not moved — the rest are fresh, for the peer's KV."""
+
+    blocks: tuple[int, ...]
+    held: int = 0
 
 
 class EngineCore:
@@ -41,7 +52,7 @@ class EngineCore:
         self._seqs: dict[str, Sequence] = {}
         self._pulling: dict[str, Sequence] = {}  # blocks allocated, KV arriving from a peer
         self._detached: dict[str, list[int]] = {}  # blocks pinned for a KV handoff
-        self._reserved: dict[str, list[int]] = {}  # blocks for KV a peer is still computing (streamed)
+        self._reserved: dict[str, Reservation] = {}  # blocks for KV a peer is still computing (streamed)
         # where a streamed prefill's progress goes, on the engine thread, as soon as it is known
         self.kv_progress: Callable[[KVProgress], None] | None = None
         self._order = itertools.count()
@@ -132,7 +143,7 @@ class EngineCore:
             self.pool.free(pulling.block_ids)
         reserved = self._reserved.pop(request_id, None)
         if reserved is not None:  # likewise
-            self.pool.free(reserved)
+            self.pool.free(reserved.blocks)
         self.release_detached(request_id)
 
     def has_unfinished(self) -> bool:
@@ -154,18 +165,35 @@ class EngineCore:
     def detached_requests(self) -> list[str]:
         return list(self._detached)
 
-    def reserve_pulled(self, req: Request, outputs: tuple[int, ...] = ()) -> list[int]:
-        """Allocate blocks for a context whose KV a peer is still computing (a streamed
-        handoff): the prompt, and `outputs` when the request migrated. The caller fills them
+    def reserve_pulled(self, req: Request, outputs: tuple[int, ...] = ()) -> Reservation:
+        """Set blocks aside for a context whose KV a peer is still computing (a streamed
+        handoff): the prompt, and `outputs` when the request migrated. Its full blocks this
+        engine holds already (prefix cache) are shared, not refilled. The caller fills the rest
         as the peer publishes, then `add_pulled` takes them over once the peer's token is known
         (`abort` frees them). Raises OutOfBlocks if none free."""
         self._check_new_id(req.request_id)
         self.check_lengths(req)
-        n = len(req.prompt_token_ids) + len(outputs)
-        blocks = self.pool.allocate(-(-n // self.block_size))
-        self._reserved[req.request_id] = blocks
+        tokens = [*req.prompt_token_ids, *outputs]
+        held = self.pool.match_prefix(block_hashes(tokens, self.block_size, req.cache_salt)).block_ids
+        self.pool.touch(held)
+        try:
+            fresh = self.pool.allocate(-(-len(tokens) // self.block_size) - len(held))
+        except BaseException:
+            self.pool.free(held)
+            raise
+        r = self._reserved[req.request_id] = Reservation((*held, *fresh), len(held))
         self._before_pull()
-        return list(blocks)
+        return r
+
+    def unshare_reserved(self, request_id: str) -> Reservation:
+        """Fresh blocks in place of a reservation's held ones: the peer sends their KV after all
+        (it streamed less than they cover). Raises OutOfBlocks (the reservation is unchanged)."""
+        r = self._reserved[request_id]
+        fresh = self.pool.allocate(r.held)
+        self.pool.free(r.blocks[:r.held])
+        r = self._reserved[request_id] = Reservation((*fresh, *r.blocks[r.held:]), 0)
+        self._before_pull()
+        return r
 
     def add_pulled(self, req: Request, first_token: int, outputs: tuple[int, ...] = ()) -> list[int]:
         """Allocate blocks for a context whose KV a peer computed — the prompt, and `outputs`
@@ -177,10 +205,11 @@ class EngineCore:
             seq = self._checked_new_seq(req, (*outputs, first_token))
         except BaseException:
             if reserved is not None:
-                self.pool.free(reserved)
+                self.pool.free(reserved.blocks)
             raise
         if reserved is not None:
-            seq.block_ids = reserved
+            seq.block_ids = list(reserved.blocks)
+            seq.num_cached_blocks = reserved.held  # in the prefix cache already
             self._pulling[req.request_id] = seq
             return list(seq.block_ids)
         seq.block_ids = self.pool.allocate(-(-(seq.num_tokens - 1) // self.block_size))
@@ -238,6 +267,34 @@ class EngineCore:
         if full > seq.published:
             seq.published = full
             self.kv_progress(KVProgress(seq.request_id, tuple(seq.block_ids[:full]), seq.num_preemptions))
+
+    def _layer_progress(self, sched: SchedulerOutput, num_layers: int, groups: int) -> Callable[[int], None] | None:
+        """What reports a streamed prefill's blocks layer group by layer group during this
+        step's forward (`after_layer`: called with each layer once it has run), or None when
+        no streamed prefill runs in it. The blocks reported are those the step completes (its
+        last: up to the context's end, the partial block too — nothing writes it after)."""
+        if self.kv_progress is None:
+            return None
+        runs = []
+        for seq, n in sched.scheduled:
+            if not seq.stream_kv or n <= 1:
+                continue
+            upto = seq.num_computed_tokens + n
+            before = seq.num_computed_tokens // self.block_size
+            end = upto // self.block_size if upto < seq.num_tokens else -(-upto // self.block_size)
+            if end > before:
+                runs.append(KVProgress(seq.request_id, tuple(seq.block_ids[:before]), seq.num_preemptions,
+                                       tuple(seq.block_ids[before:end])))
+        if not runs:
+            return None
+        every = -(-num_layers // groups)
+
+        def after_layer(i: int) -> None:
+            if (i + 1) % every == 0 or i + 1 == num_layers:
+                for p in runs:
+                    self.kv_progress(dataclasses.replace(p, layers=i + 1))
+
+        return after_layer
 
     def _complete(self, sched: SchedulerOutput, sampled: list[Sampled]) -> list[TokenChunk]:
         """The step's forward pass is done: advance what it computed, append what it sampled."""
@@ -332,7 +389,7 @@ class EngineCore:
         if self.host is not None:
             self.host.check_invariants()
         held = sum(len(s.block_ids) for s in (*self._seqs.values(), *self._pulling.values()))
-        held += sum(len(b) for b in (*self._detached.values(), *self._reserved.values()))
+        held += sum(len(b) for b in self._detached.values()) + sum(len(r.blocks) for r in self._reserved.values())
         if self.holds_nothing() and self.pool.num_in_use:
             raise AssertionError(f"no requests, yet {self.pool.num_in_use} blocks are in use")
         if held < self.pool.num_in_use:

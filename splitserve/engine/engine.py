@@ -45,6 +45,11 @@ from splitserve.types import ConfigError, FinishReason, Request, SamplingParams,
 if TYPE_CHECKING:
     from splitserve.engine.grammar import GrammarMasks
 
+# A streamed prefill's step publishes its blocks in this many layer groups as the forward runs
+# (the last group's is all that waits for the step's end): more groups hide more of the last
+# step's transfer, each costing a checksum and a read of its own.
+KV_LAYER_GROUPS = 4
+
 
 class Engine(EngineCore):
     """`tp`: this process's rank of a tensor-parallel group (parallel/); None with
@@ -186,7 +191,15 @@ class Engine(EngineCore):
 
     def _forward(self, sched: SchedulerOutput) -> list[Sampled]:
         ahead = self._masks_ahead(sched)
-        result = self.runner.run(sched)
+        model = self.runner.model
+        # a CPU forward runs layer after layer as called; on a device, a layer's KV is written
+        # only when the stream gets there, so there the blocks move once the step is done
+        if self.kv.storage.device.type == "cpu":
+            model.after_layer = self._layer_progress(sched, len(self.runner.kv_layers), KV_LAYER_GROUPS)
+        try:
+            result = self.runner.run(sched)
+        finally:
+            model.after_layer = None
         if not result.sample_seqs:
             return []
         out = self.sampler(result.logits, [s.sampling for s in result.sample_seqs], ahead)

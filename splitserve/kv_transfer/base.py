@@ -124,11 +124,13 @@ class KVHandoff:
 class StreamPiece:
     """Blocks of a streamed handoff, published by the prefill worker as its prefill computed
     them: context blocks [first, first + len(block_ids)) — `block_ids` the source's — and
-    their checksum (all layers)."""
+    their checksum over `layers` (None: all). A run of blocks the prefill was still computing
+    comes as pieces of consecutive layer groups, the same blocks each time."""
 
     first: int
     block_ids: tuple[int, ...]
     checksum: int
+    layers: range | None = None
 
 
 @dataclass(frozen=True)

@@ -48,12 +48,13 @@ def check_header(handoff: KVHandoff, local_layout: KVLayout, heads_may_differ: b
 check_handoff = check_header
 
 
-def verify_landed(storage, layout: KVLayout, handoff: KVHandoff, dst_blocks: Sequence[int]) -> None:
-    """Raise TransferError("corrupt") unless dst_blocks (all layers) hash to handoff.checksum.
-    `storage`: the local KV storage tensor (or a KVCacheTensors)."""
+def verify_landed(storage, layout: KVLayout, handoff: KVHandoff, dst_blocks: Sequence[int],
+                  layers: range | None = None) -> None:
+    """Raise TransferError("corrupt") unless dst_blocks (`layers`, default all) hash to
+    handoff.checksum. `storage`: the local KV storage tensor (or a KVCacheTensors)."""
     if len(dst_blocks) != len(handoff.block_ids):
         raise TransferError("header", f"{len(dst_blocks)} destination blocks for {len(handoff.block_ids)} source blocks")
-    got = kv_checksum(storage_tensor(storage), layout, dst_blocks)
+    got = kv_checksum(storage_tensor(storage), layout, dst_blocks, layers)
     if got != handoff.checksum:
         raise TransferError("corrupt", f"checksum of {len(dst_blocks)} landed blocks is {got:#018x}, "
                                        f"source sent {handoff.checksum:#018x}")

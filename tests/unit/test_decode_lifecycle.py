@@ -17,6 +17,7 @@ from splitserve.config import EngineConfig
 from splitserve.worker.decode import worker as decode_module
 from splitserve.worker.decode.handoff import Handoff, HandoffState
 from splitserve.worker.decode.worker import DecodeWorker
+from splitserve.engine.engine import KV_LAYER_GROUPS
 from splitserve.worker.prefill import worker as prefill_module
 from splitserve.worker.prefill.worker import PrefillWorker
 from splitserve.types import FinishReason, Request, SamplingParams
@@ -431,9 +432,11 @@ def long_reference(tiny_checkpoint, prompt=LONG):
 def test_a_streamed_handoff_lands_its_pieces_during_the_prefill(chunked, tiny_checkpoint, staged, monkeypatch):
     """The decode worker stages the stream as the prefill starts: every piece lands and is
     checked while the prompt is computed (each prefill step made to take 0.1 s here, a
-    long prompt's chunk), and the handoff then carries only the tail; the output equals the
-    single engine's. Without stage() (its call lost or late), generate() takes the pieces
-    itself. Nothing is held afterwards on either side."""
+    long prompt's chunk), and the last step's blocks are the last piece, which its staging
+    pulls while the handoff travels: the handoff carries nothing left to pull. The output
+    equals the single engine's. Without stage() (its call lost or late) nothing is published — the
+    prefill waits for its reader's first call — and the handoff is pulled whole. Nothing is
+    held afterwards on either side."""
     pre, dec = chunked
     step = pre.engine.step
     monkeypatch.setattr(pre.engine, "step", lambda: (time.sleep(0.1), step())[1])
@@ -453,9 +456,9 @@ def test_a_streamed_handoff_lands_its_pieces_during_the_prefill(chunked, tiny_ch
 
     result, landed_before, chunks = asyncio.run(go())
     h = result.handoff
-    assert (h.streamed, len(h.block_ids)) == (5, 6)  # five pieces, one block in the tail
+    assert (h.streamed, len(h.block_ids)) == ((6, 6) if staged else (0, 6))  # five pieces and the last
     if staged:
-        assert landed_before == 5  # all five landed before the prefill's handoff came back
+        assert landed_before >= 5  # the five landed before the prefill's handoff came back
     assert [h.first_token] + [t for c in chunks for t in c.token_ids] == long_reference(tiny_checkpoint, prompt)
     assert not pre.streams and not dec.staged
 
@@ -469,6 +472,61 @@ async def streamed_run(pre, dec, req, stage_peer):
     await staging
     await no_leaks(pre, dec)
     return result, chunks
+
+
+def test_blocks_the_decode_worker_holds_are_not_moved(chunked, tiny_checkpoint, monkeypatch):
+    """Prefix hits on either side. The decode worker computed `base` itself (an aggregated
+    request): a streamed request sharing it reserves base's five blocks from its own prefix
+    cache, and the prefill — which computes everything — publishes pieces only after them.
+    Then both hold `base`: the prefill's cached blocks are covered at once, the decode worker's
+    are kept. Each output equals the single engine's; nothing is held afterwards."""
+    pre, dec = chunked
+    step = pre.engine.step
+    monkeypatch.setattr(pre.engine, "step", lambda: (time.sleep(0.05), step())[1])
+    base = tuple(range(250, 170, -1))  # 80 tokens, five blocks: its own, cached by no other test
+
+    async def go():
+        chunks = await collect(dec.generate(Request("warm", base + (9, 8, 7), SP)))  # aggregated, here
+        assert len([t for c in chunks for t in c.token_ids]) == SP.max_tokens
+        out = []
+        for rid, tail in (("decode-holds", tuple(range(60, 100))), ("both-hold", tuple(range(20, 60)))):
+            req = Request(rid, base + tail, SP)
+            kept, pieces = dec.prefix_blocks_kept, dec.pieces_landed
+            result, chunks = await streamed_run(pre, dec, req, Local(pre))
+            out.append((req.prompt_token_ids, result, chunks, dec.prefix_blocks_kept - kept,
+                        dec.pieces_landed - pieces))
+        return out
+
+    for prompt, result, chunks, kept, pieces in asyncio.run(go()):
+        h = result.handoff
+        assert kept == 5  # base's blocks: not moved
+        assert (h.streamed, len(h.block_ids)) == (8, 8)  # 120 tokens: held 5, then three pieces
+        assert pieces == 3 * min(KV_LAYER_GROUPS, dec.layout.num_layers)  # its three steps' blocks, by layer group
+        assert [h.first_token] + [t for c in chunks for t in c.token_ids] == long_reference(tiny_checkpoint, prompt)
+    assert not pre.streams and not dec.staged
+
+
+def test_a_reservation_gives_up_held_blocks_for_fresh_ones(tiny_checkpoint):
+    """unshare_reserved: a handoff that carries the held blocks after all gets fresh ones to
+    land them in; the shared blocks stay cached, and the counts hold."""
+    from splitserve.engine.engine import Engine
+    from splitserve.hashing import block_hashes
+
+    eng = Engine(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=16))
+    prompt = tuple(range(5, 45))
+    eng.add_request(Request("a", prompt, SP))
+    while eng.has_unfinished():
+        eng.step()
+    r = eng.reserve_pulled(Request("b", prompt, SP))
+    assert r.held == 2 and len(r.blocks) == 3  # 40 tokens: two full blocks cached
+    u = eng.unshare_reserved("b")
+    assert u.held == 0 and len(u.blocks) == 3 and not set(u.blocks[:2]) & set(r.blocks[:2])
+    assert u.blocks[2] == r.blocks[2]
+    eng.check_invariants()
+    eng.abort("b")
+    assert eng.holds_nothing() and eng.pool.num_in_use == 0
+    assert eng.pool.match_prefix(block_hashes(prompt, eng.block_size)).block_ids == r.blocks[:2]  # still cached
+    eng.check_invariants()
 
 
 def test_a_corrupt_piece_mid_stream_recomputes_exactly(chunked, tiny_checkpoint, monkeypatch):

@@ -126,12 +126,12 @@ def test_a_streamed_prefill_reports_its_blocks_as_they_are_computed(path, expect
 
     pre.kv_progress = sink
     pre.add_request(Request("5", prompt, sp), prefill_only=True, stream_kv=True)
-    dst = dec.reserve_pulled(Request("5", prompt, sp))
+    dst = list(dec.reserve_pulled(Request("5", prompt, sp)).blocks)
     first = blocks = None
     while pre.has_unfinished():
         for c in pre.step():
             first, blocks = c.token_ids[0], c.kv_blocks
-    reported = [p.block_ids for _, p in seen]
+    reported = [p.block_ids for _, p in seen if not p.computing]  # (layer by layer: test_layer_progress...)
     assert [len(b) for b in reported] == [1, 2, 3, 4, 5]  # 90 tokens: 5 full blocks, one per 16-token step
     assert all(b == blocks[:len(b)] for b in reported) and len(blocks) == 6
     for b, before in snaps.items():
@@ -152,10 +152,41 @@ def test_a_streamed_prefill_reports_its_blocks_as_they_are_computed(path, expect
     assert_holds_nothing(pre, dec)
 
 
+def test_a_streamed_prefill_reports_each_steps_blocks_layer_by_layer(path):
+    """During each step's forward, after every layer group (the tiny model's 2 layers: each
+    layer), the blocks the step completes — the last step: up to the prompt's end — are
+    reported with how many layers are done: those layers hold their final KV already, the
+    later ones are not written yet (a fresh cache is zeros)."""
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    pre = engine(path, max_num_batched_tokens=16)
+    prompt = prompts()[5]  # 90 tokens: six steps, the last completes blocks 5 (partly filled)
+    seen = []
+
+    def sink(p):
+        if p.computing:
+            seen.append((pre._steps, p.layers, p.computing, pre.kv.storage[:, :, list(p.computing)].clone()))
+
+    pre.kv_progress = sink
+    pre.add_request(Request("layers", prompt, sp), prefill_only=True, stream_kv=True)
+    blocks = None
+    while pre.has_unfinished():
+        for c in pre.step():
+            blocks = c.kv_blocks
+    assert [(step, k) for step, k, _, _ in seen] == [(s, k) for s in range(6) for k in (1, 2)]
+    assert [b for _, k, b, _ in seen if k == 1] == [(blocks[i],) for i in range(6)]  # one block a step
+    for _, k, b, snap in seen:
+        final = pre.kv.storage[:, :, list(b)]
+        assert torch.equal(snap[:k], final[:k])  # done layers: as they stay
+        if k < 2:  # later ones: not written yet
+            assert not snap[k:].any() and final[k:].any()
+    pre.release_detached("layers")
+    assert_holds_nothing(pre)
+
+
 def test_reserved_blocks_are_freed_by_an_abort(path):
     dec = engine(path, num_kv_blocks=16)
     sp = SamplingParams(temperature=0, max_tokens=4)
-    assert len(dec.reserve_pulled(Request("a", [5] * 40, sp))) == 3
+    assert len(dec.reserve_pulled(Request("a", [5] * 40, sp)).blocks) == 3
     assert not dec.holds_nothing() and dec.pool.num_in_use == 3
     dec.check_invariants()
     dec.abort("a")

@@ -9,7 +9,7 @@ projections are fused at load time (one matmul each instead of three / two).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -101,6 +101,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_dim, max_positions)
         self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
+        # called with i once layer i has run (its KV written): a streamed prefill's blocks move
+        # layer group by layer group while the later layers compute (set for one step at a time)
+        self.after_layer: Callable[[int], None] | None = None
 
     @property
     def fused(self) -> bool:
@@ -145,13 +148,18 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        after = self.after_layer
         if self.fused:
             delta = None
-            for layer, kv in zip(self.layers, kv_caches):
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 x, delta = layer.forward_fused(x, delta, cos, sin, kv, backend, meta)
+                if after is not None:
+                    after(i)
             return x + delta
-        for layer, kv in zip(self.layers, kv_caches):
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin, kv, backend, meta)
+            if after is not None:
+                after(i)
         return x
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import threading
 
+from splitserve.engine.core import Reservation
 from splitserve.engine.engine import Engine
 
 
@@ -71,12 +72,12 @@ class Handoff:
             self._abort_requested = True
             return self.state in (S.READY, S.RECOMPUTE)
 
-    def reserve(self, engine: Engine, req, outputs: tuple[int, ...]) -> list[int]:
+    def reserve(self, engine: Engine, req, outputs: tuple[int, ...]) -> Reservation:
         """On the engine thread: destination blocks for a context the peer is still computing
         (a streamed handoff; `adopt` makes them the request's once its token is known)."""
-        dst = engine.reserve_pulled(req, outputs)
+        r = engine.reserve_pulled(req, outputs)
         self.allocated = True
-        return dst
+        return r
 
     def adopt(self, engine: Engine, req, outputs: tuple[int, ...]) -> list[int]:
         """On the engine thread: the reserved blocks become the request's, `outputs` ending

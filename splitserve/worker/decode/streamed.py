@@ -1,9 +1,13 @@
 """The decode side of a streamed handoff (DESIGN.md §1 step 6, streamed): the orchestrator
 calls `stage` as it sends the prompt to the prefill worker, so blocks for the context are
 reserved here and every piece the prefill publishes (`PrefillWorker.kv_stream`) is pulled and
-checked against its own checksum while the prompt is still being computed. `generate` then
-finds the staging, and once the prefill's handoff arrives only the tail — the blocks its last
-step completed — is pulled and checked before the request joins the batch.
+checked against its own checksum while the prompt is still being computed; the last piece,
+the blocks the prefill's last step completed, comes as the prefill returns its handoff, and is
+pulled while that handoff travels to the orchestrator and back here. Leading blocks this
+worker's prefix cache holds already are shared, not moved: the first call tells the prefill how
+many, and its pieces begin after them. `generate` then
+finds the staging, waits for its end and acknowledges the lease before the request joins the
+batch (a handoff that streamed less — no reader had called yet — brings the rest to pull).
 
 A `Staging` is the landing's first half. It runs under the request's `Handoff` (the state
 machine of handoff.py: ALLOCATING while blocks are reserved, PULLING while pieces land), so an
@@ -36,7 +40,10 @@ STREAM_POLL_S = 1.0  # the longest one kv_stream call waits for news
 class Staging:
     ho: Handoff
     dst: list[int] = field(default_factory=list)  # reserved destination blocks, in context order
-    landed: int = 0  # leading blocks pulled and checked
+    held: int = 0  # leading ones this worker's prefix cache held already: not moved
+    landed: int = 0  # leading blocks in place: held, then pulled and checked
+    run: int = 0  # blocks after those landing layer group by layer group
+    run_layers: int = 0  # how many of their layers landed
     pieces: int = 0  # pieces taken, of `epoch`
     epoch: int = 0
     failure: TransferError | None = None
@@ -62,7 +69,8 @@ async def _stage(worker, st: Staging, req: Request, prefill: Any, outputs: tuple
     rid, ho = req.request_id, st.ho
     try:
         await worker.loop.prepare(req.params)
-        st.dst = await worker.loop.call(ho.reserve, worker.engine, req, outputs)
+        r = await worker.loop.call(ho.reserve, worker.engine, req, outputs)
+        st.dst, st.held, st.landed = list(r.blocks), r.held, r.held
     except (OutOfBlocks, ConfigError) as e:  # no blocks reserved: generate() computes it here
         st.failure = TransferError("internal", f"the stream could not be staged here: {e}")
     if st.failure is None and ho.abort_requested:
@@ -92,7 +100,7 @@ async def _follow(worker, st: Staging, rid: str, prefill: Any, claim_s: float) -
     the stream was over before anything of it was seen (its lease ended)."""
     began = asyncio.get_running_loop().time()
     while not st.ho.abort_requested and not st.abandoned:
-        upd = await prefill.kv_stream.remote(rid, st.pieces, st.epoch, STREAM_POLL_S)
+        upd = await prefill.kv_stream.remote(rid, st.pieces, st.epoch, STREAM_POLL_S, st.held)
         if upd.handoff is None:
             if upd.done:
                 return st.pieces == 0 and st.epoch == 0  # over: its lease ended
@@ -100,26 +108,34 @@ async def _follow(worker, st: Staging, rid: str, prefill: Any, claim_s: float) -
                 return False  # it never began: generate() decides
             continue  # not begun yet: our call came before the prefill's
         if upd.epoch != st.epoch:  # the prefill was preempted: what landed is void
-            st.epoch, st.pieces, st.landed = upd.epoch, 0, 0
+            st.epoch, st.pieces, st.landed, st.run, st.run_layers = upd.epoch, 0, st.held, 0, 0
         if not st.transport:
             check_header(upd.handoff, worker.layout)
             st.transport = upd.handoff.endpoint.transport
         for p in upd.pieces:
             await land_piece(worker, st, upd.handoff, p)
             st.pieces += 1
-        if upd.done and not upd.pieces:
+        if upd.done:  # its last piece (the prefill's last step's blocks) was in this update
             return False
     return False
 
 
 async def land_piece(worker, st: Staging, h: KVHandoff, p: StreamPiece) -> None:
-    if p.first != st.landed:
-        raise TransferError("truncated", f"piece at block {p.first}, {st.landed} landed before it")
+    """Read and check one piece. Pieces come in context order; a run of blocks the prefill was
+    still computing comes in consecutive layer groups, and counts as landed once its last has."""
+    n = worker.layout.num_layers
+    layers = p.layers if p.layers is not None else range(n)
+    if p.first != st.landed or layers.start != st.run_layers or (st.run_layers and len(p.block_ids) != st.run):
+        raise TransferError("truncated", f"piece at block {p.first}, layer {layers.start}: {st.landed} blocks "
+                                         f"and {st.run_layers} layers of the next landed before it")
     if p.first + len(p.block_ids) > len(st.dst):
         raise TransferError("header", f"piece past the context's {len(st.dst)} blocks")
     piece = h.piece(p.first, len(p.block_ids), p.checksum)  # h lists every published block
     dst = st.dst[p.first:p.first + len(p.block_ids)]
-    await worker._read(piece, dst, None, st.ho)
-    await asyncio.to_thread(verify_landed, worker.engine.kv.storage, worker.layout, piece, dst)
-    st.landed = p.first + len(p.block_ids)
+    await worker._read(piece, dst, None, st.ho, p.layers)
+    await asyncio.to_thread(verify_landed, worker.engine.kv.storage, worker.layout, piece, dst, p.layers)
+    if layers.stop == n:
+        st.landed, st.run, st.run_layers = p.first + len(p.block_ids), 0, 0
+    else:
+        st.run, st.run_layers = len(p.block_ids), layers.stop
     worker.pieces_landed += 1

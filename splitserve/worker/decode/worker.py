@@ -54,6 +54,7 @@ class DecodeWorker(KVWorker):
         self.staged: dict[str, streamed.Staging] = {}  # streamed handoffs landing ahead of their generate()
         self.claim_s = 30.0  # how long a staging whose stream ended waits for its generate()
         self.pieces_landed = 0  # streamed pieces landed and checked ahead of their handoff
+        self.prefix_blocks_kept = 0  # streamed handoffs' blocks found in the prefix cache here, not moved
         self.handoff_outcomes: collections.Counter[HandoffState] = collections.Counter()
         self._early_aborts: collections.OrderedDict[str, bool] = collections.OrderedDict()
         self.callers = Callers(self.abort)  # the ingress replicas streaming from here, watched
@@ -180,11 +181,12 @@ class DecodeWorker(KVWorker):
         if not st.dst:  # no blocks were reserved: as an allocation that failed
             await self._settle(h, prefill)
             return await self._recompute(req, context, ho)
+        room = h.streamed >= st.held or await self._unshare(st)  # else the prefill sends what is held here
         await self.loop.call(ho.adopt, self.engine, req, context)  # the request's blocks now
         q = self.loop.watch(req.request_id)
-        if ho.abort_requested:
+        if ho.abort_requested or not room:
             await self._settle(h, prefill)
-            return await self._end(ho, S.ABORTED, q)
+            return await self._end(ho, S.ABORTED if ho.abort_requested else S.RECOMPUTE, q)
         kind = h.endpoint.transport
         self.transfers_by_transport[kind] = self.transfers_by_transport.get(kind, 0) + 1
         try:
@@ -202,7 +204,18 @@ class DecodeWorker(KVWorker):
                 raise
             log.warning("streamed KV for %s failed (%s): recomputing locally", req.request_id, e)
             return await self._end(ho, S.RECOMPUTE, q)
+        self.prefix_blocks_kept += st.held
         return await self._end(ho, S.READY, q)
+
+    async def _unshare(self, st: streamed.Staging) -> bool:
+        """Fresh blocks for the held ones, which the handoff carries after all (it streamed
+        nothing: stage() came too late, or the prefill does not stream); False if none free."""
+        try:
+            r = await self.loop.call(self.engine.unshare_reserved, st.ho.request_id)
+        except OutOfBlocks:
+            return False
+        st.dst, st.held = list(r.blocks), 0
+        return True
 
     async def _pull_tail(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
         """The blocks after the pieces (all of them when none were streamed), then the ack,
@@ -336,12 +349,12 @@ class DecodeWorker(KVWorker):
             await asyncio.sleep(every)
             prefill.renew.remote(h.lease_id)
 
-    async def _read(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
+    async def _read(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff, layers: range | None = None) -> None:
         transport = self.transports.get(h.endpoint.transport)
         if transport is None:
             raise TransferError("unreachable", f"handoff over {h.endpoint.transport!r}; this worker reads "
                                 f"{list(self.transports)}")
-        handle = transport.read(h, dst)
+        handle = transport.read(h, dst, layers)
         renewing = asyncio.ensure_future(self._renew(h, prefill))
         try:
             while (st := transport.poll(handle)).state is TransferState.PENDING:
@@ -387,6 +400,7 @@ class DecodeWorker(KVWorker):
     async def check_invariants(self) -> dict:
         counts = await self.loop.call(self.engine.block_counts)
         return {**counts, "handoffs": len(self.handoffs), "staged": len(self.staged), "pieces_landed": self.pieces_landed,
+                "prefix_blocks_kept": self.prefix_blocks_kept,
                 "transfer_failures": dict(self.transfer_failures),
                 "transfers_by_transport": dict(self.transfers_by_transport)}
 

@@ -122,21 +122,31 @@ class PrefillWorker(KVWorker):
         return st
 
     async def _publish(self, st: KVStream, p: KVProgress) -> None:
-        """New complete blocks: checksummed off the engine thread (the prefill goes on), then
-        readable under the stream's lease. A new epoch (preempted) voids the earlier ones."""
-        if st.done:
-            return
-        if p.epoch != st.epoch:
-            st.restart(p.epoch)
-            self._allow(st, ())
-        new = p.block_ids[len(st.blocks):]
-        if not new or p.block_ids[:len(st.blocks)] != st.blocks:
-            return
-        checksum = await asyncio.to_thread(kv_checksum, self.engine.kv.storage, self.layout, new)
-        if st.done or p.epoch != st.epoch:  # it ended (or restarted) meanwhile
-            return
-        st.add(new, checksum)
-        self._allow(st, st.blocks)
+        """New complete blocks, or new layers of the blocks a step is computing: checksummed off
+        the engine thread (the prefill goes on), then readable under the stream's lease. A new
+        epoch (preempted) voids the earlier ones. Nothing is published before the reader said
+        which blocks it holds."""
+        st.latest = p
+        async with st.publishing:
+            if st.done or st.held is None or p is not st.latest:  # a newer one publishes it all
+                return
+            if p.epoch != st.epoch:
+                st.restart(p.epoch)
+                self._allow(st, ())
+            await self._add_due(st, p.block_ids, p.computing, p.layers)
+
+    async def _add_due(self, st: KVStream, complete, computing=(), layers: int = 0) -> bool:
+        """Under st.publishing: publish what is due (KVStream.due); False if the stream ended
+        or restarted meanwhile."""
+        epoch, n = st.epoch, self.layout.num_layers
+        st.cover_held(tuple(complete))
+        for blocks, lay in st.due(tuple(complete), tuple(computing), layers, n):
+            checksum = await asyncio.to_thread(kv_checksum, self.engine.kv.storage, self.layout, blocks, lay)
+            if st.done or st.epoch != epoch:
+                return False
+            st.add(blocks, lay, checksum, n)
+            self._allow(st, st.blocks + st.run)
+        return True
 
     def _allow(self, st: KVStream, blocks) -> None:
         token = st.opening.lease_token
@@ -157,11 +167,13 @@ class PrefillWorker(KVWorker):
         if lease is None:
             await self._reap()
 
-    async def kv_stream(self, request_id: str, have: int = 0, epoch: int = 0, wait_s: float = 1.0) -> StreamUpdate:
+    async def kv_stream(self, request_id: str, have: int = 0, epoch: int = 0, wait_s: float = 1.0,
+                        held: int = 0) -> StreamUpdate:
         """A reader's view of a streamed handoff: what is new after its `have` pieces of `epoch`,
-        once there is some (or after `wait_s`). Renews the stream's lease: its reader is alive.
-        A stream not begun yet (the reader's call came first: Ray orders neither) is waited for;
-        one that is over says so (`done`, no handoff)."""
+        once there is some (or after `wait_s`). `held`: the context's leading blocks the reader
+        holds already, not sent (its first call's counts). Renews the stream's lease: its reader
+        is alive. A stream not begun yet (the reader's call came first: Ray orders neither) is
+        waited for; one that is over says so (`done`, no handoff)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while (st := self.streams.get(request_id)) is None:
@@ -171,18 +183,23 @@ class PrefillWorker(KVWorker):
                 return StreamUpdate(None, (), 0, False)
             await asyncio.sleep(0.002)
         self.leases.renew(st.lease_id)
+        if st.held is None:
+            st.held = max(0, held)
+            if st.latest is not None:  # what was computed before this call (a cached prefix at once)
+                await self._publish(st, st.latest)
         return await st.wait(have, epoch, max(0.0, deadline - loop.time()))
 
     async def _handoff(self, req: Request, chunk: TokenChunk, endpoint: TransportEndpoint,
                        reader_ranks: int, computed_at: float, st: KVStream | None = None) -> KVHandoff:
         blocks = chunk.kv_blocks
-        checksum, ranks = 0, ()
+        checksum, ranks, streamed = 0, (), 0
         lease = self.leases.get(st.lease_id) if st is not None else None
-        streamed = len(st.blocks) if lease is not None and tuple(blocks[:len(st.blocks)]) == st.blocks else 0
-        if reader_ranks > 1 or self.engine.tp.size > 1:  # sliced: every rank's heads checksummed instead
+        if lease is not None:
+            streamed, checksum = await self._last_piece(st, tuple(blocks))
+        elif reader_ranks > 1 or self.engine.tp.size > 1:  # sliced: every rank's heads checksummed instead
             ranks = await self._rank_sources(blocks)
         else:  # off the engine thread (prefills keep running): detached blocks are written by no one
-            checksum = await asyncio.to_thread(kv_checksum, self.engine.kv.storage, self.layout, blocks[streamed:])
+            checksum = await asyncio.to_thread(kv_checksum, self.engine.kv.storage, self.layout, blocks)
         if st is not None and lease is None:  # its lease lapsed mid-stream: the handoff starts afresh
             await self._close_stream(st)
             st = None
@@ -205,6 +222,17 @@ class PrefillWorker(KVWorker):
                          chunk.num_prompt_tokens, chunk.num_cached_tokens, tuple(blocks), endpoint,
                          lease.lease_id, lease.expires_at, header, checksum, lease.token, ranks, computed_at,
                          streamed)
+
+    async def _last_piece(self, st: KVStream, blocks: tuple[int, ...]) -> tuple[int, int]:
+        """The stream's end: (how many leading blocks the handoff says streamed, the checksum
+        of the rest). With its reader following, what was not published yet — the last step's
+        blocks, or their last layers — is the last piece, pulled by its staging while this
+        handoff travels, and nothing is left; else the whole context goes with the handoff."""
+        storage = self.engine.kv.storage
+        async with st.publishing:  # no publication runs meanwhile
+            if st.held is not None and await self._add_due(st, blocks) and st.blocks == blocks:
+                return len(blocks), kv_checksum(storage, self.layout, ())
+        return 0, await asyncio.to_thread(kv_checksum, storage, self.layout, blocks)
 
     async def _rank_sources(self, blocks) -> tuple[RankSource, ...]:
         """Every rank's part of the handoff: its endpoints, its KV heads, a checksum per head
