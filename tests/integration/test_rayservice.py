@@ -28,6 +28,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def generate_over_grpc(port: int, within_s: float = 60) -> list:
+    """The greedy answer over gRPC, retried while UNAVAILABLE as a client does (a loaded
+    machine may let a worker's report go stale for a moment: the app says not ready)."""
+    deadline = time.time() + within_s
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        while True:
+            try:
+                return list(pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+                    text=PROMPT, sampling=pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))))
+            except grpc.RpcError as e:
+                if e.code() is not grpc.StatusCode.UNAVAILABLE or time.time() > deadline:
+                    raise
+                time.sleep(0.5)
+
+
 def test_serve_run_of_a_config_file(ray_session, tiny_checkpoint, tmp_path):
     from splitserve.control import controller
 
@@ -86,10 +101,7 @@ def test_serve_run_of_a_config_file(ray_session, tiny_checkpoint, tmp_path):
                                                       "temperature": 0, "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
         assert float(r.headers["x-splitserve-transfer-ms"]) > 0  # through a prefill worker
-        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
-            msgs = list(pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
-                text=PROMPT, sampling=pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))))
-        assert "".join(m.text for m in msgs) == ref
+        assert "".join(m.text for m in generate_over_grpc(grpc_port)) == ref
         assert controller.find("rayservice-test") is not None
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: serve run deletes the app
         try:
