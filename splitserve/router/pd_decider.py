@@ -6,13 +6,18 @@ router's views, so the real router and the simulator run exactly this code.
              `min_tokens` (and a prefill pool exists)
   slo        (default) the same floor, then only when it pays against the SLOs, from what the
              router already knows of the two workers it picked (their reported prompt backlog,
-             batch and online step-time fit): the decode worker keeps the prompt when it can
-             prefill its whole backlog plus this prompt within `ttft_share` of the TTFT target
-             while its running sequences keep the TPOT target — prefill may take the share
-             1 - (decode step / TPOT target) of its time, so its backlog drains in
-             (fitted prefill seconds) / that share — and otherwise keeps it only when the
-             prefill worker's own backlog would take longer still (the prefill pool is the
-             bottleneck). Without both SLOs, or before a worker has a step-time fit, it is
+             batch, step budget and online step-time fit):
+               * a decode step carrying a full chunk of the prompt would take more than
+                 `CHUNK_SHARE` of the TPOT target (`chunk_interferes`: its sequences would miss
+                 it): through the prefill worker, unless that one's backlog plus the prompt
+                 takes more than `ttft_share` of the TTFT target (then as below);
+               * the decode worker keeps the prompt when it can prefill its backlog plus this
+                 prompt within `ttft_share` of the TTFT target while its running sequences
+                 keep the TPOT target — prefill may take the share 1 - (decode step / TPOT
+                 target) of its time, so its backlog drains in (fitted prefill seconds) / that
+                 share —, and otherwise only when the prefill worker's own backlog would take
+                 longer still (the prefill pool is the bottleneck).
+             Without both SLOs, or before the decode worker has a step-time fit, it is
              `threshold`.
 
 Prefill seconds of n prompt tokens on a worker: c1·n + c4·n²/2 of its fit (the causal attention
@@ -26,6 +31,17 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from splitserve.router.policy import WorkerView
+
+
+CHUNK_SHARE = 0.6  # of the TPOT target a decode step with a full prefill chunk may take
+
+
+def chunk_interferes(coeffs: tuple[float, ...], budget: int, tpot_slo_s: float, share: float = CHUNK_SHARE) -> bool:
+    """Whether a step carrying a full prefill chunk of `budget` tokens takes more than `share` of
+    the TPOT target, by a worker's step-time fit: prompts on that worker would make the sequences
+    sharing its steps miss it (the rest of the target is the batch's own reads). The autoscaler
+    asks the same of the decode pool."""
+    return _coeff(coeffs, 0) + prefill_s(coeffs, budget) > share * tpot_slo_s
 
 
 class PDDecider(Protocol):
@@ -67,6 +83,10 @@ class SLODecider(ThresholdDecider):
     def disaggregate(self, decode, decode_uncached, prefill, prefill_uncached) -> bool:
         if self.ttft_slo_s is None or self.tpot_slo_s is None or not _knows_prefill(decode.step_time_coeffs):
             return True
+        if chunk_interferes(decode.step_time_coeffs, min(decode.token_budget, decode_uncached), self.tpot_slo_s):
+            if not _knows_prefill(prefill.step_time_coeffs) or self._prefill_wait(prefill, prefill_uncached) \
+                    <= self.ttft_share * self.ttft_slo_s:
+                return True  # else the prefill worker is swamped: weigh the two waits as below
         spare = 1.0 - decode_step_s(decode) / self.tpot_slo_s  # the share of its time prefill may take
         if spare <= 0:
             return True
@@ -75,7 +95,11 @@ class SLODecider(ThresholdDecider):
             return False
         if not _knows_prefill(prefill.step_time_coeffs):
             return True
-        return prefill_s(prefill.step_time_coeffs, prefill.pending_prefill_tokens + prefill_uncached) <= on_decode
+        return self._prefill_wait(prefill, prefill_uncached) <= on_decode
+
+    @staticmethod
+    def _prefill_wait(prefill, uncached: int) -> float:
+        return prefill_s(prefill.step_time_coeffs, prefill.pending_prefill_tokens + uncached)
 
 
 def _coeff(coeffs: tuple[float, ...], i: int) -> float:

@@ -54,6 +54,7 @@ class WorkerView:
     expert_tokens: tuple[int, ...] = ()  # a mixture of experts: tokens each expert took
     pending_prefill_tokens: int = 0  # prompt tokens it has queued, not yet computed (the PD decider)
     decode_context_tokens: int = 0  # context its running decodes read each step
+    token_budget: int = 2048  # its engine's max_num_batched_tokens: the largest prefill chunk a step takes
 
     @property
     def up(self) -> bool:
@@ -68,7 +69,8 @@ class WorkerView:
             return WorkerView(wid, role, host, pending, healthy=healthy, draining=draining)
         return WorkerView(wid, role, host, stats.num_waiting + pending, stats.num_running, stats.kv_usage,
                           stats.kv_blocks_free + stats.kv_blocks_cached, healthy, draining, stats.step_time_coeffs,
-                          stats.expert_tokens_total, stats.pending_prefill_tokens, stats.decode_context_tokens)
+                          stats.expert_tokens_total, stats.pending_prefill_tokens, stats.decode_context_tokens,
+                          stats.token_budget)
 
 
 @dataclass(frozen=True)

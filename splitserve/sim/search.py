@@ -65,23 +65,34 @@ def sweep_ratio(run_split: Callable[[int, int], Run], gpus: int, **search) -> di
 
 
 def goodput_scan(run: Run, target: float = 0.9, lo: float = 1 / 8, hi: float = 16.0, step: float = 2 ** 0.5,
-                 give_up_below: float = 0.1) -> dict[str, Any]:
+                 give_up_below: float = 0.1, iters: int = 3) -> dict[str, Any]:
     """`goodput` for a system whose attainment is not monotonic in the rate — an autoscaled one
     shrinks its pools under a light load and may miss there what it meets under a heavier one,
     which would stop a bisection early: every rate scale from `lo` to `hi` on a geometric grid
-    (stopping once attainment falls `give_up_below` under the target), and goodput per GPU is the
-    best rate per mean GPU held among the rates that meet the target."""
+    (stopping once attainment falls `give_up_below` under the target), then `iters` bisection
+    steps between the highest rate that met it and the grid's next; goodput per GPU is the best
+    rate per mean GPU held among the rates that met the target."""
     probes: list[dict[str, Any]] = []
-    scale = lo
-    while scale <= hi * (1 + 1e-9):
+
+    def ok(scale: float) -> bool:
         s = run(scale)
-        att = s["slo_attainment"] or 0.0
         probes.append({"rate_scale": scale, "slo_attainment": s["slo_attainment"], "gpus": s["gpus"],
                        "rate_rps": s["workload"]["rate_rps"], "ttft_p90_ms": s["ttft_ms"]["p90"],
                        "tpot_p90_ms": s["tpot_ms"]["p90"]})
-        if att < target - give_up_below and any((p["slo_attainment"] or 0.0) >= target for p in probes):
+        return (s["slo_attainment"] or 0.0) >= target
+
+    scale, top = lo, None
+    while scale <= hi * (1 + 1e-9):
+        if ok(scale):
+            top = scale
+        elif top is not None and (probes[-1]["slo_attainment"] or 0.0) < target - give_up_below:
             break
         scale *= step
+    if top is not None and top * step <= hi * (1 + 1e-9):
+        a, b = top, top * step
+        for _ in range(iters):
+            mid = (a + b) / 2
+            a, b = (mid, b) if ok(mid) else (a, mid)
     per_gpu = lambda p: p["rate_rps"] / p["gpus"] if p["rate_rps"] and p["gpus"] else 0.0  # noqa: E731
     met = [p for p in probes if (p["slo_attainment"] or 0.0) >= target]
     best = max(met, key=per_gpu, default=None)

@@ -9,7 +9,8 @@ import pytest
 from splitserve.control.deploy_config import DeployConfig
 from splitserve.hashing import block_hashes
 from splitserve.router import RouteRequest, WorkerView, make_router
-from splitserve.router.pd_decider import SLODecider, ThresholdDecider, decode_step_s, make_decider, prefill_s
+from splitserve.router.pd_decider import (SLODecider, ThresholdDecider, chunk_interferes, decode_step_s,
+                                          make_decider, prefill_s)
 from splitserve.sim.simulation import SimConfig
 from splitserve.types import ConfigError
 
@@ -24,7 +25,8 @@ def req(n):
 
 
 def view(role, name, **kw):
-    return WorkerView(name, role, "h0", step_time_coeffs=FIT, **kw)
+    # a 128-token step budget: a step with a full chunk takes 22.8 ms, within 0.6 of 50 ms
+    return WorkerView(name, role, "h0", step_time_coeffs=FIT, **{"token_budget": 128, **kw})
 
 
 def place(decider, n, decode, prefill):
@@ -60,6 +62,15 @@ def test_slo_disaggregates_when_the_decode_backlog_would_miss():
     assert place(slo(), 2000, busy, view("prefill", "p0")).prefill == "p0"
     # a larger share of the TTFT lets the decode worker keep it
     assert place(slo(ttft_share=1.0), 2000, busy, view("prefill", "p0")).prefill is None
+
+
+def test_slo_disaggregates_when_a_chunk_would_slow_the_decode_steps():
+    # a 2048-token budget: a step with a full chunk of this prompt takes 0.21 s, past the 50 ms TPOT
+    assert chunk_interferes(FIT, 2048, 0.05) and not chunk_interferes(FIT, 128, 0.05)
+    assert place(slo(), 2000, view("decode", "d0", token_budget=2048), view("prefill", "p0")).prefill == "p0"
+    assert place(slo(), 150, view("decode", "d0", token_budget=2048), view("prefill", "p0")).prefill is None
+    swamped = view("prefill", "p0", pending_prefill_tokens=20000)  # 2 s queued there: the decode worker's 0.25 s wins
+    assert place(slo(), 2000, view("decode", "d0", token_budget=2048), swamped).prefill is None
 
 
 def test_slo_disaggregates_when_the_batch_leaves_no_room_for_prefill():

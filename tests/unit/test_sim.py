@@ -454,7 +454,8 @@ def test_the_goodput_scan_finds_the_best_rate_per_gpu_past_a_dip():
         return {"slo_attainment": att, "gpus": 2.0 if scale < 1 else 4.0, "workload": {"rate_rps": 2.0 * scale},
                 "ttft_ms": {"p90": 1.0}, "tpot_ms": {"p90": 1.0}}
 
-    res = search.goodput_scan(run, target=0.9, lo=0.25, hi=16.0, step=2.0)
-    assert [p["rate_scale"] for p in res["probes"]] == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]  # stops past the cliff
-    assert res["rate_scale"] == 4.0 and res["goodput_rps_per_gpu"] == pytest.approx(4.0 * 2.0 / 4.0)
+    res = search.goodput_scan(run, target=0.9, lo=0.25, hi=16.0, step=2.0, iters=2)
+    # the grid stops past the cliff, then two bisection steps between 4x and 8x
+    assert [p["rate_scale"] for p in res["probes"]] == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 6.0, 7.0]
+    assert res["rate_scale"] == 6.0 and res["goodput_rps_per_gpu"] == pytest.approx(6.0 * 2.0 / 4.0)
     assert search.goodput(run, start=0.5)["goodput_rps_per_gpu"] == 0.0  # what a bisection from the dip finds
