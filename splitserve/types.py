@@ -200,6 +200,7 @@ class Request:
     cache_salt: str | None = None  # keeps one tenant's prefix-cache blocks apart from another's
     arrival_time: float = 0.0
     prompt_hashes: PromptHashes | None = None
+    traceparent: str | None = None  # W3C trace context of the span the callee's span is a child of (tracing.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))

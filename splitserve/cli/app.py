@@ -29,11 +29,12 @@ from typing import Any
 import ray
 from ray import serve
 
+from splitserve import tracing
 from splitserve.control import controller as controller_mod
 from splitserve.orchestrator.cluster_backend import ClusterBackend, ControllerSource
 from splitserve.control.deploy_config import DeployConfig
 from splitserve.router.admission import Admission, AdmissionConfig
-from splitserve.ingress.grpc_service import GenerationService, RpcFailure, authorization
+from splitserve.ingress.grpc_service import GenerationService, RpcFailure
 from splitserve.ingress.http import OpenAIServer
 
 GRPC_SERVICER = "splitserve.v1.generation_pb2_grpc.add_GenerationServicer_to_server"
@@ -48,6 +49,7 @@ def admission_config(cfg: DeployConfig) -> AdmissionConfig:
 class Ingress:
     async def __init__(self, cfg: DeployConfig, joined: bool = True) -> None:
         self.owner = uuid.uuid4().hex
+        tracing.setup(cfg.trace, "splitserve-ingress", f"ingress:{ray.get_runtime_context().get_actor_id()}")
         self.controller = controller_mod.get_or_create(cfg, joined)
         # with this replica's actor, which the Controller watches: a replica killed before its
         # __del__ could detach (or whose detach never left the dying process) still lets go
@@ -71,13 +73,15 @@ class Ingress:
         return self.http.app
 
     async def Generate(self, request, grpc_context):  # noqa: N802 (the gRPC method's name)
+        trailing: list = []
         try:
-            async for msg in self.grpc.generate(request, authorization(grpc_context.invocation_metadata())):
+            async for msg in self.grpc.generate_traced(request, grpc_context.invocation_metadata(), trailing):
                 yield msg
+            grpc_context.set_trailing_metadata(trailing)
         except RpcFailure as f:  # Serve's proxy sends the code set here as the call's status
             grpc_context.set_code(f.code)
             grpc_context.set_details(f.details)
-            grpc_context.set_trailing_metadata(list(f.trailing_metadata()))
+            grpc_context.set_trailing_metadata(list(f.trailing_metadata()) + trailing)
             raise
 
     async def Health(self, request, grpc_context=None):  # noqa: N802

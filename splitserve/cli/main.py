@@ -159,6 +159,13 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="redis://host:port[/db]: router replicas share the tenants' rate limits and the in-flight "
                         "load they placed there; when Redis is away each replica goes on with its own view")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces (one per request, ingress → prefill → KV transfer → decode) "
+                        "to this OTLP endpoint (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: grpc, the default, or "
+                        "http/protobuf); unset: the OTEL_* variables decide, and without an endpoint tracing is off")
+    p.add_argument("--trace-sample-ratio", type=float, default=None, metavar="R",
+                   help="the share of requests traced, 0..1 (default 1; a request whose caller's traceparent is "
+                        "sampled is traced regardless)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N: where workers run (auto: a GPU "
                                                     "each when the cluster has GPUs)")

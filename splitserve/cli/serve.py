@@ -13,11 +13,14 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import sys
 import time
 
+from splitserve import tracing
 from splitserve.control.deploy_config import ENGINE_FLAG_KEYS
 from splitserve.router.admission import AdmissionConfig
+from splitserve.tracing import TraceConfig
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -68,7 +71,8 @@ def deploy_options(args: argparse.Namespace, model: str) -> dict:
     keys = ("prefill", "decode", "prefill_resources", "decode_resources", "transport", "policy",
             "disagg_min_tokens", "pd_decider", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
             "ingress_replicas", "no_admission", "migration_limit", "decode_inactivity_timeout_s", "prefill_timeout_s",
-            "autoscale", "api_keys", "redis_url", "max_tokens_default", "tool_call_parser")
+            "autoscale", "api_keys", "redis_url", "max_tokens_default", "tool_call_parser", "otlp_traces_endpoint",
+            "trace_sample_ratio")
     engine = _engine_options(args)
     streaming = {"kv_streaming": getattr(args, "kv_streaming", "on") == "on",
                  "kv_streaming_min_tokens": getattr(args, "kv_streaming_min_tokens", 2048)}
@@ -168,6 +172,9 @@ def _serve_in_process(args: argparse.Namespace, model: str, admission: Admission
     from splitserve.tenancy import KeyRing
 
     ecfg = EngineConfig.from_dict({"model": model, **_engine_options(args)})
+    # one process: its spans are the ingress's and its engine's (no prefill / decode hop)
+    tracing.setup(TraceConfig.resolve(args.otlp_traces_endpoint, args.trace_sample_ratio), "splitserve-ingress",
+                  f"{socket.gethostname()}:{os.getpid()}")
     keys = KeyRing.from_options(args.api_keys).with_env()
     _say_keys(keys)
     limiter = stored = None

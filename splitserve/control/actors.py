@@ -18,7 +18,9 @@ import ray
 
 from splitserve.control.bundles import bundles, placement
 from splitserve.config import EngineConfig
+from splitserve import tracing
 from splitserve.control.deploy_config import DeployConfig
+from splitserve.tracing import TraceConfig
 from splitserve.types import ConfigError, Role, WorkerId
 
 
@@ -43,9 +45,11 @@ def actor_class(worker_cls: type):
     """The Ray actor of a worker class: the same class, told inside the actor process where it
     runs (its KV server listens on that node's IP)."""
     class Shell(worker_cls):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, trace: TraceConfig | None = None, trace_as: tuple[str, str] = ("", ""),
+                     **kwargs: Any) -> None:
             from splitserve.control.tp_ranks import start_ray_group  # in the worker's process
 
+            tracing.setup(trace, *trace_as)  # its spans: as its role, under its actor's name
             ip, node = _where()
             # a tensor-parallel engine's other ranks: actors of this one's placement group
             super().__init__(*args, host=ip, node_id=node, start_ranks=start_ray_group, **kwargs)
@@ -158,7 +162,8 @@ def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float,
     role = {"lease_s": cfg.lease_s} if wid.role is Role.PREFILL else {"on_transfer_failure": cfg.on_transfer_failure}
     try:
         actor = actor_class(worker_class(cfg, wid.role)).options(**opts)
-        return Spawned(actor.remote(p.engine, p.transports, **role, **kv), group, asked)
+        traced = {"trace": cfg.trace, "trace_as": (f"splitserve-{wid.role.value}", name)}
+        return Spawned(actor.remote(p.engine, p.transports, **role, **kv, **traced), group, asked)
     except BaseException:  # no worker: no reservation either
         ray.util.remove_placement_group(group)
         raise

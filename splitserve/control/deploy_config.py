@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.config import KV_TRANSPORTS, EngineConfig
+from splitserve.tracing import TraceConfig
 from splitserve.types import ConfigError
 
 POOL_KEYS = ("prefill", "decode")
@@ -84,6 +85,10 @@ class DeployConfig:
     kv_secret_file: str | None = None
     # Redis, where the ingress replicas share rate limits and in-flight load (None: each its own).
     redis_url: str | None = None
+    # OpenTelemetry traces (tracing.py): the OTLP endpoint and the share of requests traced;
+    # unset, the standard OTEL_* variables of each process decide (no endpoint: off).
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float | None = None
 
     def with_kv_secret(self, kept: str | None = None) -> "DeployConfig":
         """This config with a KV secret: its own if given, else `kept` (the app's), else a new one."""
@@ -117,6 +122,7 @@ class DeployConfig:
                 raise ValueError
         except (TypeError, ValueError):
             raise ConfigError("kv_secret must be at least 32 hex digits") from None
+        self.trace  # noqa: B018 - checked now (ConfigError), read again where the spans are made
         if self.redis_url is not None and not str(self.redis_url).startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"redis_url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
 
@@ -210,6 +216,11 @@ class DeployConfig:
             return self.autoscale
         ms = lambda v: None if v is None else v / 1000  # noqa: E731
         return AutoscaleConfig.from_dict(self.autoscale, ms(self.ttft_slo_ms), ms(self.tpot_slo_ms))
+
+    @property
+    def trace(self) -> TraceConfig:
+        """Where this process's spans go: the config's settings over its OTEL_* variables."""
+        return TraceConfig.resolve(self.otlp_traces_endpoint, self.trace_sample_ratio)
 
     def resources(self, role: str) -> dict:
         return dict(getattr(self, f"{role}_resources"))

@@ -28,6 +28,7 @@ from splitserve.text.detokenizer import RequestText
 from splitserve.text.tool_calls import ToolFormat
 from splitserve.metrics import Metrics
 from splitserve.router.admission import Admission, Decision, Plan
+from splitserve.ingress import request_span
 from splitserve.ingress.backend import Backend
 from splitserve.ingress.protocol import APIError, RequestDefaults, RequestOptions
 from splitserve.tenancy import KeyRing, RateLimiter, Tenant, Unauthenticated
@@ -164,7 +165,8 @@ class Frontend:
         prompt must not stall the event loop that streams every other request's tokens."""
         if not any(isinstance(p, str) for p in prompts):
             return [self.check_ids(p) for p in prompts]
-        return await asyncio.to_thread(lambda: [self.encode(p) for p in prompts])
+        with request_span.step("tokenize", **{"splitserve.prompts": len(prompts)}):
+            return await asyncio.to_thread(lambda: [self.encode(p) for p in prompts])
 
     def check_ids(self, ids: tuple[int, ...], param: str = "prompt") -> tuple[int, ...]:
         try:
@@ -189,7 +191,7 @@ class Frontend:
                 k = i * opts.params.n + j
                 sp = opts.params.for_choice(j)
                 reqs.append(Request(f"{rid}-{k}", ids, sp, priority=opts.priority, arrival_time=time.time(),
-                                    cache_salt=opts.tenant.cache_salt))
+                                    cache_salt=opts.tenant.cache_salt, traceparent=request_span.traceparent()))
                 choices.append(Choice(k, i, ids, RequestText(self.backend.tokenizer, sp, ids), tenant=opts.tenant.name,
                                       request_id=reqs[-1].request_id))
         return rid, choices, reqs
@@ -238,10 +240,12 @@ class Frontend:
         admitted: list[Choice] = []
         try:
             for req, c in zip(reqs, choices):
-                c.plan = await self.backend.plan(req)
-                grammar = None if req.params.grammar is None else req.params.grammar.key
-                d = self.admission.decide(c.plan, opts.priority, len(req.prompt_token_ids), opts.ttft_slo_ms,
-                                          opts.tpot_slo_ms, grammar)
+                with request_span.step("admission") as span:
+                    c.plan = await self.backend.plan(req)
+                    grammar = None if req.params.grammar is None else req.params.grammar.key
+                    d = self.admission.decide(c.plan, opts.priority, len(req.prompt_token_ids), opts.ttft_slo_ms,
+                                              opts.tpot_slo_ms, grammar)
+                    span.set_attributes(_admission_attributes(c.plan, d))
                 if not d.admit:
                     self.backend.abandon(c.plan)
                     self.metrics.rejections.labels(reason=d.reason).inc()
@@ -346,3 +350,14 @@ class Frontend:
         report = self.backend.autoscale_report()
         if report is not None:
             m.export_autoscale(report)
+
+
+def _admission_attributes(plan, d) -> dict:
+    """What a trace shows of a request's placement and its admission: the pair and why."""
+    attrs = {"splitserve.admitted": d.admit, "splitserve.route": "aggregated" if plan.first_worker == plan.decode_worker
+             else "disaggregated", "splitserve.first_worker": str(plan.first_worker),
+             "splitserve.decode_worker": str(plan.decode_worker), "splitserve.cached_tokens": plan.cached_tokens,
+             "splitserve.predicted_ttft_s": d.predicted_ttft_s, "splitserve.predicted_tpot_s": d.predicted_tpot_s}
+    if d.reason:
+        attrs["splitserve.rejected_because"] = d.reason
+    return attrs

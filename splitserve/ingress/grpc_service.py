@@ -22,6 +22,7 @@ import grpc
 
 from splitserve.ingress.frontend import Choice, Frontend, failure
 from splitserve.ingress.lease import RequestLease
+from splitserve.ingress.request_span import RequestSpan
 from splitserve.ingress.protocol import MAX_BODY_BYTES, MAX_REQUEST_ID_CHARS, APIError, parse_completion
 from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc
@@ -126,6 +127,27 @@ class GenerationService:
             raise RpcFailure.of(failure(e)) from None
 
 
+    async def generate_traced(self, request: pb.GenerateRequest, metadata, trailing: list
+                              ) -> AsyncIterator[pb.GenerateResponse]:
+        """`generate` under the call's request span (ingress/request_span.py): a child of the
+        call's `traceparent` metadata, whose own `traceparent` is added to `trailing` (the
+        call's trailing metadata). `metadata`: the call's invocation metadata."""
+        rs = RequestSpan("splitserve.v1.Generation/Generate", metadata_value(metadata, "traceparent"), {
+            "rpc.system": "grpc", "rpc.service": "splitserve.v1.Generation", "rpc.method": "Generate",
+            "gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.front.backend.model_name})
+        if rs.traceparent:
+            trailing.append(("traceparent", rs.traceparent))
+        try:
+            async for msg in self.generate(request, metadata_value(metadata, "authorization")):
+                yield msg
+        except RpcFailure as f:
+            rs.fail(f)
+            raise
+        finally:
+            rs.detach()
+            rs.end()
+
+
 def _delta(c: Choice, rid: str) -> pb.GenerateResponse | None:
     """What the choice added since the last message: new token ids, logprobs and text (holding
     back what a stop string might still claim); on the last one, finish reason, usage, timings."""
@@ -156,20 +178,26 @@ class _Servicer(pb_grpc.GenerationServicer):
         self.service = service
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        trailing: list = []
         try:
-            async for msg in self.service.generate(request, authorization(context.invocation_metadata())):
+            async for msg in self.service.generate_traced(request, context.invocation_metadata(), trailing):
                 yield msg
+            context.set_trailing_metadata(tuple(trailing))
         except RpcFailure as f:
-            context.set_trailing_metadata(f.trailing_metadata())
+            context.set_trailing_metadata(f.trailing_metadata() + tuple(trailing))
             await context.abort(f.code, f.details)
 
     async def Health(self, request, context):  # noqa: N802
         return self.service.health()
 
 
+def metadata_value(metadata, key: str) -> str | None:
+    """The `key` value of a call's metadata (keys arrive lower-cased), or None."""
+    return next((v for k, v in metadata or () if k.lower() == key), None)
+
+
 def authorization(metadata) -> str | None:
-    """The `authorization` value of a call's metadata (keys arrive lower-cased), or None."""
-    return next((v for k, v in metadata or () if k.lower() == "authorization"), None)
+    return metadata_value(metadata, "authorization")
 
 
 async def serve(service: GenerationService, host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 import weakref
@@ -36,6 +37,7 @@ from splitserve.router.admission import Admission
 from splitserve.ingress.backend import Backend
 from splitserve.ingress.frontend import Choice, Frontend, Prepaid, failure, worst_timings
 from splitserve.ingress.lease import RequestLease
+from splitserve.ingress.request_span import RequestSpan
 from splitserve.ingress.openapi import document
 from splitserve.ingress.protocol import (MAX_BODY_BYTES, APIError, ChatRequest, RequestOptions, parse_chat,
                                          parse_completion)
@@ -92,6 +94,36 @@ def json_depth(value: Any) -> int:
         deepest = max(deepest, d)
         todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, (dict, list)))
     return deepest
+
+
+def _traced(path: str, operation: str):
+    """The handler under its request's root span (ingress/request_span.py), whose context the
+    answer returns in `traceparent`; a streamed answer's span ends with its lease."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def run(self, request: HTTPRequest) -> Response:
+            rs = RequestSpan(f"POST {path}", request.headers.get("traceparent"), {
+                "http.request.method": "POST", "url.path": path, "gen_ai.operation.name": operation,
+                "gen_ai.request.model": self.backend.model_name})
+            try:
+                resp = await handler(self, request)
+            except BaseException as e:
+                rs.fail(e)
+                rs.end()
+                raise
+            finally:
+                rs.detach()
+            if rs.traceparent:
+                resp.headers["traceparent"] = rs.traceparent
+            if isinstance(resp, LeasedStreamingResponse):
+                resp.lease.span = rs
+            else:
+                rs.end(resp.status_code)
+            return resp
+
+        return run
+
+    return wrap
 
 
 class OpenAIServer:
@@ -163,6 +195,7 @@ class OpenAIServer:
             return error_response(APIError(503, "not ready: workers are still loading"))
         return JSONResponse({"status": "ready"})
 
+    @_traced("/v1/completions", "text_completion")
     async def completions(self, request: HTTPRequest) -> Response:
         try:
             tenant = self._tenant(request)
@@ -174,6 +207,7 @@ class OpenAIServer:
         return await self._serve(request, "text_completion", req.options.for_tenant(tenant), prompts, paid,
                                  echo=req.echo)
 
+    @_traced("/v1/chat/completions", "chat")
     async def chat(self, request: HTTPRequest) -> Response:
         try:
             tenant = self._tenant(request)
@@ -199,6 +233,7 @@ class OpenAIServer:
         fmt = self.tool_format if req.tools.parallel else FirstCallOnly(self.tool_format)
         return self._forced_call(req, fmt).for_tenant(tenant), prompts, fmt
 
+    @_traced("/v1/responses", "chat")
     async def responses(self, request: HTTPRequest) -> Response:
         """POST /v1/responses (ingress/responses.py): the chat path, answered as output items."""
         try:

@@ -24,6 +24,7 @@ import anyio
 
 from splitserve.ingress.frontend import Choice, Frontend, Prepaid
 from splitserve.ingress.protocol import RequestOptions
+from splitserve.ingress.request_span import RequestSpan
 from splitserve.types import Request
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class RequestLease:
                  paid: Prepaid) -> None:
         self.front, self.opts, self.reqs, self.choices, self.paid = front, opts, reqs, choices, paid
         self.streams: list[AsyncIterator[None]] = []  # one per choice, once admitted
+        self.span: RequestSpan | None = None  # a streamed answer's request span: ends with the lease
         self._handed_over = False
         self._closed = False
 
@@ -68,6 +70,8 @@ class RequestLease:
                     await _close(s)
             finally:
                 self.release()
+                if self.span is not None:
+                    self.span.end(200)
 
     def release(self) -> None:
         """Give every choice's admission slot and load back now, synchronously. Enough on its

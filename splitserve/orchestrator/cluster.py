@@ -9,10 +9,13 @@ views refresh in the background as they do in an ingress replica.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import threading
 import uuid
 from typing import Any, Sequence
 
+from splitserve import tracing
 from splitserve.orchestrator.cluster_backend import ClusterBackend, ControllerSource
 from splitserve.control.deploy_config import DeployConfig
 from splitserve.text.detokenizer import RequestText
@@ -67,6 +70,7 @@ class Cluster:
         cfg = DeployConfig.from_options({"model": model, "prefill": prefill, "decode": decode, "transport": transport,
                                          "disagg_min_tokens": disagg_min_tokens, "engine": engine,
                                          "name": options.pop("name", f"cluster-{uuid.uuid4().hex[:8]}"), **options})
+        tracing.setup(cfg.trace, "splitserve-ingress", f"{socket.gethostname()}:{os.getpid()}")
         started = connect_ray(address, cfg.ranks(cfg.prefill, cfg.decode))
         try:
             precheck(cfg, joined=not started)

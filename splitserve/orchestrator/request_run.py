@@ -15,6 +15,9 @@ so far and the workers that failed this request, and replaces the route when a w
     with no worker left, `ServiceUnavailable`.
   * However the caller leaves, closing the stream (each level closed by `aclosing`, at once)
     aborts the request where it still runs; the decode worker settles the lease.
+  * Traced (tracing.py): each prefill call, each decode stream and each migration is a span of
+    the request's trace (a child of the ingress's request span), and the worker's own span is
+    a child of the call's (the `Request` it is sent carries that span's `traceparent`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ import asyncio
 import dataclasses
 import logging
 import time
-from contextlib import aclosing
-from typing import Any, AsyncIterator, NamedTuple
+from contextlib import aclosing, contextmanager
+from typing import Any, AsyncIterator, Iterator, NamedTuple
+
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from splitserve import tracing
 
 from splitserve.router.directory import Route
 from splitserve.orchestrator.trace import RequestTrace
@@ -64,6 +71,7 @@ class RequestRun:
         self._prefill_failures = 0
         self._last_at: float | None = None  # when the last token was delivered
         self._lost_at: float | None = None  # the last delivery before a migration
+        self._root = req.traceparent  # the ingress's request span: every span here is its child
 
     def close(self) -> None:
         self.route.close()
@@ -81,9 +89,7 @@ class RequestRun:
     # -- one attempt: (prefill →) decode on the current route -----------------------------------
     async def _attempt(self) -> AsyncIterator[TokenChunk]:
         pre = await self._prefilled()
-        if pre is None:
-            gen, first = self._start_decode(None, None), None
-        else:
+        if pre is not None:
             r = pre.result
             self.trace.prefill_worker, self.trace.transport = str(pre.worker.id), self.route.transport
             self.trace.prefill_done_to_first_token_s = time.time() - r.done_at
@@ -93,12 +99,15 @@ class RequestRun:
                 self._deliver(r.chunk)
                 yield r.chunk
                 return
-            # The pull starts now, while the first token is on its way to the caller.
-            gen, first = self._start_decode(r.handoff, pre.worker.handle), r.chunk
+        handoff = pre.result.handoff if pre is not None else None
         try:
-            async with aclosing(self._decode(gen, first)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            with self._call("decode_call", {"splitserve.worker": str(self.route.decode.id),
+                                            "splitserve.route": "disaggregated" if pre else "aggregated"}) as req:
+                # The pull starts now, while the first token is on its way to the caller.
+                gen = self._start_decode(req, handoff, pre.worker.handle if pre else None)
+                async with aclosing(self._decode(gen, pre.result.chunk if pre else None)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
         except DecodeLost:
             if pre is not None:  # free its source blocks now, before it may be prefilled there again
                 await _bounded(pre.worker.handle.ack.remote(pre.result.handoff.lease_id))
@@ -123,12 +132,17 @@ class RequestRun:
         reader = self.route.decode.info
         readers = 1 + len(reader.ranks) if reader is not None else 1  # its tensor-parallel size
         stream = self._streams(worker, readers)
-        ref = worker.handle.prefill.remote(self.req, self.route.transport, tuple(self.delivered), readers, stream)
-        if not stream:
-            return await self._prefill_result(worker, ref)
+        with self._call("prefill_call", {"splitserve.worker": str(worker.id), "splitserve.kv.streamed": stream,
+                                         "splitserve.kv.transport": self.route.transport or ""}) as req:
+            ref = worker.handle.prefill.remote(req, self.route.transport, tuple(self.delivered), readers, stream)
+            if not stream:
+                return await self._prefill_result(worker, ref)
+            return await self._streamed_prefill(worker, ref, req)
+
+    async def _streamed_prefill(self, worker, ref, req: Request):
         # its decode worker lands the KV as the prefill publishes it (worker/decode/streamed.py)
         decode = self.route.decode.handle
-        _in_background(_quietly(decode.stage.remote(self.req, worker.handle, tuple(self.delivered))))
+        _in_background(_quietly(decode.stage.remote(req, worker.handle, tuple(self.delivered))))
         result = None
         try:
             result = await self._prefill_result(worker, ref)
@@ -162,12 +176,28 @@ class RequestRun:
         self.route.confirm(worker.id)
         return result
 
-    def _start_decode(self, handoff, prefill_handle):
+    def _start_decode(self, req: Request, handoff, prefill_handle):
         """The decode worker's stream; `outputs` as of now (with a handoff: before its first token)."""
         d = self.route.decode
         self.trace.decode_worker = str(d.id)
-        return d.handle.generate.options(num_returns="streaming").remote(self.req, handoff, prefill_handle,
+        return d.handle.generate.options(num_returns="streaming").remote(req, handoff, prefill_handle,
                                                                          tuple(self.delivered), caller=self.o.caller)
+
+    @contextmanager
+    def _call(self, name: str, attributes: dict) -> Iterator[Request]:
+        """A span of this request's trace around a call to a worker; the request to send it,
+        carrying the span's context (unchanged while tracing is off)."""
+        span = tracing.tracer().start_span(name, tracing.parent(self._root), SpanKind.CLIENT, attributes=attributes)
+        try:
+            here = tracing.traceparent_of(span)
+            yield dataclasses.replace(self.req, traceparent=here) if here else self.req
+        except (GeneratorExit, asyncio.CancelledError):  # the caller left: not a failure
+            raise
+        except BaseException as e:
+            span.set_status(Status(StatusCode.ERROR, type(e).__name__))
+            raise
+        finally:
+            span.end()
 
     async def _decode(self, gen, first: TokenChunk | None) -> AsyncIterator[TokenChunk]:
         """The decode stream's chunks (after `first`, the prefill worker's token). Whatever ends
@@ -234,8 +264,13 @@ class RequestRun:
 
     async def _migrate(self, why: str) -> None:
         what = f"the decode worker serving this request {why}"
-        if self.trace.migrations >= self.o.migration_limit:
-            raise ServiceUnavailable(f"{what}; it had moved {self.trace.migrations} times already, the limit")
+        with self._call("migration", {"splitserve.migration.reason": why, "splitserve.worker": str(self.route.decode.id),
+                                      "splitserve.tokens_delivered": len(self.delivered)}):
+            if self.trace.migrations >= self.o.migration_limit:
+                raise ServiceUnavailable(f"{what}; it had moved {self.trace.migrations} times already, the limit")
+            await self._move(what, why)
+
+    async def _move(self, what: str, why: str) -> None:
         if self._lost_at is None:  # the gap the client sees: from the last token it got
             self._lost_at = self._last_at or time.monotonic()
         self._replace(await self._place(what))

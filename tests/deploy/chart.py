@@ -155,7 +155,8 @@ def _matrix() -> list[Case]:
                       ("rayAuth.secretName=ray-token", "apiKeys.secretName=splitserve-keys")))
     cases.append(Case("cpu-demo-ray-auth-disabled-no-pdb", ("values-cpu-demo.yaml",),
                       ("rayAuth.mode=disabled", "podDisruptionBudget.enabled=false", "networkPolicy.enabled=false",
-                       "serve.kvStreaming=false", "serve.kvStreamingMinTokens=0")))
+                       "serve.kvStreaming=false", "serve.kvStreamingMinTokens=0",
+                       "serve.otlpTracesEndpoint=http://otel-collector.monitoring:4317", "serve.traceSampleRatio=0.25")))
     cases.append(Case("gpu-servicemonitor-secrets", ("values-gpu.yaml",),
                       ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prometheus",
                        "apiKeys.secretName=splitserve-keys", "kvSecret.secretName=splitserve-kv",

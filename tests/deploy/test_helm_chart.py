@@ -91,6 +91,9 @@ def test_serve_args_are_a_deploy_config(rendered: Rendered, tmp_path: Path) -> N
     assert (cfg.policy, cfg.transport) == (v["serve"]["policy"], v["serve"]["transport"])
     assert cfg.ttft_slo_ms == v["serve"].get("ttftSloMs") and cfg.tpot_slo_ms == v["serve"].get("tpotSloMs")
     assert cfg.max_tokens_default == v["serve"].get("maxTokensDefault")
+    assert cfg.otlp_traces_endpoint == v["serve"].get("otlpTracesEndpoint")
+    ratio = v["serve"].get("traceSampleRatio")  # (`--set` gives a number as a string)
+    assert cfg.trace_sample_ratio == (None if ratio is None else float(ratio))
     assert (cfg.kv_streaming, cfg.kv_streaming_min_tokens) == (v["serve"]["kvStreaming"], v["serve"]["kvStreamingMinTokens"])
     assert cfg.engine == {k: e for k, e in v["serve"]["engine"].items() if e is not None}
     assert cfg.name == rendered.serve_config["applications"][0]["name"]  # `splitserve status --name` default

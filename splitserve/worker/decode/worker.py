@@ -30,7 +30,7 @@ from splitserve.kv_transfer.head_slices import sliced_kind
 from splitserve.kv_transfer.verify import check_header, verify_landed
 from splitserve.engine.parallel import kv_slices
 from splitserve.engine.parallel.rank_calls import on_all_ranks
-from splitserve.worker import rank_kv
+from splitserve.worker import rank_kv, spans
 from splitserve.types import ConfigError, FinishReason, PhaseTimes, Request, TokenChunk
 from splitserve.worker.kv_worker import KVWorker
 
@@ -67,6 +67,7 @@ class DecodeWorker(KVWorker):
         finished = False
         self._streams += 1
         self.callers.add(caller, rid)
+        span = spans.decode(req, handoff, outputs)
         try:
             if self._early_aborts.pop(rid, False):  # aborted before it got here
                 if handoff is not None:
@@ -87,23 +88,30 @@ class DecodeWorker(KVWorker):
                 finished = True
                 yield TokenChunk(rid, (), finish_reason=FinishReason.ABORT)
                 return
-            phases = None
+            phases, emitted = None, 0
             if handoff is not None:
                 moved = len(handoff.block_ids) * self.layout.num_layers * 2 * self.layout.block_bytes
                 exposed = time.time() - handoff.computed_at if handoff.computed_at else None
                 phases = PhaseTimes(transfer_s=time.monotonic() - started, transfer_bytes=moved,
                                     exposed_transfer_s=exposed)
+                spans.kv_transfer(span, handoff, phases)
             while True:
                 item = await q.get()
                 if isinstance(item, Exception):
                     raise item
                 if phases is not None:  # the transfer's time rides on the first chunk after it
                     item, phases = dataclasses.replace(item, phases=phases.merged(item.phases)), None
-                finished = item.finished
+                finished, emitted = item.finished, emitted + len(item.token_ids)
+                if finished:
+                    spans.finished(span, item, emitted)
                 yield item
                 if finished:
                     return
+        except BaseException as e:
+            spans.failed(span, e)
+            raise
         finally:
+            span.end()
             self._streams -= 1
             self.callers.remove(caller, rid)
             if not finished:

@@ -23,7 +23,7 @@ from splitserve.kv_transfer.base import KVHandoff, StreamUpdate, TransferHeader,
 from splitserve.kv_transfer.head_slices import RankSource
 from splitserve.engine.parallel.rank_calls import on_all_ranks
 from splitserve.engine.parallel.shard import Shard
-from splitserve.worker import rank_kv
+from splitserve.worker import rank_kv, spans
 from splitserve.kv_transfer.regions import kv_checksum
 from splitserve.worker.prefill.leases import LeaseTable
 from splitserve.worker.prefill.stream import KVStream
@@ -78,9 +78,16 @@ class PrefillWorker(KVWorker):
         self._ensure_reaper()
         self._prefilling.add(req.request_id)
         st = self._open_stream(req, endpoint, outputs) if stream and reader_ranks == 1 and self.engine.tp.size == 1 else None
+        span = spans.prefill(req, endpoint.transport, st is not None)
         try:
-            return await self._prefill(req, endpoint, tuple(outputs), reader_ranks, st)
+            result = await self._prefill(req, endpoint, tuple(outputs), reader_ranks, st)
+            spans.prefilled(span, result.chunk, result.handoff)
+            return result
+        except BaseException as e:
+            spans.failed(span, e)
+            raise
         finally:
+            span.end()
             self._prefilling.discard(req.request_id)
 
     async def _prefill(self, req: Request, endpoint: TransportEndpoint, outputs: tuple[int, ...],

@@ -163,6 +163,8 @@ the groups' `replicas`, the autoscaler's bounds their minReplicas / maxReplicas.
 {{- if not (kindIs "invalid" $v.serve.ttftSloMs) }}{{ $_ := set $args "ttft_slo_ms" $v.serve.ttftSloMs }}{{ end -}}
 {{- if not (kindIs "invalid" $v.serve.tpotSloMs) }}{{ $_ := set $args "tpot_slo_ms" $v.serve.tpotSloMs }}{{ end -}}
 {{- if not (kindIs "invalid" $v.serve.maxTokensDefault) }}{{ $_ := set $args "max_tokens_default" (int $v.serve.maxTokensDefault) }}{{ end -}}
+{{- with $v.serve.otlpTracesEndpoint }}{{ $_ := set $args "otlp_traces_endpoint" . }}{{ end -}}
+{{- if not (kindIs "invalid" $v.serve.traceSampleRatio) }}{{ $_ := set $args "trace_sample_ratio" (float64 $v.serve.traceSampleRatio) }}{{ end -}}
 {{- $engine := dict -}}
 {{- range $k, $val := ($v.serve.engine | default dict) }}{{ if not (kindIs "invalid" $val) }}{{ $_ := set $engine $k $val }}{{ end }}{{ end -}}
 {{- $_ := set $args "engine" $engine -}}
@@ -179,7 +181,7 @@ the groups' `replicas`, the autoscaler's bounds their minReplicas / maxReplicas.
 {{- end -}}
 {{- /* The keys set above from values (serve.extraArgs may not set them), and the engine keys
 DeployConfig also reads at the top level (they belong under serve.engine). */ -}}
-{{- $managed := list "model" "served_model_name" "prefill" "decode" "prefill_resources" "decode_resources" "prefill_tp" "decode_tp" "tensor_parallel_size" "policy" "transport" "kv_streaming" "kv_streaming_min_tokens" "ingress_replicas" "ttft_slo_ms" "tpot_slo_ms" "max_tokens_default" "engine" "autoscale" "name" "dtype" "device" "attention_backend" "kv_cache_memory_gib" "gpu_memory_utilization" -}}
+{{- $managed := list "model" "served_model_name" "prefill" "decode" "prefill_resources" "decode_resources" "prefill_tp" "decode_tp" "tensor_parallel_size" "policy" "transport" "kv_streaming" "kv_streaming_min_tokens" "ingress_replicas" "ttft_slo_ms" "tpot_slo_ms" "max_tokens_default" "otlp_traces_endpoint" "trace_sample_ratio" "engine" "autoscale" "name" "dtype" "device" "attention_backend" "kv_cache_memory_gib" "gpu_memory_utilization" -}}
 {{- if $v.apiKeys.secretName -}}
 {{- /* the key file, from the operator's Secret mounted on the head (where the app is built) */ -}}
 {{- $_ := set $args "api_keys" (printf "%s/%s" (include "splitserve.apiKeysMount" .) $v.apiKeys.key) -}}
