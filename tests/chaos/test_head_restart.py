@@ -63,7 +63,8 @@ def node_processes(ip: str, gcs: bool) -> set[int]:
     """A node's processes: those started for its IP (raylet, agents; the GCS on the head) and
     everything they started (Ray's workers rename themselves `ray::...`, so by parentage)."""
     procs = processes()
-    mine = re.compile(r"node[-_]ip[-_]address=" + re.escape(ip) + r"(\s|$)")
+    # (the head's autoscaler monitor and Ray-client server name it their own ways)
+    mine = re.compile(r"(node[-_]ip[-_]address|monitor-ip|client\.server .*--host)=" + re.escape(ip) + r"(\s|$)")
     found = {p for p, (_, cmd) in procs.items() if mine.search(cmd) or (gcs and "gcs_server" in cmd and ip in cmd)}
     grew = True
     while grew:
@@ -245,5 +246,6 @@ def test_a_head_restart_keeps_the_workers_and_the_app(tiny_checkpoint, tmp_path)
             assert c["free"] + c["cached"] == c["total"], c
     finally:
         cluster.stop()
+        subprocess.run(["pkill", "-9", "-f", str(tmp)], check=False)  # any it missed: all name the temp dir
         redis.kill()
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
