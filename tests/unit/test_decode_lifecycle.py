@@ -493,6 +493,9 @@ def test_blocks_the_decode_worker_holds_are_not_moved(chunked, tiny_checkpoint, 
             req = Request(rid, base + tail, SP)
             kept, pieces = dec.prefix_blocks_kept, dec.pieces_landed
             result, chunks = await streamed_run(pre, dec, req, Local(pre))
+            moved = next(c.phases.transfer_bytes for c in chunks if c.phases is not None)
+            assert moved == 3 * dec.layout.num_layers * 2 * dec.layout.block_bytes  # what moved: not base's blocks
+            assert not dec._kept
             out.append((req.prompt_token_ids, result, chunks, dec.prefix_blocks_kept - kept,
                         dec.pieces_landed - pieces))
         return out

@@ -55,6 +55,7 @@ class DecodeWorker(KVWorker):
         self.claim_s = 30.0  # how long a staging whose stream ended waits for its generate()
         self.pieces_landed = 0  # streamed pieces landed and checked ahead of their handoff
         self.prefix_blocks_kept = 0  # streamed handoffs' blocks found in the prefix cache here, not moved
+        self._kept: dict[str, int] = {}  # of a landing that just ended READY: until its generate() reports it
         self.handoff_outcomes: collections.Counter[HandoffState] = collections.Counter()
         self._early_aborts: collections.OrderedDict[str, bool] = collections.OrderedDict()
         self.callers = Callers(self.abort)  # the ingress replicas streaming from here, watched
@@ -90,7 +91,8 @@ class DecodeWorker(KVWorker):
                 return
             phases, emitted = None, 0
             if handoff is not None:
-                moved = len(handoff.block_ids) * self.layout.num_layers * 2 * self.layout.block_bytes
+                moved = (len(handoff.block_ids) - self._kept.pop(rid, 0)) * self.layout.num_layers * 2 \
+                    * self.layout.block_bytes
                 exposed = time.time() - handoff.computed_at if handoff.computed_at else None
                 phases = PhaseTimes(transfer_s=time.monotonic() - started, transfer_bytes=moved,
                                     exposed_transfer_s=exposed)
@@ -112,6 +114,7 @@ class DecodeWorker(KVWorker):
             raise
         finally:
             span.end()
+            self._kept.pop(rid, None)  # (a landing that ended READY as an abort came)
             self._streams -= 1
             self.callers.remove(caller, rid)
             if not finished:
@@ -213,6 +216,8 @@ class DecodeWorker(KVWorker):
             log.warning("streamed KV for %s failed (%s): recomputing locally", req.request_id, e)
             return await self._end(ho, S.RECOMPUTE, q)
         self.prefix_blocks_kept += st.held
+        if st.held:
+            self._kept[req.request_id] = st.held
         return await self._end(ho, S.READY, q)
 
     async def _unshare(self, st: streamed.Staging) -> bool:
