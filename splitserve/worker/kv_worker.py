@@ -13,6 +13,7 @@ import os
 import socket
 from typing import Sequence
 
+from splitserve import tracing
 from splitserve.config import EngineConfig
 from splitserve.worker.engine_loop import EngineLoop
 from splitserve.kv_transfer import make_transport
@@ -85,3 +86,4 @@ class KVWorker:
         for tr in self.transports.values():
             tr.close()
         self.engine.close()
+        tracing.flush()  # its last spans, before the process is stopped
