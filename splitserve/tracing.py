@@ -17,7 +17,6 @@ global provider neither sends to our endpoint nor changes our sampling.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from typing import Mapping
 
@@ -26,8 +25,6 @@ from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from splitserve.types import ConfigError
-
-log = logging.getLogger(__name__)
 
 PROTOCOLS = ("grpc", "http/protobuf")
 _PROPAGATOR = TraceContextTextMapPropagator()

@@ -20,7 +20,7 @@ _current: contextvars.ContextVar[Span | None] = contextvars.ContextVar("splitser
 
 
 class RequestSpan:
-    """One API request's root span, current in this task from `begin` until `detach`."""
+    """One API request's root span, current in this task from its making until `detach`."""
 
     def __init__(self, name: str, traceparent: str | None, attributes: dict) -> None:
         self.incoming = traceparent
@@ -54,10 +54,6 @@ class RequestSpan:
             if status_code >= 500:
                 self.span.set_status(Status(StatusCode.ERROR))
         self.span.end()
-
-
-def current() -> Span | None:
-    return _current.get()
 
 
 def traceparent() -> str | None:
