@@ -347,6 +347,7 @@ class Controller:
             self._describing.pop(rec.id, None)
         if rec.id in self.registry and self.registry[rec.id].state is S.STARTING:
             self.registry.move(rec.id, S.READY, info=info)
+            self._save()  # now, not at the next round: a restart in between would take it for one still starting
             self.backoff.started(rec.role)
             log.info("worker %s ready on %s", rec.id, info.node_ip)
 

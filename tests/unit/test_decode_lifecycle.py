@@ -463,6 +463,31 @@ def test_a_streamed_handoff_lands_its_pieces_during_the_prefill(chunked, tiny_ch
     assert not pre.streams and not dec.staged
 
 
+def test_a_handoff_gives_its_stream_lease_a_whole_term(chunked, tiny_checkpoint, monkeypatch):
+    """A stream no reader followed (its stage() lost or late) kept the lease it opened with,
+    which its long prefill nearly used up; its handoff renews it, so the reader — to whom the
+    handoff travels for a while on a loaded machine — gets a whole term for the pull, as a
+    fresh lease would give (CI: lease_expired, then a recompute, on a 32-request run)."""
+    pre, dec = chunked
+    monkeypatch.setattr(pre.leases, "ttl_s", 1.0)
+    step = pre.engine.step
+    monkeypatch.setattr(pre.engine, "step", lambda: (time.sleep(0.15), step())[1])  # 6 steps: 0.9 s
+    prompt = tuple(range(5, 95))[::-1]
+    req = Request("stale-lease", prompt, SP)
+    failures = dict(dec.transfer_failures)
+
+    async def go():
+        result = await pre.prefill(req, "tcp", (), 1, True)
+        await asyncio.sleep(0.5)  # on its way prefill -> orchestrator -> decode
+        chunks = await collect(dec.generate(req, result.handoff, Local(pre)))
+        await no_leaks(pre, dec)
+        return result, chunks
+
+    result, chunks = asyncio.run(go())
+    assert result.handoff.streamed == 0 and dec.transfer_failures == failures
+    assert [result.handoff.first_token] + [t for c in chunks for t in c.token_ids] == long_reference(tiny_checkpoint, prompt)
+
+
 async def streamed_run(pre, dec, req, stage_peer):
     """One streamed handoff end to end: staged through `stage_peer` (the prefill worker as the
     decode worker's staging sees it), prefilled, landed, decoded; nothing held afterwards."""

@@ -201,7 +201,8 @@ class PrefillWorker(KVWorker):
         blocks = chunk.kv_blocks
         checksum, ranks, streamed = 0, (), 0
         lease = self.leases.get(st.lease_id) if st is not None else None
-        if lease is not None:
+        if lease is not None:  # its reader gets a whole term from here, as for a fresh lease: the
+            self.leases.renew(lease.lease_id)  # stream's renewals stopped when its last piece was read
             streamed, checksum = await self._last_piece(st, tuple(blocks))
         elif reader_ranks > 1 or self.engine.tp.size > 1:  # sliced: every rank's heads checksummed instead
             ranks = await self._rank_sources(blocks)
