@@ -635,6 +635,46 @@ def test_a_stream_missing_a_piece_recomputes_exactly(chunked, tiny_checkpoint, m
                                                                                                       prompt)
 
 
+def test_a_fully_streamed_landing_does_not_wait_for_its_ack(chunked, tiny_checkpoint, monkeypatch):
+    """Every block came in a piece, each checked as it landed, so the request starts decoding
+    without waiting for the ack's answer (a round trip to the prefill worker, here made to take
+    1 s): its first decoded token comes before the ack is answered. Its last chunk comes after
+    it, so a finished request has freed its source blocks as before."""
+    pre, dec = chunked
+    step = pre.engine.step
+    monkeypatch.setattr(pre.engine, "step", lambda: (time.sleep(0.05), step())[1])
+    prompt = tuple(range(13, 103))[::-1]
+    req = Request("ack-later", prompt, SP)
+    answered: list[float] = []
+
+    async def slow_ack(lease_id):
+        await asyncio.sleep(1.0)
+        answered.append(time.monotonic())
+        return await pre.ack(lease_id)
+
+    class SlowAck(Local):
+        def __getattr__(self, name):
+            if name != "ack":
+                return super().__getattr__(name)
+            return type("Method", (), {"remote": staticmethod(lambda *a: asyncio.ensure_future(slow_ack(*a)))})
+
+    async def go():
+        staging = asyncio.ensure_future(dec.stage(req, Local(pre)))
+        result = await pre.prefill(req, "tcp", (), 1, True)
+        chunks = []
+        async for c in dec.generate(req, result.handoff, SlowAck(pre)):
+            chunks.append((time.monotonic(), c))
+        await staging
+        await no_leaks(pre, dec)
+        return result, chunks
+
+    result, chunks = asyncio.run(go())
+    assert result.handoff.streamed == len(result.handoff.block_ids)  # nothing left to pull
+    assert len(answered) == 1 and chunks[0][0] < answered[0] <= chunks[-1][0]
+    tokens = [result.handoff.first_token] + [t for _, c in chunks for t in c.token_ids]
+    assert tokens == long_reference(tiny_checkpoint, prompt)
+
+
 def test_a_dropped_staging_and_a_late_stage_give_their_blocks_back(chunked, monkeypatch):
     """drop_staging mid-stream (the orchestrator will not claim it) stops the staging, which
     frees its blocks once its read has stopped; a stage() that arrives after its request's

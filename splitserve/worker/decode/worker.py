@@ -56,6 +56,7 @@ class DecodeWorker(KVWorker):
         self.pieces_landed = 0  # streamed pieces landed and checked ahead of their handoff
         self.prefix_blocks_kept = 0  # streamed handoffs' blocks found in the prefix cache here, not moved
         self._kept: dict[str, int] = {}  # of a landing that just ended READY: until its generate() reports it
+        self._acks: dict[str, asyncio.Task] = {}  # acknowledgements not waited for: until the request ends
         self.handoff_outcomes: collections.Counter[HandoffState] = collections.Counter()
         self._early_aborts: collections.OrderedDict[str, bool] = collections.OrderedDict()
         self.callers = Callers(self.abort)  # the ingress replicas streaming from here, watched
@@ -105,6 +106,7 @@ class DecodeWorker(KVWorker):
                     item, phases = dataclasses.replace(item, phases=phases.merged(item.phases)), None
                 finished, emitted = item.finished, emitted + len(item.token_ids)
                 if finished:
+                    await self._acked(rid)  # its source blocks are free once it ends, as before
                     spans.finished(span, item, emitted)
                 yield item
                 if finished:
@@ -234,19 +236,36 @@ class DecodeWorker(KVWorker):
         """The blocks after the pieces (all of them when none were streamed), then the ack,
         then their check."""
         n = len(h.block_ids)
-        tail = h.piece(h.streamed, n - h.streamed, h.checksum)
         check_header(h, self.layout)
+        if n == h.streamed:  # every block came in a piece, checked once it had landed: whether the
+            self._ack_soon(h, prefill)  # lease was still live changes nothing, so the request
+            ho.move(S.VERIFYING)  # does not wait for the ack's answer (a round trip to the prefill)
+            return
+        tail = h.piece(h.streamed, n - h.streamed, h.checksum)
         try:
-            if n > h.streamed:
-                await self._read(tail, dst[h.streamed:], prefill, ho)
+            await self._read(tail, dst[h.streamed:], prefill, ho)
         finally:
             live = await self._settle(h, prefill)
-        # Every piece was checked against its checksum once it had landed: a lease that lapsed
-        # after the last read (a loaded machine: the result's way back took long) spoils nothing.
-        if not live and n > h.streamed:
+        if not live:
             raise TransferError("lease_expired", f"lease {h.lease_id} lapsed before the read was acknowledged")
         ho.move(S.VERIFYING)
         await asyncio.to_thread(verify_landed, self.engine.kv.storage, self.layout, tail, dst[h.streamed:])
+
+    def _ack_soon(self, h: KVHandoff, prefill: Any) -> None:
+        rid = h.request_id
+        task = self._acks[rid] = asyncio.get_running_loop().create_task(self._settle(h, prefill))
+
+        def answered(_: asyncio.Task) -> None:
+            if self._acks.get(rid) is task:
+                del self._acks[rid]
+
+        task.add_done_callback(answered)
+
+    async def _acked(self, request_id: str) -> None:
+        """Until the ack sent for this request's handoff has been answered (never raises)."""
+        task = self._acks.get(request_id)
+        if task is not None:
+            await asyncio.shield(task)
 
     # -- the handoff ----------------------------------------------------------------------------
     async def _admit_pulled(self, req: Request, h: KVHandoff, prefill: Any, outputs: tuple[int, ...]
