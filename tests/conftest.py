@@ -1,3 +1,4 @@
+import fcntl
 import os
 import secrets
 import sys
@@ -10,10 +11,13 @@ import torch
 # is first imported (this conftest loads before any test module).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # two workers on two cores: threads of their own would fight for them
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from leaks import no_leaked_ray_state, no_ray_state_between_modules  # noqa: E402,F401  (autouse)
+from loopback import ip  # noqa: E402
 from tiny_models import build_checkpoint  # noqa: E402
 
 
@@ -45,20 +49,26 @@ def demo_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model_dir(demo_gguf, tmp_path_factory) -> Path:
-    """The demo checkpoint, converted once per run into a fresh directory."""
+    """The demo checkpoint, converted once per run into a fresh directory that the xdist
+    workers share: the first converts it (~15 s), the others wait for it under a lock."""
     from splitserve.engine.model import demo
 
-    return demo.ensure_demo_model(tmp_path_factory.mktemp("demo") / demo.DEMO_MODEL_NAME, progress=False)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's, above each worker's own
+    with open(root / "demo-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return demo.ensure_demo_model(root / "demo" / demo.DEMO_MODEL_NAME, progress=False)
 
 
-HEAD_IP, PREFILL_IP, DECODE_IP = "127.0.0.10", "127.0.0.2", "127.0.0.3"
+HEAD_IP, PREFILL_IP, DECODE_IP = ip(10), ip(2), ip(3)  # 127.0.0.x in the first xdist worker
 
 
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray cluster for the whole test run (starting one costs seconds and ~1.6 GB), of
-    three nodes on distinct loopback IPs: the head (127.0.0.10, resource `head_node`), a
-    "prefill" node (127.0.0.2, `prefill_node`) and a "decode" node (127.0.0.3, `decode_node`),
+    three nodes on distinct loopback IPs: the head (HEAD_IP, resource `head_node`), a
+    "prefill" node (PREFILL_IP, `prefill_node`) and a "decode" node (DECODE_IP, `decode_node`),
     so that tests can pin pools to nodes and KV transfers cross real node boundaries."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster

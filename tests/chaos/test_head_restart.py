@@ -1,7 +1,7 @@
 """The Ray head restarts and the workers live on (issue 30, item 2), as far as one machine allows.
 
 A cluster of two Ray nodes started with `ray start`, as KubeRay starts its pods: the head
-(127.0.0.20) and a worker node (127.0.0.21) holding both pools, with Ray's GCS fault tolerance
+(127.0.N.20) and a worker node (127.0.N.21) holding both pools, with Ray's GCS fault tolerance
 on an external redis-server (what the chart's `gcsFaultTolerance` sets: RAY_REDIS_ADDRESS and a
 storage namespace) and Ray's token auth on. The app is deployed as the chart's RayService deploys
 it (`serve run` of a Serve config naming splitserve.deploy:build_app, its Ingress replicas pinned
@@ -37,11 +37,12 @@ import httpx
 import pytest
 
 from tests.integration.test_quickstart import free_port
+from tests.loopback import ip
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(300)
 
-HEAD, NODE = "127.0.0.20", "127.0.0.21"
+HEAD, NODE = ip(20), ip(21)
 ASK = {"model": "tiny", "prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 8, "temperature": 0}
 
 

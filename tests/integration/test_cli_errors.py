@@ -16,6 +16,10 @@ import time
 
 import pytest
 
+from tests.loopback import ip
+
+HEAD = ip(20)  # a `ray start` head of its own, on this xdist worker's loopback net
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -68,19 +72,19 @@ def token_cluster():
     token, port, tmp = secrets.token_hex(16), free_port(), tempfile.mkdtemp(prefix="ssauth", dir="/tmp")
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "HOME": tmp}
     head = subprocess.Popen(["ray", "start", "--head", "--block", "--port", str(port), "--node-ip-address",
-                             "127.0.0.20", "--num-cpus", "0", "--include-dashboard=false", "--temp-dir", f"{tmp}/r"],
+                             HEAD, "--num-cpus", "0", "--include-dashboard=false", "--temp-dir", f"{tmp}/r"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                socket.create_connection(("127.0.0.20", port), timeout=1).close()
+                socket.create_connection((HEAD, port), timeout=1).close()
                 break
             except OSError:
                 assert head.poll() is None, "ray start --head failed"
                 time.sleep(0.3)
         time.sleep(1.0)  # the GCS listens a moment before it serves
-        yield f"127.0.0.20:{port}", token
+        yield f"{HEAD}:{port}", token
     finally:
         os.killpg(head.pid, signal.SIGKILL)  # the head and the processes it started
         head.wait(10)
