@@ -18,6 +18,9 @@ TOKEN_HINT = ("run it where the cluster's token is readable (~/.ray/auth_token),
 
 
 def explain(e: BaseException, args: argparse.Namespace) -> str:
+    task, e = _raised_in_ray(e)
+    if task is not None:
+        return f"{task} failed inside Ray: {explain(e, args)}"
     address = getattr(args, "address", None)
     where = f" at {address}" if address not in (None, "auto") else ""
     if _is_ray_auth_error(e):
@@ -29,6 +32,23 @@ def explain(e: BaseException, args: argparse.Namespace) -> str:
     if type(e).__module__.startswith("ray"):
         return f"Ray failed: {_first_line(e)} (`--debug` shows the traceback)"
     return f"unexpected {type(e).__name__}: {_first_line(e)} (`--debug` shows the traceback)"
+
+
+def _raised_in_ray(e: BaseException) -> tuple[str | None, BaseException]:
+    """A task or actor call that raised carries its error as `cause`; its own message starts with
+    the call's pid, IP and actor id, which say nothing about what went wrong."""
+    try:
+        from ray.exceptions import RayTaskError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return None, e
+    if isinstance(e, RayTaskError) and e.cause is not None and e.cause is not e:
+        import re
+
+        # the wrapper Ray raises in the caller delegates its attributes to the cause: the call's
+        # name is only in its message ("ray::ProxyActor.ready() (pid=...)", coloured)
+        m = re.search(r"ray::([\w.]+)\(", re.sub(r"\x1b\[[0-9;]*m", "", str(e)))
+        return (m.group(1) if m else "a Ray call"), e.cause
+    return None, e
 
 
 def _is_ray_auth_error(e: BaseException) -> bool:

@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.test_quickstart import free_port
+from tests.loopback import free_port
 from tests.loopback import ip
 from tests.redis_server import RedisServer
 

@@ -17,16 +17,11 @@ import time
 import pytest
 
 from tests.loopback import ip
+from tests.loopback import free_port
 
 HEAD = ip(20)  # a `ray start` head of its own, on this xdist worker's loopback net
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

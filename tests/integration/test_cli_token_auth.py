@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.test_quickstart import free_port
+from tests.loopback import free_port
 
 pytestmark = pytest.mark.timeout(300)
 

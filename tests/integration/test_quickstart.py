@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,14 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.loopback import free_port
 
 README = Path(__file__).parents[2] / "README.md"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def readme_chat_body() -> dict:

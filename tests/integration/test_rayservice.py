@@ -5,7 +5,6 @@ stopping it (Ctrl-C: Serve deletes the app) leaves no Controller and no worker b
 
 import os
 import signal
-import socket
 import subprocess
 import textwrap
 import time
@@ -18,14 +17,9 @@ from splitserve import LLM, SamplingParams
 from tests.integration.serve_helpers import sees_both_pools
 from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.loopback import free_port
 
 PROMPT = "A RayService deploys it by import path"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def generate_over_grpc(port: int, within_s: float = 60) -> list:

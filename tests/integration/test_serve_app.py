@@ -16,17 +16,12 @@ from tests.integration.serve_helpers import sees_both_pools
 from splitserve.ingress.grpc_service import SERVICE_NAME
 from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.loopback import free_port
 
 openai = pytest.importorskip("openai")
 serve_app = pytest.importorskip("splitserve.cli.app")
 
 PROMPT = "Requests enter through the Serve proxies"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class AppWorkers:
