@@ -190,6 +190,7 @@ class Engine(EngineCore):
                         token_ids=list(req.prompt_token_ids) + list(outputs))
 
     def _forward(self, sched: SchedulerOutput) -> list[Sampled]:
+        self._check_ranks()
         ahead = self._masks_ahead(sched)
         model = self.runner.model
         # a CPU forward runs layer after layer as called; on a device, a layer's KV is written
@@ -255,6 +256,14 @@ class Engine(EngineCore):
             self.sampler.masks.close()
         self.kv.close()
         self._stop_ranks()
+
+    def _check_ranks(self) -> None:
+        """A follower that exited is known before the step: its broadcast would wait on the
+        step group, which has no timeout (an idle engine waits there), and a send to a dead
+        peer was seen to hang in it (CI, two test workers on two cores)."""
+        lost = self.ranks.lost() if self.ranks is not None else None
+        if lost is not None:
+            raise RuntimeError(f"this engine's tensor-parallel group is broken: {lost}")
 
     def _stop_ranks(self) -> None:
         if self.ranks is not None:
