@@ -77,6 +77,13 @@ def node_processes(ip: str, gcs: bool) -> set[int]:
     return found
 
 
+def ours(title: str, procs: dict[int, tuple[int, str]] | None = None) -> set[int]:
+    """This cluster's processes (either node's) whose command line holds `title`: the other test
+    worker runs clusters of its own on this machine at the same time."""
+    procs = processes() if procs is None else procs
+    return {p for p in node_processes(HEAD, gcs=True) | node_processes(NODE, gcs=False) if title in procs.get(p, (0, ""))[1]}
+
+
 def _raylet_of(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
@@ -203,7 +210,7 @@ def test_a_head_restart_keeps_the_workers_and_the_app(tiny_checkpoint, tmp_path)
         status = json.loads(cluster.run("splitserve", "status", "--name", "head-restart", "--json").stdout)
         ids = sorted(w["id"] for w in status["workers"] if w["state"] == "ready")
         assert len(ids) == 2 and all(w["node_ip"] == NODE for w in status["workers"]), status
-        workers = {p for p, (_, cmd) in processes().items() if "WorkerActor" in cmd}
+        workers = ours("WorkerActor")
         assert len(workers) == 2 and not workers & node_processes(HEAD, gcs=True)
         # the Ingress replica is on the head, and so, as a rule, is the Controller it created
         # (soft affinity: under load Ray may place it on the other node — then it dies with the
@@ -213,7 +220,7 @@ def test_a_head_restart_keeps_the_workers_and_the_app(tiny_checkpoint, tmp_path)
         while True:
             head, procs = node_processes(HEAD, gcs=True), processes()
             replica = [p for p in head if procs.get(p, (0, ""))[1].startswith("ray::ServeReplica:head-restart:Ingress")]
-            controller = [p for p, (_, cmd) in procs.items() if cmd.startswith("ray::Controller")]
+            controller = sorted(ours("ray::Controller", procs))
             if replica and len(controller) == 1:
                 break
             assert time.monotonic() < deadline, (replica, controller)
@@ -232,8 +239,7 @@ def test_a_head_restart_keeps_the_workers_and_the_app(tiny_checkpoint, tmp_path)
 
         cluster.start_head()
         assert answer(url, 180) == before
-        assert all(alive(p) for p in workers) and {p for p, (_, cmd) in processes().items()
-                                                   if "WorkerActor" in cmd} == workers  # the same processes
+        assert all(alive(p) for p in workers) and ours("WorkerActor") == workers  # the same processes
         status = json.loads(cluster.run("splitserve", "status", "--name", "head-restart", "--json").stdout)
         assert sorted(w["id"] for w in status["workers"] if w["state"] == "ready") == ids, status
         deadline = time.monotonic() + 60  # the interrupted stream is freed (its replica gone, or cancelled)

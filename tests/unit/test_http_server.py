@@ -14,6 +14,7 @@ from splitserve.engine.step_model import FEATURES  # noqa: E402
 from splitserve.config import EngineConfig  # noqa: E402
 from splitserve.orchestrator.local_backend import LocalBackend  # noqa: E402
 from splitserve.ingress.http import OpenAIServer  # noqa: E402
+from tests.loopback import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -167,20 +168,31 @@ def _until(cond, what: str, within_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def slowed(step, seconds: float):
+    import time
+
+    def step_then_wait():
+        out = step()
+        time.sleep(seconds)
+        return out
+
+    return step_then_wait
+
+
 @pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_aborts(server, stream):
+def test_client_disconnect_aborts(server, stream, monkeypatch):
     """A real socket: uvicorn in a thread; a streaming request read for three lines then closed,
     or a non-streaming one whose client closes its socket while the engine generates (uvicorn
-    does not cancel the handler: the server must notice the disconnect itself)."""
+    does not cancel the handler: the server must notice the disconnect itself). Each step made
+    to take 5 ms: the tiny model's 1000 tokens took less than the server's event loop, starved
+    by a test worker beside it, needed to see the disconnect (it ended as `length`)."""
     import json
     import socket
     import threading
 
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="error"))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
@@ -189,6 +201,7 @@ def test_client_disconnect_aborts(server, stream):
         body = {"model": "tiny", "prompt": "x", "max_tokens": 1000, "temperature": 0, "stream": stream,
                 "ignore_eos": True}
         eng, before = server.backend.engine, _aborted(server)
+        monkeypatch.setattr(eng, "step", slowed(eng.step, 0.005))
         if stream:
             with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=10) as r:
                 lines = r.iter_lines()
