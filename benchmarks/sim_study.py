@@ -18,16 +18,25 @@ splitserve row's grid) is marked `comparable: false` and not compared.
                step (512 / 1024 / 2048) is searched and the best kept
   pd           every static prefill:decode split, every prompt of 32+ uncached tokens through
                a prefill worker (the `threshold` PD decider), the best kept
-  splitserve   the default: the `slo` PD decider (router/pd_decider.py) and the autoscaler
-               (prefill 0..W-1 workers, decode 1..W, at most W together, starting aggregated;
-               sized to 60% of their fitted capacity, shrunk below 30%: heavy-tailed prompts),
-               the decode workers' step budget the largest chunk whose step stays within 0.6
-               of the TPOT target (by the step-time fit; 512..2048: the decider's CHUNK_SHARE),
-               the prefill workers' 2048;
-               goodput per GPU over the GPUs it held on average, the best of a grid of rates
-               (x1/8 .. x16 in steps of 2^0.5, then bisected above the highest that met the
-               target) that meets the target: an autoscaled fleet shrinks under a light load,
-               so its attainment is not monotonic in the rate
+  splitserve   planned, then autoscaled: before the cell is evaluated the planner
+               (splitserve/sim/planner.py) simulates every aggregated budget and every static
+               split (the `threshold` decider) on a *different* slice of the same trace —
+               requests 300..600 (`--plan-from`, `--plan-requests`), moved to time 0 — at the
+               cell's attainment target, and picks the most goodput per GPU; then it runs that
+               configuration on the sample with the autoscaler (prefill 0..W-1 workers, decode
+               1..W, at most W together; sized to 60% of their fitted capacity, shrunk below
+               30%: heavy-tailed prompts) starting from it and without, both on the grid of
+               rates below, and keeps the autoscaler only where it did better there. The row is
+               that plan: its pools (the autoscaler's first targets), its PD decider (an
+               aggregated plan keeps the `slo` decider for prefill workers the autoscaler may
+               add), its budget (a split's: the engine's 2048 for both pools). `--no-plan` runs
+               the old default (starting aggregated, autoscaled, the decode budget the largest
+               chunk whose step stays within 0.6 of the TPOT target by the fit, 512..2048).
+               Autoscaled, the row's goodput per GPU is over the GPUs it held on average, the
+               best of a grid of rates (x1/8 .. x16 in steps of 2^0.5, then bisected above the
+               highest that met the target) that meets the target — an autoscaled fleet shrinks
+               under a light load, so its attainment is not monotonic in the rate; static, it
+               is searched as the baselines are
 
 Writes results/sim_study.json and results/sim_study.png; a run goes on from the rows its JSON
 holds (`--redo splitserve` searches that row again, `--rows` computes only some).
@@ -49,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from splitserve.control.autoscale import AutoscaleConfig, Bounds  # noqa: E402
-from splitserve.sim import search  # noqa: E402
+from splitserve.sim import planner, search  # noqa: E402
 from splitserve.sim.cost.hardware import gpu  # noqa: E402
 from splitserve.sim.cost.roofline import RooflineCost  # noqa: E402
 from splitserve.sim.cost.shapes import model_shape  # noqa: E402
@@ -95,16 +104,42 @@ def tpot_budget(cell: Cell, share: float, floor: int = 512, block: int = 64) -> 
     return min(2048, max(floor, int((share * cell.tpot_ms / 1e3 - c0) / c1) // block * block))
 
 
-def splitserve_config(cell: Cell, chunk_share: float) -> dict:
-    """Our default, as a user gets it: nothing tuned per cell but the SLOs and the GPUs it may use
-    (the decode budget follows from the TPOT target and the fit; prefill workers keep 2048)."""
+def autoscale_config(cell: Cell) -> AutoscaleConfig:
     w = cell.workers
-    auto = AutoscaleConfig(prefill=Bounds(0, w - 1), decode=Bounds(1, w), interval_s=2.0,
+    return AutoscaleConfig(prefill=Bounds(0, w - 1), decode=Bounds(1, w), interval_s=2.0,
                            ttft_slo_s=cell.ttft_ms / 1e3, tpot_slo_s=cell.tpot_ms / 1e3, up_cooldown_s=6.0,
                            down_cooldown_s=30.0, window_s=10.0, rate_window_s=6.0, max_workers=w,
                            target_utilization=0.6, down_utilization=0.3)
-    return dict(prefill=0, decode=w, autoscale=auto, worker_start_s=10.0, pd_decider="slo",
-                max_num_batched_tokens=tpot_budget(cell, chunk_share), prefill_max_num_batched_tokens=2048)
+
+
+def splitserve_config(cell: Cell, chunk_share: float, plan: planner.Plan | None = None) -> dict:
+    """Ours, as a user gets it: nothing tuned per cell but the SLOs, the GPUs it may use and (with
+    a plan) the planner's start, autoscaled where the plan says; without one the old default
+    (aggregated, autoscaled, the decode budget from the TPOT target and the fit; prefill workers
+    keep 2048)."""
+    if plan is not None:
+        return dict(prefill=plan.prefill, decode=plan.decode, worker_start_s=10.0, pd_decider=plan.decider,
+                    max_num_batched_tokens=plan.budget, prefill_max_num_batched_tokens=planner.PD_BUDGET,
+                    **({"autoscale": autoscale_config(cell)} if plan.autoscale else {}))
+    return dict(prefill=0, decode=cell.workers, autoscale=autoscale_config(cell), worker_start_s=10.0,
+                pd_decider="slo", max_num_batched_tokens=tpot_budget(cell, chunk_share), prefill_max_num_batched_tokens=2048)
+
+
+def plan_cell(cell: Cell, target: float, start: int, count: int, iters: int) -> planner.Plan:
+    """The planner on requests [start, start + count) of the cell's trace — not the ones the
+    cell is evaluated on — at the cell's SLOs and attainment target."""
+    sample = planner.window(from_trace(DATA / f"{cell.trace}_trace.jsonl", start + count), start, count)
+    base = SimConfig(block_size=64, ttft_slo_ms=cell.ttft_ms, tpot_slo_ms=cell.tpot_ms, gpus_per_node=8,
+                     worker_start_s=10.0)
+    return planner.plan(cell.cost(), sample, base, cell.workers, target, autoscale=autoscale_config(cell),
+                        scan_hi=SCAN_TOP, iters=iters, max_scale=SCAN_TOP * 4)
+
+
+def plan_record(p: planner.Plan, start: int, count: int) -> dict:
+    return {"name": p.name, "autoscale": p.autoscale, "goodput_rps_per_gpu": p.goodput, "target": p.target,
+            "scanned_static_autoscaled": p.scanned, "requests": [start, start + count],
+            "scored": {s.candidate.name: {"goodput_rps_per_gpu": s.goodput, "rate_scale": s.rate_scale,
+                                          "attainment": s.attainment} for s in p.scored}}
 
 
 def configs(cell: Cell, chunk_share: float = 0.6) -> list[tuple[str, dict]]:
@@ -116,7 +151,11 @@ def configs(cell: Cell, chunk_share: float = 0.6) -> list[tuple[str, dict]]:
 
 
 def search_one(job: tuple) -> dict:
-    cell, requests, name, cfg_kw, iters, target = job
+    cell, requests, name, cfg_kw, iters, target, plan_at = job
+    plan = None
+    if plan_at is not None:  # the splitserve row: plan on another slice first, start from the plan
+        plan = plan_cell(cell, target, *plan_at)
+        cfg_kw = splitserve_config(cell, 0.6, plan)
     w = from_trace(DATA / f"{cell.trace}_trace.jsonl", requests)
     cost = cell.cost()
     cfg = SimConfig(**{"block_size": 64, "ttft_slo_ms": cell.ttft_ms, "tpot_slo_ms": cell.tpot_ms,
@@ -134,7 +173,8 @@ def search_one(job: tuple) -> dict:
     else:
         res = search.goodput(run, start=1.0, target=target, iters=iters, min_scale=1 / 8)
     at = last.get(res["rate_scale"], {})
-    return {"cell": cell.key, "name": name, "config": {k: str(v) for k, v in cfg_kw.items()}, **res,
+    return {"cell": cell.key, "name": name, "config": {k: str(v) for k, v in cfg_kw.items()},
+            **({"plan": plan_record(plan, *plan_at[:2])} if plan else {}), **res,
             "at_best": {k: v for k, v in at.items() if k != "pool_sizes"},
             "pool_sizes_at_best": at.get("pool_sizes", [])[-40:]}
 
@@ -156,6 +196,7 @@ def summarize_cell(rows: list[dict]) -> dict:
             "splitserve_goodput_per_gpu": g(ours),
             "splitserve_over_better": g(ours) / bar if bar and not unbounded else None,
             "splitserve_meets_bar": g(ours) >= bar if not unbounded else None,
+            "splitserve_plan": ours.get("plan", {}).get("name") if ours else None,
             "splitserve_disaggregated_share": ours and ours["at_best"].get("disaggregated_share"),
             "best_attainment_seen": {k: max((r["best_attainment_seen"] for r in rows if r["name"].startswith(k)),
                                             default=None) for k in ("aggregated", "pd/", "splitserve")}}
@@ -192,7 +233,9 @@ def _search(pool, cell: Cell, kept: list[dict], target: float, a) -> list[dict]:
     """The cell's rows: `kept`, and a search of each selected one missing from them."""
     picked = a.rows is None or (lambda n: any(n.startswith(r) for r in a.rows))
     have = {r["name"] for r in kept}
-    jobs = [(cell, a.requests, n, kw, a.iters, target) for n, kw in configs(cell, a.chunk_share)
+    plan_at = None if a.no_plan else (a.plan_from, a.plan_requests, a.plan_iters)
+    jobs = [(cell, a.requests, n, kw, a.iters, target, plan_at if n == "splitserve" else None)
+            for n, kw in configs(cell, a.chunk_share)
             if n not in have and (picked is True or picked(n))]
     order = [n for n, _ in configs(cell)]
     return sorted(kept + list(pool.map(search_one, jobs)), key=lambda r: order.index(r["name"]))
@@ -222,6 +265,11 @@ def main() -> None:
     ap.add_argument("--redo", nargs="+", default=None, help="search again the rows whose name starts so")
     ap.add_argument("--chunk-share", type=float, default=0.6,
                     help="splitserve's decode budget: a full chunk's step within this share of TPOT (default 0.6)")
+    ap.add_argument("--no-plan", action="store_true", help="splitserve's row without the planner (the old default)")
+    ap.add_argument("--plan-from", type=int, default=300, help="the planner's sample: requests from this index (300)")
+    ap.add_argument("--plan-requests", type=int, default=300, help="... this many of them (300)")
+    ap.add_argument("--plan-iters", type=int, default=2, help="the planner's bisection steps (default 2)")
+    ap.add_argument("--only", nargs="+", default=None, help="only the cells whose key starts so")
     ap.add_argument("--workers", type=int, default=2, help="searches run in parallel (default 2)")
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_study.json"))
     a = ap.parse_args()
@@ -236,9 +284,10 @@ def main() -> None:
     res["commands"] = (done.get("commands", []) if res["cells"] else []) + [" ".join(sys.argv)]
     cells = [Cell(g, m, t, float(s.split("/")[0]), float(s.split("/")[1]))
              for s in a.slo for g in a.gpu for m in a.model for t in a.traces]
+    cells = [c for c in cells if a.only is None or any(c.key.startswith(o) for o in a.only)]
     picked = lambda n, prefixes: prefixes is not None and any(n.startswith(r) for r in prefixes)  # noqa: E731
-    if a.redo:  # rows searched again are searched at 90% first, as the cell was
-        for e in res["cells"].values():
+    if a.redo:  # rows searched again are searched at 90% first, as the cell was (only the cells run)
+        for e in (res["cells"][c.key] for c in cells if c.key in res["cells"]):
             e["rows"] = [r for r in e["rows"] if not picked(r["name"], a.redo)]
     with ProcessPoolExecutor(a.workers) as pool:
         for cell in cells:

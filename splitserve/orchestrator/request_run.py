@@ -378,12 +378,13 @@ async def _quietly(ref: Any) -> None:
 def _abandon(ref, worker) -> None:
     """Stop a prefill nobody waits for any more; a result that arrives anyway has its lease
     acknowledged at once (its blocks would otherwise stay pinned until the lease lapses)."""
-    try:
-        import ray
+    import ray
 
-        ray.cancel(ref)  # an async actor method gets CancelledError and frees what it holds
-    except Exception:  # not a Ray ref (tests), or already finished
-        pass
+    if isinstance(ref, ray.ObjectRef):  # (ray.cancel of anything else starts a local Ray: a fake's call)
+        try:
+            ray.cancel(ref)  # an async actor method gets CancelledError and frees what it holds
+        except Exception:  # already finished
+            pass
 
     async def release_late() -> None:
         try:

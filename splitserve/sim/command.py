@@ -1,5 +1,6 @@
 """`splitserve simulate`: arguments → workload + cost model + SimConfig → one run, a goodput
-search, or a prefill:decode sweep → summary printed, JSON (+ PNG) written. `--calibrate` instead
+search, a prefill:decode sweep, or a plan (`--plan`: the starting configuration for a sample of
+the expected traffic, sim/planner.py) → summary printed, JSON (+ PNG) written. `--calibrate` instead
 measures this machine's engine (sim/calibrate.py) and writes the cost model JSON."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from splitserve.sim import search
+from splitserve.sim import planner, search
 from splitserve.sim.cost import ByRole
 from splitserve.sim.cost.hardware import gpu
 from splitserve.sim.cost.linear import LinearCost
@@ -94,6 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--goodput", action="store_true", help="search the highest rate with >= 90%% SLO attainment")
     m.add_argument("--sweep-ratio", type=int, default=None, metavar="GPUS",
                    help="the goodput search for every prefill:decode split of GPUS (and aggregated)")
+    m.add_argument("--plan", action="store_true",
+                   help="choose the start for the workload (a sample of the expected traffic) on the workers given "
+                        "(--prefill + --decode or --aggregated): each aggregated budget and static split, the most "
+                        "goodput per GPU at --attainment; prints the DeployConfig values")
+    m.add_argument("--plan-deciders", nargs="+", choices=("threshold", "slo"), default=["threshold"],
+                   help="--plan: the PD deciders a split is tried with (default threshold)")
     m.add_argument("--attainment", type=float, default=0.9, help="the goodput search's target (default 0.9)")
     m.add_argument("--calibrate", action="store_true", help="measure this machine's engine (--model DIR) instead")
     m.add_argument("--budget-s", type=float, default=90.0, help="--calibrate: seconds to spend")
@@ -176,6 +183,8 @@ def _run(a: argparse.Namespace) -> int:
     if a.calibrate:
         return _calibrate(a, out)
     workload, cost, config = workload_of(a), cost_of(a), config_of(a)
+    if a.plan:
+        return _plan(a, workload, cost, config, out)
     if a.sweep_ratio is not None or a.goodput:
         if config.ttft_slo_ms is None and config.tpot_slo_ms is None:
             raise ConfigError("--goodput and --sweep-ratio need --ttft-slo-ms and/or --tpot-slo-ms")
@@ -202,6 +211,25 @@ def _run(a: argparse.Namespace) -> int:
     print(f"wrote {out}")
     if not a.no_plot:
         print(f"wrote {plot(summary, sim.outcomes, out.with_suffix('.png'), workload.name)}")
+    return 0
+
+
+def _plan(a: argparse.Namespace, workload: Workload, cost, config: SimConfig, out: Path) -> int:
+    if config.ttft_slo_ms is None and config.tpot_slo_ms is None:
+        raise ConfigError("--plan needs --ttft-slo-ms and/or --tpot-slo-ms")
+    workers = config.prefill + config.decode
+    cands = planner.candidates(workers, deciders=tuple(a.plan_deciders))
+    p = planner.plan(cost, workload, config, workers, a.attainment, cands)
+    for s in p.scored:
+        print(f"{s.candidate.name:<18} {s.goodput:.4f} req/s per GPU (x{s.rate_scale:g} the sample's rate, "
+              f"{s.attainment:.0%} attained)")
+    print(f"plan: {p.name}, {p.goodput:.4f} req/s per GPU at >= {a.attainment:.0%} SLO attainment")
+    values = p.deploy_values()
+    print(f"DeployConfig: {json.dumps(values)}")
+    out.write_text(json.dumps({"plan": p.name, "goodput_rps_per_gpu": p.goodput, "target": p.target,
+                               "deploy": values, "scored": [{"name": s.candidate.name, **dataclasses.asdict(s)}
+                                                            for s in p.scored]}, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

@@ -41,7 +41,7 @@ def test_openai_sdk_over_the_cluster(ray_session, tiny_checkpoint):
 def test_structured_output_and_tools_over_the_split(ray_session, demo_model_dir):
     """Issue 29 across the split, with the demo model: every prompt prefilled on the prefill
     worker (which samples the first token under the request's grammar) and decoded on the decode
-    worker (which rebuilds the matcher from it): the SDK's pydantic parse, 8 sampled json_schema
+    worker (which rebuilds the matcher from it): the SDK's pydantic parse, 3 sampled json_schema
     answers valid against the schema, a required tool call valid against its parameters (whole and
     streamed), and an openai-agents Agent's multi-turn tool use. (32 sampled answers and every
     client library of app_clients.py against the in-process server: test_structured_demo.py.)"""
@@ -70,7 +70,7 @@ def test_structured_output_and_tools_over_the_split(ray_session, demo_model_dir)
             parsed = await c.chat.completions.parse(model=name, messages=ask, response_format=Planet, temperature=0,
                                                     max_tokens=60)
             sampled = await c.chat.completions.create(
-                model=name, messages=ask, n=8, temperature=1.0, seed=9, max_tokens=60,
+                model=name, messages=ask, n=3, temperature=1.0, seed=9, max_tokens=60,
                 response_format={"type": "json_schema", "json_schema": {"name": "planet", "schema": schema}})
             called = await c.chat.completions.create(
                 model=name, messages=[{"role": "user", "content": "Weather in Lima?"}], tools=[weather],
@@ -98,7 +98,7 @@ def test_structured_output_and_tools_over_the_split(ray_session, demo_model_dir)
         assert reasons[-1] == "tool_calls"
         jsonschema.validate(json.loads(args), weather["function"]["parameters"])  # the streamed deltas, assembled
         assert asked and final
-        traces = list(cluster.timings)  # 11 above, at least 2 from the agent (its call, then the answer)
-        assert len(traces) >= 13 and all(t.prefill_worker and t.decode_worker for t in traces), traces
+        traces = list(cluster.timings)  # 6 above, at least 2 from the agent (its call, then the answer)
+        assert len(traces) >= 8 and all(t.prefill_worker and t.decode_worker for t in traces), traces
         for s in cluster.check_invariants():
             assert s["in_use"] == 0 and s.get("leases", 0) == 0, s

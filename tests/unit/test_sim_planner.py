@@ -64,3 +64,21 @@ def test_short_outputs_and_a_tight_ttft_plan_aggregated():
 def test_the_planner_needs_an_slo():
     with pytest.raises(ConfigError):
         plan(COST, uniform(2, 1.0, 100, 4), SimConfig(), 2, cands=(AGG,))
+
+
+def test_simulate_plan_prints_and_writes_the_deploy_values(tmp_path, capsys):
+    import json
+
+    from splitserve.cli.main import main
+
+    out = tmp_path / "plan.json"
+    assert main(["simulate", "--dataset", "random", "--num-requests", "24", "--rate", "2", "--input-len", "8192", "8192",
+                 "--output-len", "128", "128", "--gpu", "h200", "--model", "llama-3-8b", "--aggregated", "2",
+                 "--ttft-slo-ms", "3000", "--tpot-slo-ms", "15", "--plan", "--out", str(out)]) == 0
+    said = json.loads(out.read_text())
+    assert said["plan"] == "pd/1:1" and said["deploy"]["prefill"] == 1, said
+    assert {s["name"] for s in said["scored"]} >= {"aggregated/2048", "pd/1:1"}
+    assert 'DeployConfig: {"prefill": 1, "decode": 1' in capsys.readouterr().out
+    # without an SLO there is nothing to plan for: a clear error, not a traceback
+    assert main(["simulate", "--dataset", "random", "--num-requests", "4", "--aggregated", "2", "--gpu", "h200",
+                 "--model", "llama-3-8b", "--plan", "--out", str(out)]) != 0
