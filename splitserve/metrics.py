@@ -4,12 +4,27 @@ registry per server so tests and several servers in one process do not collide."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PREFIX = "splitserve_"
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_RATE = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 400.0)
 _TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Phase(str, Enum):
+    """The phases of `request_phase_seconds`. queue → prefill → (transfer) → first token is the
+    request's own timeline as its workers saw it; first_token and e2e as the ingress saw them."""
+
+    QUEUE = "queue"  # added to an engine → first scheduled
+    PREFILL = "prefill"  # first scheduled → first token sampled
+    TRANSFER = "transfer"  # the decode worker's KV landing: pull (or a streamed tail) + verify + ack
+    EXPOSED_TRANSFER = "exposed_transfer"  # the prefill's last pass ended → KV verified: the critical-path part
+    FIRST_TOKEN = "first_token"  # arrived at the ingress → first token (TTFT)
+    INTER_TOKEN = "inter_token"  # the mean gap between its later tokens (its TPOT)
+    E2E = "e2e"  # arrived → last token
 
 
 @dataclass
@@ -32,9 +47,21 @@ class Metrics:
                                     registry=r)
         self.prefix_hit = Counter(PREFIX + "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
                                   registry=r)
-        self.kv_transfer_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV bytes moved between workers", registry=r)
-        self.kv_transfer_seconds = Histogram(PREFIX + "kv_transfer_seconds", "KV transfer time", buckets=_LATENCY,
-                                             registry=r)
+        self.kv_transfer_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV bytes moved between workers",
+                                         ["transport"], registry=r)
+        self.kv_transfer_seconds = Histogram(PREFIX + "kv_transfer_seconds", "KV transfer time", ["transport"],
+                                             buckets=_LATENCY, registry=r)
+        self.kv_transfer_rate = Histogram(PREFIX + "kv_transfer_gigabytes_per_second",
+                                          "One request's KV bytes over its transfer time (a streamed one's time is "
+                                          "only its landing after the prefill: hidden time is not counted)",
+                                          ["transport"], buckets=_RATE, registry=r)
+        self.phase = Histogram(PREFIX + "request_phase_seconds",
+                               "Seconds a request spent in each phase (Phase), by route (aggregated: one worker; "
+                               "disaggregated: a prefill worker, then the KV moved to a decode worker) and tenant",
+                               ["phase", "route", "tenant"], buckets=_LATENCY, registry=r)
+        self.moves = Counter(PREFIX + "request_moves", "Requests moved off a worker before they were done: "
+                             "kind migration (its decode worker lost it mid-stream) or retry (its prefill worker "
+                             "failed it), by reason", ["kind", "reason"], registry=r)
         self.kv_exposed_transfer_seconds = Histogram(
             PREFIX + "kv_exposed_transfer_seconds",
             "From the end of a prompt's last prefill forward pass to its KV verified on the decode worker: "
@@ -57,6 +84,7 @@ class Metrics:
         self.autoscaler_decisions = Counter(PREFIX + "autoscaler_decisions", "Autoscaler decisions by pool and reason",
                                             ["role", "reason"], registry=r)
         self._decisions_seen: dict[tuple[str, str], int] = {}
+        self._moves_seen: dict[tuple[str, str], int] = {}
 
     def forget_workers(self, live: set[str]) -> None:
         """Drop every per-worker series of a worker not in `live` (one that stopped or died): a
@@ -77,6 +105,15 @@ class Metrics:
             if new > 0:  # the Controller's totals only grow (a restarted one starts again: skip to it)
                 self.autoscaler_decisions.labels(role=key[0], reason=key[1]).inc(new)
             self._decisions_seen[key] = total
+
+    def export_moves(self, counts) -> None:
+        """The orchestrator's move totals (MoveCount) into the counter, as increments."""
+        for c in counts:
+            key = (c.kind.value, c.reason.value)
+            new = c.total - self._moves_seen.get(key, 0)
+            if new > 0:
+                self.moves.labels(kind=key[0], reason=key[1]).inc(new)
+            self._moves_seen[key] = c.total
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

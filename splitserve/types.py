@@ -32,6 +32,29 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # the caller aborted
 
 
+class MoveKind(str, enum.Enum):
+    """Why a request left a worker before it was done (a label of /metrics)."""
+
+    MIGRATION = "migration"  # its decode worker stopped serving it mid-stream: it continues on another
+    RETRY = "retry"  # its prefill worker failed it: placed again
+
+
+class MoveReason(str, enum.Enum):
+    DIED = "died"  # the worker's process is gone
+    FAILED = "failed"  # its engine raised
+    SILENT = "silent"  # sent nothing within the inactivity (decode) or prefill timeout
+    ENDED = "ended"  # ended the stream unasked
+
+
+@dataclass(frozen=True)
+class MoveCount:
+    """How many requests moved for one kind and reason, since the orchestrator started."""
+
+    kind: MoveKind
+    reason: MoveReason
+    total: int
+
+
 class Priority(enum.IntEnum):
     """Lower value runs first; FCFS within a class."""
 
@@ -233,6 +256,7 @@ class PhaseTimes:
     # the prefill's last forward pass ended → its KV landed and verified on the decode worker:
     # the part of the hand-over on the request's critical path (wall clocks of both workers)
     exposed_transfer_s: float | None = None
+    transport: str | None = None  # the transport the KV came over (its registered name)
 
     def merged(self, other: "PhaseTimes | None") -> "PhaseTimes":
         if other is None:

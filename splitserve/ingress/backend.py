@@ -12,7 +12,7 @@ from typing import AsyncIterator, Protocol
 from splitserve.router.admission import Plan
 from splitserve.router.policy import WorkerView
 from splitserve.text.tokenizer import Tokenizer
-from splitserve.types import Request, TokenChunk
+from splitserve.types import MoveCount, Request, TokenChunk
 
 
 class Backend(Protocol):
@@ -33,6 +33,9 @@ class Backend(Protocol):
         """A plan that will not run (admission refused it): forget what it reserved."""
 
     def worker_views(self) -> list[WorkerView]: ...
+
+    def moves(self) -> tuple[MoveCount, ...]:
+        """Requests moved off a worker so far (migrations, prefill retries), by reason."""
 
     def autoscale_report(self):
         """The autoscaler's last report (autoscale.AutoscaleReport); None: fixed pools."""

@@ -22,11 +22,11 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 from splitserve.text.detokenizer import RequestText
 from splitserve.text.tool_calls import ToolFormat
-from splitserve.metrics import Metrics
+from splitserve.metrics import Metrics, Phase
 from splitserve.router.admission import Admission, Decision, Plan
 from splitserve.ingress import request_span
 from splitserve.ingress.backend import Backend
@@ -322,11 +322,18 @@ class Frontend:
                 m.tpot.observe((c.ended_at - c.first_at) / (len(t.token_ids) - 1))
         m.prefix_query.inc(len(c.prompt_ids))
         m.prefix_hit.inc(t.num_cached_tokens)
-        if c.phases.transfer_s is not None:
-            m.kv_transfer_seconds.observe(c.phases.transfer_s)
-            m.kv_transfer_bytes.inc(c.phases.transfer_bytes or 0)
-        if c.phases.exposed_transfer_s is not None:
-            m.kv_exposed_transfer_seconds.observe(max(0.0, c.phases.exposed_transfer_s))
+        p = c.phases
+        if p.transfer_s is not None:
+            transport = p.transport or "unknown"
+            m.kv_transfer_seconds.labels(transport=transport).observe(p.transfer_s)
+            m.kv_transfer_bytes.labels(transport=transport).inc(p.transfer_bytes or 0)
+            if p.transfer_bytes and p.transfer_s > 0:
+                m.kv_transfer_rate.labels(transport=transport).observe(p.transfer_bytes / p.transfer_s / 1e9)
+        if p.exposed_transfer_s is not None:
+            m.kv_exposed_transfer_seconds.observe(max(0.0, p.exposed_transfer_s))
+        route = "disaggregated" if c.plan is not None and c.plan.first_worker != c.plan.decode_worker else "aggregated"
+        for phase, seconds in _phases(c):
+            m.phase.labels(phase=phase.value, route=route, tenant=c.tenant).observe(max(0.0, seconds))
 
     def export_worker_gauges(self) -> None:
         """Worker load gauges, as of the backend's last look at its workers (a gone worker's removed)."""
@@ -347,9 +354,25 @@ class Frontend:
             roles[w.role] = roles.get(w.role, 0) + (1 if w.healthy else 0)
         for role, n in roles.items():
             m.pool_size.labels(role=role).set(n)
+        m.export_moves(self.backend.moves())
         report = self.backend.autoscale_report()
         if report is not None:
             m.export_autoscale(report)
+
+
+def _phases(c: Choice) -> Iterator[tuple[Phase, float]]:
+    """The phases one finished choice went through, each as long as it took (the route's own:
+    an aggregated request has no transfer)."""
+    p = c.phases
+    for phase, seconds in ((Phase.QUEUE, p.queue_s), (Phase.PREFILL, p.prefill_s), (Phase.TRANSFER, p.transfer_s),
+                           (Phase.EXPOSED_TRANSFER, p.exposed_transfer_s)):
+        if seconds is not None:
+            yield phase, seconds
+    if c.first_at is not None:
+        yield Phase.FIRST_TOKEN, c.first_at - c.arrived
+        yield Phase.E2E, c.ended_at - c.arrived
+        if len(c.text.token_ids) > 1:
+            yield Phase.INTER_TOKEN, (c.ended_at - c.first_at) / (len(c.text.token_ids) - 1)
 
 
 def _admission_attributes(plan, d) -> dict:

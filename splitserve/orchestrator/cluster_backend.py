@@ -109,6 +109,9 @@ class ClusterBackend:
         """The Controller's last autoscaler report, as of the last registry read (None: fixed pools)."""
         return self.directory.autoscale
 
+    def moves(self) -> tuple:
+        return self.orchestrator.moves()
+
     def ready(self) -> bool:
         return self.directory.ready()
 

@@ -40,6 +40,9 @@ class LocalBackend:
     def autoscale_report(self) -> None:
         return None
 
+    def moves(self) -> tuple:
+        return ()  # one engine here: nothing to move to
+
     def worker_views(self) -> list[WorkerView]:
         s = self.loop.latest_stats
         return [WorkerView(LOCAL, "decode", "localhost", s.num_waiting, s.num_running, s.kv_usage,

@@ -20,7 +20,7 @@ from splitserve.orchestrator.request_run import RequestRun
 from splitserve.control.autoscale.window import RequestSample
 from splitserve.orchestrator.trace import RequestTrace
 from splitserve.router.admission import Plan
-from splitserve.types import Request, TokenChunk
+from splitserve.types import MoveCount, MoveKind, MoveReason, Request, TokenChunk
 
 __all__ = ["Orchestrator", "RequestTrace"]
 
@@ -37,11 +37,19 @@ class Orchestrator:
         self.traces: collections.deque[RequestTrace] = collections.deque(maxlen=traces)  # recent only
         self.prefill_failures = 0
         self.migrations = 0
+        self._moves: collections.Counter[tuple[MoveKind, MoveReason]] = collections.Counter()
         # finished requests' latencies, for the Controller's autoscaler (the backend sends them)
         self.samples: collections.deque[RequestSample] = collections.deque(maxlen=10_000)
         # this replica's actor, named on every decode stream: a worker aborts the streams of a
         # replica that died (worker/decode/callers.py); None in a driver (the offline Cluster)
         self.caller = _this_actor()
+
+    def count_move(self, kind: MoveKind, reason: MoveReason) -> None:
+        self._moves[kind, reason] += 1
+
+    def moves(self) -> tuple[MoveCount, ...]:
+        """Requests moved off a worker so far, by kind and reason (totals: /metrics counts them)."""
+        return tuple(MoveCount(k, r, n) for (k, r), n in sorted(self._moves.items()))
 
     def plan(self, req: Request) -> Plan:
         route = self.directory.place(req)

@@ -37,7 +37,8 @@ from splitserve.router.directory import Route
 from splitserve.orchestrator.trace import RequestTrace
 from splitserve.kv_transfer.base import TransferError
 from splitserve.router.policy import NoCapacity
-from splitserve.types import ConfigError, FinishReason, Request, ServiceUnavailable, TokenChunk, WorkerId
+from splitserve.types import (ConfigError, FinishReason, MoveKind, MoveReason, Request, ServiceUnavailable, TokenChunk,
+                              WorkerId)
 
 log = logging.getLogger(__name__)
 PREFILL_ATTEMPTS = 3  # prefill workers one request may fail on before it gives up
@@ -49,9 +50,9 @@ ABORT_WAIT_S = 2.0  # how long an abort sent to a worker is waited for (a stalle
 class DecodeLost(Exception):
     """The decode worker stopped serving this request (died, failed, went silent)."""
 
-    def __init__(self, why: str, worker_may_run: bool) -> None:
+    def __init__(self, why: str, worker_may_run: bool, reason: MoveReason) -> None:
         super().__init__(why)
-        self.why = why
+        self.why, self.reason = why, reason
         self.worker_may_run = worker_may_run  # it may still be working on it: tell it to stop
 
 
@@ -84,7 +85,7 @@ class RequestRun:
                         yield chunk
                 return
             except DecodeLost as lost:
-                await self._migrate(lost.why)
+                await self._migrate(lost)
 
     # -- one attempt: (prefill →) decode on the current route -----------------------------------
     async def _attempt(self) -> AsyncIterator[TokenChunk]:
@@ -171,6 +172,8 @@ class RequestRun:
             log.warning("prefill of %s on %s failed (%s); placing it again", self.req.request_id, worker.id,
                         type(e).__name__)
             self.o.prefill_failures += 1
+            self.o.count_move(MoveKind.RETRY, MoveReason.SILENT if isinstance(e, asyncio.TimeoutError)
+                              else MoveReason.DIED if _is_actor_death(e) else MoveReason.FAILED)
             self.o.directory.mark_failed(worker.id)
             return None
         self.route.confirm(worker.id)
@@ -212,7 +215,7 @@ class RequestRun:
                 async for chunk in chunks:
                     self.route.confirm(decode.id)
                     if chunk.finish_reason is FinishReason.ABORT:  # nobody here asked for that
-                        raise DecodeLost("ended the stream", worker_may_run=False)
+                        raise DecodeLost("ended the stream", worker_may_run=False, reason=MoveReason.ENDED)
                     if chunk.token_ids:
                         self._record_gap(time.monotonic() - last_at, first is not None)
                         last_at = time.monotonic()
@@ -222,7 +225,7 @@ class RequestRun:
                     if chunk.finished:
                         stop_worker = False
                         return
-            raise DecodeLost("ended the stream early", worker_may_run=False)
+            raise DecodeLost("ended the stream early", worker_may_run=False, reason=MoveReason.ENDED)
         except Exception as e:
             lost = _classify(e)
             stop_worker = stalled = lost.worker_may_run
@@ -262,13 +265,16 @@ class RequestRun:
         self._last_at = now
         self.delivered.extend(chunk.token_ids)
 
-    async def _migrate(self, why: str) -> None:
-        what = f"the decode worker serving this request {why}"
-        with self._call("migration", {"splitserve.migration.reason": why, "splitserve.worker": str(self.route.decode.id),
+    async def _migrate(self, lost: DecodeLost) -> None:
+        what = f"the decode worker serving this request {lost.why}"
+        with self._call("migration", {"splitserve.migration.reason": lost.reason.value,
+                                      "splitserve.migration.detail": lost.why,
+                                      "splitserve.worker": str(self.route.decode.id),
                                       "splitserve.tokens_delivered": len(self.delivered)}):
             if self.trace.migrations >= self.o.migration_limit:
                 raise ServiceUnavailable(f"{what}; it had moved {self.trace.migrations} times already, the limit")
-            await self._move(what, why)
+            await self._move(what, lost.why)
+            self.o.count_move(MoveKind.MIGRATION, lost.reason)
 
     async def _move(self, what: str, why: str) -> None:
         if self._lost_at is None:  # the gap the client sees: from the last token it got
@@ -315,8 +321,9 @@ def _classify(e: Exception) -> DecodeLost:
     if isinstance(e, (ConfigError, TransferError)):  # moving the request would not help
         raise getattr(e, "cause", None) or e from None
     if _is_actor_death(e):
-        return DecodeLost("was lost", worker_may_run=False)
-    return DecodeLost(f"failed ({type(e).__name__})", worker_may_run=False)  # it aborted it itself
+        return DecodeLost("was lost", worker_may_run=False, reason=MoveReason.DIED)
+    # it aborted it itself
+    return DecodeLost(f"failed ({type(e).__name__})", worker_may_run=False, reason=MoveReason.FAILED)
 
 
 async def _within(gen, timeout_s: float) -> AsyncIterator[TokenChunk]:
@@ -329,7 +336,7 @@ async def _within(gen, timeout_s: float) -> AsyncIterator[TokenChunk]:
         except StopAsyncIteration:
             return
         except asyncio.TimeoutError:
-            raise DecodeLost(f"sent nothing for {timeout_s:g} s", worker_may_run=True) from None
+            raise DecodeLost(f"sent nothing for {timeout_s:g} s", worker_may_run=True, reason=MoveReason.SILENT) from None
         yield chunk
 
 

@@ -4,6 +4,7 @@ the single engine, streaming works, a stop string ends the request early on ever
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve import LLM, SamplingParams
 from splitserve.orchestrator import Cluster
@@ -29,11 +30,19 @@ def test_openai_sdk_over_the_cluster(ray_session, tiny_checkpoint):
             s = await c.completions.create(model=cluster.backend.model_name, prompt=prompt, max_tokens=12, temperature=0, stream=True,
                                            stop=[ref[5:8]], extra_body={"ignore_eos": True})
             streamed = "".join([ev.choices[0].text async for ev in s if ev.choices])
-            return full, streamed
+            return full, streamed, (await http.get("/metrics")).text
 
-        full, streamed = cluster.run(go())  # on the router's own loop
+        full, streamed, metrics = cluster.run(go())  # on the router's own loop
         assert full.choices[0].text == ref
         assert streamed == ref[: ref.find(ref[5:8])]
+        # both went through the prefill worker: every phase of the split on /metrics, the KV by transport
+        seen = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(metrics) for s in f.samples}
+        for phase in ("queue", "prefill", "transfer", "exposed_transfer", "first_token", "inter_token", "e2e"):
+            key = ("splitserve_request_phase_seconds_count",
+                   (("phase", phase), ("route", "disaggregated"), ("tenant", "default")))
+            assert seen.get(key) == 2, (phase, sorted(k for k in seen if "phase" in k[0]))
+        assert seen[("splitserve_kv_transfer_bytes_total", (("transport", "tcp"),))] > 0
         for s in cluster.check_invariants():
             assert s["in_use"] == 0 and s.get("leases", 0) == 0, s
 

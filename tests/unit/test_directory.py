@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from splitserve.router.policy import POLICIES
-from splitserve.types import ConfigError, Request, Role, SamplingParams, WorkerState as S
+from splitserve.types import ConfigError, MoveCount, MoveKind, MoveReason, Request, Role, SamplingParams, WorkerState as S
 from tests.fakes.cluster import Call, FakeSource, digest, directory, stats
 
 
@@ -204,6 +204,7 @@ def test_a_failed_prefill_worker_leaves_placement_a_refused_request_is_not_retri
 
     result, fakes, first, d, o = asyncio.run(go(RuntimeError("actor died")))
     assert result is None and o.prefill_failures == 1
+    assert o.moves() == (MoveCount(MoveKind.RETRY, MoveReason.FAILED, 1),)  # its engine raised
     assert not d.view(d.records[first]).healthy  # out of placement at once
     with pytest.raises(ConfigError, match="prompt too long"):
         asyncio.run(go(ConfigError("prompt too long")))

@@ -10,7 +10,8 @@ import re
 import pytest
 
 from splitserve.orchestrator.orchestrator import Orchestrator
-from splitserve.types import FinishReason, Request, Role, SamplingParams, ServiceUnavailable, TokenChunk
+from splitserve.types import (FinishReason, MoveCount, MoveKind, MoveReason, Request, Role, SamplingParams,
+                              ServiceUnavailable, TokenChunk)
 from tests.fakes.cluster import Call, FakeSource, FakeWorker, directory
 
 MAX_TOKENS = 12
@@ -90,7 +91,7 @@ async def run(decodes, load_interval_s=60, **kw):
     counts = {w: d.pending.count(w, None) for w in d.records}
     healthy = {w: d.view(d.records[w]).healthy for w in ids}
     d.stop()
-    return got, error, o.traces[-1], counts, healthy
+    return got, error, o.traces[-1], counts, healthy, o.moves()
 
 
 def no_internals(message: str) -> None:
@@ -100,9 +101,13 @@ def no_internals(message: str) -> None:
 @pytest.mark.parametrize("fault", ["die", "stall"])
 def test_a_lost_decode_worker_migrates_the_stream_with_no_token_lost_or_repeated(fault):
     first, second = FakeDecode(fault, fail_after=4), FakeDecode()
-    got, error, trace, counts, healthy = asyncio.run(run([first, second], inactivity_timeout_s=0.2))
+    got, error, trace, counts, healthy, moves = asyncio.run(run([first, second], inactivity_timeout_s=0.2))
     assert error is None and got == reference()
     assert trace.migrations == 1 and len(trace.migration_gaps_s) == 1
+    # counted by why (/metrics: splitserve_request_moves_total): a stream that raised (not an actor
+    # death Ray reports: this fake's error only says so) or went silent
+    reason = MoveReason.FAILED if fault == "die" else MoveReason.SILENT
+    assert moves == (MoveCount(MoveKind.MIGRATION, reason, 1),)
     assert second.given == [tuple(reference()[:4])]  # the new worker continued after what was delivered
     # A stalled worker is told to stop (it gets it when it resumes); one whose stream raised
     # has aborted the request itself, and an abort now would only linger there.
@@ -167,8 +172,9 @@ def test_a_worker_that_failed_a_request_never_gets_it_back(fault):
     """It still answers its snapshots (so it is back in placement for others at once), but this
     request moves on to the other worker, even when it is the least loaded again."""
     first, second = FakeDecode(fault, fail_after=2), FakeDecode()
-    got, error, trace, *_ = asyncio.run(run([first, second], load_interval_s=0.005))
+    got, error, trace, *_, moves = asyncio.run(run([first, second], load_interval_s=0.005))
     assert error is None and got == reference()
+    assert moves == (MoveCount(MoveKind.MIGRATION, MoveReason.FAILED if fault == "die" else MoveReason.ENDED, 1),)
     assert len(first.given) == 1 and second.given == [tuple(reference()[:2])]
 
 
@@ -177,7 +183,7 @@ def test_a_worker_that_only_went_silent_takes_the_request_again_when_no_other_ca
     over): with no worker it has not stalled on, it goes back to one that answers again, under a
     fresh engine id, so the abort that worker was sent for the silent attempt cannot end the new one."""
     first, second = FakeDecode("stall", fail_after=2, faulty=1), FakeDecode("stall", fail_after=2, faulty=1)
-    got, error, trace, counts, _ = asyncio.run(run([first, second], load_interval_s=0.005, inactivity_timeout_s=0.2))
+    got, error, trace, counts, _, _ = asyncio.run(run([first, second], load_interval_s=0.005, inactivity_timeout_s=0.2))
     assert error is None and got == reference() and trace.migrations == 2
     assert first.ids == ["m", "m~2"] and second.ids == ["m~1"]
     assert first.aborted == ["m"] and second.aborted == ["m~1"]  # each silent attempt, never the live one

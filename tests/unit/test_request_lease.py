@@ -52,6 +52,9 @@ class ScriptedBackend:
     def worker_views(self) -> list:
         return []
 
+    def moves(self):
+        return ()
+
     def autoscale_report(self):
         return None
 

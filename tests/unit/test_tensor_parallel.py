@@ -110,6 +110,9 @@ def test_expert_load_and_its_imbalance_are_exported_per_worker():
         def worker_views(self):
             return [WorkerView("w1", "decode", "h", expert_tokens=(3, 1, 0, 4)), WorkerView("w2", "prefill", "h")]
 
+        def moves(self):
+            return ()
+
         def autoscale_report(self):
             return None
 

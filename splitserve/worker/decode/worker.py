@@ -96,7 +96,7 @@ class DecodeWorker(KVWorker):
                     * self.layout.block_bytes
                 exposed = time.time() - handoff.computed_at if handoff.computed_at else None
                 phases = PhaseTimes(transfer_s=time.monotonic() - started, transfer_bytes=moved,
-                                    exposed_transfer_s=exposed)
+                                    exposed_transfer_s=exposed, transport=handoff.endpoint.transport)
                 spans.kv_transfer(span, handoff, phases)
             while True:
                 item = await q.get()
