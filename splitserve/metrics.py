@@ -8,7 +8,12 @@ from enum import Enum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from splitserve.types import MoveKind, MoveReason
+
 PREFIX = "splitserve_"
+# why the edge refuses a request before any compute: admission's (capacity, ttft_slo, tpot_slo)
+# and the tenant's limits
+REJECTION_REASONS = ("capacity", "ttft_slo", "tpot_slo", "rate_limit", "tenant_concurrency")
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RATE = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 400.0)
 _TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -83,6 +88,12 @@ class Metrics:
                                        registry=r)
         self.autoscaler_decisions = Counter(PREFIX + "autoscaler_decisions", "Autoscaler decisions by pool and reason",
                                             ["role", "reason"], registry=r)
+        # every known label value present from the start, at 0: a rate over them is 0, not "no data"
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(reason=reason)
+        for kind in MoveKind:
+            for why in MoveReason:
+                self.moves.labels(kind=kind.value, reason=why.value)
         self._decisions_seen: dict[tuple[str, str], int] = {}
         self._moves_seen: dict[tuple[str, str], int] = {}
 

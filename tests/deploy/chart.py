@@ -155,12 +155,13 @@ def _matrix() -> list[Case]:
                       ("rayAuth.secretName=ray-token", "apiKeys.secretName=splitserve-keys")))
     cases.append(Case("cpu-demo-ray-auth-disabled-no-pdb", ("values-cpu-demo.yaml",),
                       ("rayAuth.mode=disabled", "podDisruptionBudget.enabled=false", "networkPolicy.enabled=false",
-                       "serve.kvStreaming=false", "serve.kvStreamingMinTokens=0",
+                       "serve.kvStreaming=false", "serve.kvStreamingMinTokens=0", "metrics.grafanaDashboard.enabled=false",
                        "serve.otlpTracesEndpoint=http://otel-collector.monitoring:4317", "serve.traceSampleRatio=0.25")))
     cases.append(Case("gpu-servicemonitor-secrets", ("values-gpu.yaml",),
                       ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prometheus",
                        "apiKeys.secretName=splitserve-keys", "kvSecret.secretName=splitserve-kv",
-                       "metrics.serviceMonitor.bearerTokenSecret.name=prometheus-key"),
+                       "metrics.serviceMonitor.bearerTokenSecret.name=prometheus-key",
+                       "metrics.grafanaDashboard.label=grafana_dashboard_splitserve", "metrics.grafanaDashboard.folder=LLM"),
                       (_peers("metricsFrom", "monitoring"), _peers("apiFrom", "gateway"))))
     cases.append(Case("cpu-demo-min-prefill-0", ("values-cpu-demo.yaml",),
                       ("autoscale.enabled=true", "rayAutoscaler.enabled=true", "prefill.replicas=0",

@@ -36,7 +36,8 @@ def test_renders_what_it_should(rendered: Rendered) -> None:
     kinds = sorted(d["kind"] for d in rendered.docs)
     expected = (["RayService", "Service", "Service"] + (["ServiceMonitor"] if v["metrics"]["serviceMonitor"]["enabled"] else [])
                 + ["PodDisruptionBudget"] * (2 if v["podDisruptionBudget"]["enabled"] else 0)
-                + (["NetworkPolicy"] if v["networkPolicy"]["enabled"] else []))
+                + (["NetworkPolicy"] if v["networkPolicy"]["enabled"] else [])
+                + (["ConfigMap"] if v["metrics"]["grafanaDashboard"]["enabled"] else []))
     assert kinds == sorted(expected)
     for d in rendered.docs:
         assert d["metadata"]["namespace"] == NAMESPACE
@@ -243,6 +244,21 @@ def test_service_monitor_scrapes_the_metrics_service(rendered: Rendered) -> None
     else:
         assert "authorization" not in endpoints["http-metrics"]
     assert "authorization" not in endpoints["ray-metrics"]  # Ray's has none: the NetworkPolicy decides
+
+
+def test_the_dashboard_configmap_carries_the_repos_dashboard(rendered: Rendered) -> None:
+    """The ConfigMap Grafana's sidecar loads: the sidecar's label, the folder annotation when
+    one is asked for, and the dashboard JSON byte for byte as the repo holds it."""
+    v = rendered.case.values()["metrics"]["grafanaDashboard"]
+    maps = rendered.all("ConfigMap")
+    if not v["enabled"]:
+        assert maps == []
+        return
+    (cm,) = maps
+    assert cm["metadata"]["labels"][v["label"]] == v["labelValue"]
+    assert cm["metadata"].get("annotations", {}).get("grafana_folder", "") == v["folder"]
+    shipped = (CHART / "dashboards" / "splitserve.json").read_text()
+    assert json.loads(cm["data"]["splitserve.json"]) == json.loads(shipped)
 
 
 def test_model_volume_on_every_pod(rendered: Rendered) -> None:

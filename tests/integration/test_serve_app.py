@@ -6,6 +6,7 @@ INVALID_ARGUMENT, RESOURCE_EXHAUSTED with retry-after), and both workers drained
 import asyncio
 import re
 import socket
+from pathlib import Path
 
 import grpc
 import httpx
@@ -17,6 +18,7 @@ from splitserve.ingress.grpc_service import SERVICE_NAME
 from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.loopback import free_port
+from tests.prometheus_server import PrometheusServer
 
 openai = pytest.importorskip("openai")
 serve_app = pytest.importorskip("splitserve.cli.app")
@@ -53,7 +55,9 @@ def deployed(ray_session, tiny_checkpoint):
     serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[serve_app.GRPC_SERVICER]))
     args = {"model": model, "transport": "tcp", "disagg_min_tokens": 0, "max_inflight": 3, "served_model_name": "tiny",
-            "engine": {"num_kv_blocks": 256}, "name": "serve-app-test", "max_tokens_default": 7}
+            "engine": {"num_kv_blocks": 256}, "name": "serve-app-test", "max_tokens_default": 7,
+            # the autoscaler on, held at one worker a pool: its targets are on /metrics (the dashboard's)
+            "autoscale": {"prefill": {"min": 1, "max": 1}, "decode": {"min": 1, "max": 1}}}
     serve.run(build_app(args), name="serve-app-test", route_prefix="/")
     wait_ready(controller.find("serve-app-test"))
     try:
@@ -289,3 +293,61 @@ def test_abuse_is_refused_fast_while_a_stream_goes_on(deployed):
     assert decode and all(s["transfer_failures"] == {} for s in decode), decode
     for s in workers.check_invariants():
         assert s["in_use"] == 0 and s.get("leases", 0) == 0, s
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "splitserve" / "dashboards" / "splitserve.json"
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every query of the shipped dashboard, its variables as Grafana
+    would fill them: each custom variable's current value, $__rate_interval a minute."""
+    import json
+
+    doc = json.loads(DASHBOARD.read_text())
+    values = {v["name"]: v["current"]["value"] for v in doc["templating"]["list"] if v["type"] == "custom"}
+    out = []
+    for panel in doc["panels"]:
+        for t in panel["targets"]:
+            expr = t["expr"].replace("$__rate_interval", "1m")
+            for name, value in values.items():
+                expr = expr.replace("$" + name, value)
+            assert "$" not in expr, expr  # a variable this test does not know
+            out.append((panel["title"], expr))
+    return out
+
+
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(deployed, tmp_path):
+    """Issue 33: Debian's Prometheus scrapes the app's /metrics through Serve's proxy every
+    second; after a burst of traffic, every PromQL expression of the dashboard the chart ships
+    returns at least one finite value."""
+    import math
+    import shutil
+    import time
+
+    if shutil.which("prometheus") is None:
+        pytest.skip("prometheus is not installed (apt-get install prometheus)")
+    _, _, url, _ = deployed
+    prom = PrometheusServer(tmp_path, url.removeprefix("http://"))
+    prom.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not prom.target_up():
+            assert time.monotonic() < deadline, "prometheus never scraped the app"
+            time.sleep(0.5)
+
+        async def traffic():
+            c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x")
+            until = time.monotonic() + 12
+            while time.monotonic() < until:
+                await asyncio.gather(*(c.completions.create(model="tiny", prompt=f"{PROMPT} {i}", max_tokens=6,
+                                                            extra_body={"ignore_eos": True}) for i in range(2)))
+        asyncio.run(traffic())
+        time.sleep(3)  # two more scrapes
+        empty = []
+        for title, expr in dashboard_queries():
+            values = [float(r["value"][1]) for r in prom.query(expr)]
+            if not any(math.isfinite(v) for v in values):
+                empty.append((title, expr, values))
+        assert not empty, empty
+    finally:
+        prom.stop()

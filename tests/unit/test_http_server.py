@@ -264,7 +264,9 @@ def test_overload_gets_429_with_retry_after(tiny_checkpoint):
     rejected = [r for r in rs if r.status_code == 429][0]
     assert int(rejected.headers["retry-after"]) >= 1 and rejected.json()["error"]["type"] == "rate_limit_error"
     assert sheddable.status_code == 200  # the server is idle again
-    assert 'splitserve_admission_rejections_total{reason="capacity"}' in metrics
+    refused = next(float(ln.split()[-1]) for ln in metrics.splitlines()
+                   if ln.startswith('splitserve_admission_rejections_total{reason="capacity"}'))
+    assert refused == codes.count(429)
     assert srv.admission.inflight == 0
 
 
