@@ -51,6 +51,13 @@ class Staging:
     abandoned: bool = False  # generate() came with a handoff that streamed nothing: stop following
     transport: str = ""
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # stage() has returned
+    nudged: asyncio.Event = field(default_factory=asyncio.Event)  # claimed: its wait for that ends now
+
+    def claim(self) -> None:
+        """generate() takes it over: a staging done with its stream returns at once (its
+        handoff's first decode step waits on that)."""
+        self.claimed = True
+        self.nudged.set()
 
 
 async def stage(worker, req: Request, prefill: Any, outputs: tuple[int, ...], claim_s: float,
@@ -87,9 +94,16 @@ async def _stage(worker, st: Staging, req: Request, prefill: Any, outputs: tuple
         st.failure = TransferError("unreachable", f"the stream's prefill worker failed: {type(e).__name__}")
     # Wait a while for generate() to take it over, else give the blocks back — at once when the
     # stream's lease is over already (its generate() came and went: a stage() that came late).
-    waited = asyncio.get_running_loop().time()
-    while not (st.claimed or over or ho.abort_requested) and asyncio.get_running_loop().time() - waited < claim_s:
-        await asyncio.sleep(0.01)
+    loop = asyncio.get_running_loop()
+    until = loop.time() + claim_s
+    while True:
+        st.nudged.clear()  # before the check: a claim after it wakes the wait below
+        if st.claimed or over or ho.abort_requested or loop.time() >= until:
+            break
+        try:  # a claim wakes it at once (it was a 10 ms poll, on the first token's path); an abort within 10 ms
+            await asyncio.wait_for(st.nudged.wait(), min(0.01, until - loop.time()))
+        except asyncio.TimeoutError:
+            pass
     if not st.claimed:
         await worker.free_staging(rid)
     return st

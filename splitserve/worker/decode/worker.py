@@ -179,8 +179,8 @@ class DecodeWorker(KVWorker):
         if st is None:
             st = await streamed.stage(self, req, prefill, outputs, 0.0, claimed=True)
         else:
-            st.claimed = True
             st.abandoned = not h.streamed  # nothing was streamed after all: the whole pull follows
+            st.claim()
             await st.ended.wait()
         try:
             return await self._land_streamed(req, h, prefill, st, outputs)
