@@ -67,7 +67,7 @@ def test_its_raycluster_passes_the_crd(rendered: Rendered, validators: dict[str,
 
 def test_builtin_kinds_pass_kubernetes_schemas(rendered: Rendered) -> None:
     builtin = [d for d in rendered.docs if d["kind"] not in ("RayService", "ServiceMonitor")]
-    assert {d["kind"] for d in builtin} <= {"NetworkPolicy", "PodDisruptionBudget", "Service"}
+    assert {d["kind"] for d in builtin} <= {"ConfigMap", "NetworkPolicy", "PodDisruptionBudget", "Service"}
     for doc in builtin + list(pod_templates(rendered.rayservice).values()):
         assert validate_builtin(doc) == [], doc["kind"]
 
