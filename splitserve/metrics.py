@@ -111,20 +111,22 @@ class Metrics:
         for role, n in report.targets:
             self.autoscaler_target.labels(role=role.value).set(n)
         for role, reason, total in report.decisions:
-            key = (role.value, reason.value)
-            new = total - self._decisions_seen.get(key, 0)
-            if new > 0:  # the Controller's totals only grow (a restarted one starts again: skip to it)
-                self.autoscaler_decisions.labels(role=key[0], reason=key[1]).inc(new)
-            self._decisions_seen[key] = total
+            _add_up_to(self.autoscaler_decisions, self._decisions_seen, total, role=role.value, reason=reason.value)
 
     def export_moves(self, counts) -> None:
         """The orchestrator's move totals (MoveCount) into the counter, as increments."""
         for c in counts:
-            key = (c.kind.value, c.reason.value)
-            new = c.total - self._moves_seen.get(key, 0)
-            if new > 0:
-                self.moves.labels(kind=key[0], reason=key[1]).inc(new)
-            self._moves_seen[key] = c.total
+            _add_up_to(self.moves, self._moves_seen, c.total, kind=c.kind.value, reason=c.reason.value)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _add_up_to(counter: Counter, seen: dict, total: int, **labels: str) -> None:
+    """A counter's series raised to `total`, a count kept elsewhere (the Controller's, the
+    orchestrator's) that only grows; one that starts again (a restart) is skipped to."""
+    key = tuple(labels.values())
+    new = total - seen.get(key, 0)
+    if new > 0:
+        counter.labels(**labels).inc(new)
+    seen[key] = total
