@@ -65,9 +65,12 @@ def test_32_concurrent_requests_exact(ray_session, model, expected, transport):
     other tests here, equals too). Sent again, the prompts are prefix hits on both sides, and
     the tokens are the same. (The decode worker keeps the blocks it holds when its stage call
     reaches the prefill first — a race a one-step prefill often wins:
-    test_decode_lifecycle.py::test_blocks_the_decode_worker_holds_are_not_moved.)"""
+    test_decode_lifecycle.py::test_blocks_the_decode_worker_holds_are_not_moved.) The prefill
+    worker is paced (tests/fakes/workers.py: each step also waits ~15 ms off the CPU), so the
+    decode worker's stage calls reach it while it computes even on a loaded machine: unpaced,
+    the whole batch could be prefilled before any stage call arrived, and nothing streamed."""
     with Cluster.start(model=model, transport=transport, disagg_min_tokens=0, num_kv_blocks=256,
-                       kv_streaming_min_tokens=0, max_num_batched_tokens=32) as c:
+                       kv_streaming_min_tokens=0, max_num_batched_tokens=32, **fakes(prefill="PacedPrefill")) as c:
         outs = c.generate(prompts(), SP)
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert all(t.prefill_done_to_first_token_s is not None for t in c.timings)  # all disaggregated

@@ -184,8 +184,9 @@ def test_client_disconnect_aborts(server, stream, monkeypatch):
     """A real socket: uvicorn in a thread; a streaming request read for three lines then closed,
     or a non-streaming one whose client closes its socket while the engine generates (uvicorn
     does not cancel the handler: the server must notice the disconnect itself). Each step made
-    to take 5 ms: the tiny model's 1000 tokens took less than the server's event loop, starved
-    by a test worker beside it, needed to see the disconnect (it ended as `length`)."""
+    to take 20 ms, so the 1000 tokens take 20 s, longer than the 10 s the abort is given: a
+    server that misses the disconnect fails here, however starved its event loop (at 5 ms a
+    loaded machine let the request end as `length` first)."""
     import json
     import socket
     import threading
@@ -201,7 +202,7 @@ def test_client_disconnect_aborts(server, stream, monkeypatch):
         body = {"model": "tiny", "prompt": "x", "max_tokens": 1000, "temperature": 0, "stream": stream,
                 "ignore_eos": True}
         eng, before = server.backend.engine, _aborted(server)
-        monkeypatch.setattr(eng, "step", slowed(eng.step, 0.005))
+        monkeypatch.setattr(eng, "step", slowed(eng.step, 0.02))
         if stream:
             with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=10) as r:
                 lines = r.iter_lines()
