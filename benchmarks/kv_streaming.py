@@ -49,6 +49,8 @@ def run(model, transport: str, streaming: bool, prompts: dict[int, list], chunk:
                 "handover_gap_ms": (statistics.median(x.first_to_second_token_s for x in t) - itl) * 1e3,
                 "prefill_ms": statistics.median(x.prefill_s for x in t) * 1e3,
                 "bytes": t[0].transfer_bytes,
+                "per_request": [{"exposed_ms": x.exposed_transfer_s * 1e3, "first_to_second_ms": x.first_to_second_token_s * 1e3,
+                                 "first_token_path_ms": x.prefill_done_to_first_token_s * 1e3} for x in t],
             }
         decode = c.check_invariants()[-1]
         out["pieces_landed"] = decode.get("pieces_landed", 0)

@@ -48,10 +48,11 @@ class Metrics:
                                 registry=r)
         self.rejections = Counter(PREFIX + "admission_rejections", "Requests rejected before any compute",
                                   ["reason"], registry=r)
+        # by the worker whose prefix cache the prompt was looked up in (the one placed to compute it)
         self.prefix_query = Counter(PREFIX + "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
-                                    registry=r)
+                                    ["worker"], registry=r)
         self.prefix_hit = Counter(PREFIX + "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
-                                  registry=r)
+                                  ["worker"], registry=r)
         self.kv_transfer_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV bytes moved between workers",
                                          ["transport"], registry=r)
         self.kv_transfer_seconds = Histogram(PREFIX + "kv_transfer_seconds", "KV transfer time", ["transport"],
@@ -100,7 +101,8 @@ class Metrics:
     def forget_workers(self, live: set[str]) -> None:
         """Drop every per-worker series of a worker not in `live` (one that stopped or died): a
         gone worker's last values must not be scraped, nor its series pile up forever."""
-        for g in (self.kv_usage, self.queue, self.step_time, self.expert_tokens, self.expert_imbalance):
+        for g in (self.kv_usage, self.queue, self.step_time, self.expert_tokens, self.expert_imbalance,
+                  self.prefix_query, self.prefix_hit):
             worker = g._labelnames.index("worker")
             for labels in list(g._metrics):  # prometheus_client lists a metric's series only here
                 if labels[worker] not in live:

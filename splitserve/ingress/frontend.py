@@ -320,8 +320,9 @@ class Frontend:
             m.e2e.observe(c.ended_at - c.arrived)
             if len(t.token_ids) > 1:
                 m.tpot.observe((c.ended_at - c.first_at) / (len(t.token_ids) - 1))
-        m.prefix_query.inc(len(c.prompt_ids))
-        m.prefix_hit.inc(t.num_cached_tokens)
+        if c.plan is not None:  # (a request never placed was looked up in no cache)
+            m.prefix_query.labels(worker=str(c.plan.first_worker)).inc(len(c.prompt_ids))
+            m.prefix_hit.labels(worker=str(c.plan.first_worker)).inc(t.num_cached_tokens)
         p = c.phases
         if p.transfer_s is not None:
             transport = p.transport or "unknown"

@@ -69,6 +69,22 @@ def test_a_disaggregated_request_records_every_phase_and_its_transfer_by_transpo
     assert samples(front.metrics, "splitserve_kv_transfer_bytes_total") == {(("transport", "nixl"),): 50_000_000}
     rate = samples(front.metrics, "splitserve_kv_transfer_gigabytes_per_second_sum")
     assert rate == {(("transport", "nixl"),): 1.0}  # 50 MB in 50 ms
+    # prefix lookups by the worker that computed the prompt (the prefill worker of a split request)
+    assert samples(front.metrics, "splitserve_prefix_cache_query_tokens_total") == {(("worker", "p0"),): 2,
+                                                                                    (("worker", "d1"),): 2}
+
+
+def test_prefix_hits_are_counted_per_worker_and_a_gone_workers_series_dropped(tiny_tokenizer):
+    front = Frontend(Views(), Metrics())
+    for worker, cached in (("p0", 0), ("p0", 16), ("p1", 8)):
+        c = finished_choice(tiny_tokenizer, Plan(worker, None, "d0", None), PhaseTimes(), "default")
+        c.text.num_cached_tokens = cached
+        front._record(c)
+    assert samples(front.metrics, "splitserve_prefix_cache_hit_tokens_total") == {(("worker", "p0"),): 16,
+                                                                                  (("worker", "p1"),): 8}
+    front.metrics.forget_workers({"p1", "d0"})  # p0 is gone
+    assert samples(front.metrics, "splitserve_prefix_cache_hit_tokens_total") == {(("worker", "p1"),): 8}
+    assert samples(front.metrics, "splitserve_prefix_cache_query_tokens_total") == {(("worker", "p1"),): 2}
 
 
 def test_moves_are_counted_once_by_kind_and_reason():
