@@ -675,6 +675,38 @@ def test_a_fully_streamed_landing_does_not_wait_for_its_ack(chunked, tiny_checkp
     assert tokens == long_reference(tiny_checkpoint, prompt)
 
 
+def test_a_live_streams_grant_is_replaced_never_withdrawn(chunked, monkeypatch):
+    """Each piece widens the stream's grant. The prefill replaces the grant in one step: were it
+    revoked and granted again, a read served meanwhile by the transport's own thread found no
+    grant and failed as `lease_expired` (seen under load in the 32-request cluster test)."""
+    pre, dec = chunked
+    tcp, withdrawn, live = pre.transports["tcp"], [], set()
+    allow, revoke = tcp.allow, tcp.revoke
+
+    def allowing(token, blocks):
+        live.add(bytes(token))
+        allow(token, blocks)
+
+    def revoking(token):
+        if bytes(token) in live and any(le.token == bytes(token) for le in pre.leases._leases.values()):
+            withdrawn.append(token)  # its lease still runs
+        revoke(token)
+
+    monkeypatch.setattr(tcp, "allow", allowing)
+    monkeypatch.setattr(tcp, "revoke", revoking)
+    req = Request("regranted", LONG, SP)
+
+    async def go():
+        staging = asyncio.ensure_future(dec.stage(req, Local(pre)))
+        result = await pre.prefill(req, "tcp", (), 1, True)
+        await collect(dec.generate(req, result.handoff, Local(pre)))
+        await asyncio.wait_for(staging, 10)
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+    assert live and not withdrawn
+
+
 def test_a_dropped_staging_and_a_late_stage_give_their_blocks_back(chunked, monkeypatch):
     """drop_staging mid-stream (the orchestrator will not claim it) stops the staging, which
     frees its blocks once its read has stopped; a stage() that arrives after its request's

@@ -156,11 +156,15 @@ class PrefillWorker(KVWorker):
         return True
 
     def _allow(self, st: KVStream, blocks) -> None:
+        """The stream's token may read `blocks` now (none: nothing). `allow` replaces a grant in
+        one step: revoking first left a moment in which a transport's serving thread found no
+        grant and refused a read of blocks published long before ("lease_expired")."""
         token = st.opening.lease_token
         for t in self.transports.values():
-            t.revoke(token)
             if blocks:
                 t.allow(token, blocks)
+            else:
+                t.revoke(token)
 
     async def _close_stream(self, st: KVStream | None) -> None:
         """The stream ends without a handoff (the request failed or finished in its prefill):
