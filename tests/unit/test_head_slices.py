@@ -1,7 +1,8 @@
 """The sliced KV handoff between tensor-parallel groups (kv_transfer/head_slices.py), without
 Ray: source ranks' caches as separate shared-memory files (shm) or TCP servers (tcp), each with
 only its KV heads; every destination rank pulls its heads and gets exactly the whole cache's;
-a head corrupted after its checksum was taken is refused, never used."""
+a head corrupted after its checksum was taken is refused, never used. Latent-attention engines
+of different TP sizes hand their latents over so, and decode as one engine does."""
 
 import dataclasses
 import os
@@ -102,3 +103,80 @@ def test_a_slice_the_source_does_not_hold_is_a_header_error(cfg):
             pull_heads(src.handoff(blocks), [bad], torch.zeros(L, 2, 2, B, 4, D), [0], "shm")
     finally:
         src.close()
+
+
+def test_latents_hand_over_between_groups_of_different_sizes(tiny_checkpoint):
+    """MLA (DeepSeek-V3) engines, P(TP 1) → D(TP 2) and P(TP 2) → D(TP 1) over shm: every rank
+    caches the whole latent (the same bytes on every rank of a group), each decode rank pulls it
+    from one prefill rank as the plan says, and the decode continues as the single engine does."""
+    from splitserve.config import EngineConfig
+    from splitserve.engine.engine import Engine
+    from splitserve.types import Request, SamplingParams
+
+    path = str(tiny_checkpoint("deepseek_v3"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (1, 17, 40, 90)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # no prefix cache: each side computes every prompt's latents itself
+    one, two = (Engine(EngineConfig(model=path, num_kv_blocks=64, tensor_parallel_size=t, kv_shared_memory=True,
+                                    enable_prefix_caching=False)) for t in (1, 2))
+    try:
+        for i, p in enumerate(prompts):
+            one.add_request(Request(str(i), p, sp))
+        want = run_to_end(one)
+        assert hand_over(one, two, prompts, sp) == want
+        assert hand_over(two, one, prompts, sp) == want
+        for e in (one, two):
+            e.check_invariants()
+            assert e.pool.num_in_use == 0
+    finally:
+        one.close()
+        two.close()
+
+
+def run_to_end(engine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for c in engine.step():
+            out.setdefault(c.request_id, []).extend(c.token_ids)
+    return out
+
+
+def hand_over(pre, dec, prompts, sp) -> dict[str, list[int]]:
+    """Prefill `prompts` on `pre`, move each one's latents to `dec` as a decode worker's ranks
+    pull them (worker/rank_kv.py), and decode them there."""
+    from splitserve.engine.parallel.rank_calls import on_all_ranks
+    from splitserve.types import Request
+    from splitserve.worker import rank_kv
+    from splitserve.worker.kv_layout import layout_of
+
+    for i, p in enumerate(prompts):
+        pre.add_request(Request(str(i), p, sp), prefill_only=True)
+    firsts = {}
+    while pre.has_unfinished():
+        firsts.update((c.request_id, (c.token_ids[0], c.kv_blocks)) for c in pre.step())
+    own = make_transport("shm")
+    try:
+        endpoints = on_all_ranks(pre, rank_kv.serve_kv, ("shm",), {}, "127.0.0.1")
+        endpoints[0] = (own.register(pre.kv, layout_of(pre), "127.0.0.1"),)
+        slices = plan(pre.model_config, pre.tp.size, dec.tp.size)
+        for i, p in enumerate(prompts):
+            rid = str(i)
+            first, blocks = firsts[rid]
+            sums = on_all_ranks(pre, rank_kv.checksums, blocks)
+            assert len(set(sums)) == 1  # one latent, replicated bit for bit
+            ranks = tuple(RankSource(r, range(0, 1), endpoints[r], sums[r]) for r in range(pre.tp.size))
+            header = TransferHeader(rid, "fp", "float32", pre.config.block_size, pre.model_config.num_layers,
+                                    len(blocks), 1)
+            h = KVHandoff(rid, first, None, len(p), 0, tuple(blocks), endpoints[0][0], "lease", 1e12, header, 0,
+                          TOKEN, ranks)
+            own.allow(TOKEN, blocks)
+            on_all_ranks(pre, rank_kv.allow, TOKEN, blocks)
+            dst = dec.add_pulled(Request(rid, p, sp), first)
+            on_all_ranks(dec, rank_kv.pull, h, slices, dst, "shm", None)
+            dec.kv_ready(rid)
+            assert pre.release_detached(rid)
+        out = run_to_end(dec)
+    finally:
+        own.close()
+    return {rid: [firsts[rid][0]] + toks for rid, toks in out.items()}

@@ -1,6 +1,7 @@
 """The heterogeneous KV handoff's plan (engine/parallel/kv_slices.py): every decode rank's KV heads,
 each exactly once, from prefill ranks holding them, for the TP pairs the issue names — moved
-here between tensors cut as each rank's cache is cut, and compared with the whole cache."""
+here between tensors cut as each rank's cache is cut, and compared with the whole cache; MLA's
+latent, which every rank holds whole, read once per decode rank from one prefill rank."""
 
 import dataclasses
 
@@ -37,3 +38,13 @@ def test_p2_to_d1_reads_one_run_from_each_prefill_rank(tiny_checkpoint):
     s = plan(cfg, 2, 1)
     assert [(x.src_rank, x.src_heads, x.dst_heads) for x in s] == [(0, range(0, 1), range(0, 1)),
                                                                     (1, range(0, 1), range(1, 2))]
+
+
+@pytest.mark.parametrize("src_size, dst_size", [(2, 1), (1, 2), (2, 4), (4, 2)])
+def test_a_latent_is_read_whole_from_one_prefill_rank(tiny_checkpoint, src_size, dst_size):
+    """MLA: every rank of either group holds the whole latent (its one "KV head"), so each
+    decode rank reads it once, from prefill rank d mod P (P ≥ D: each from a different one)."""
+    cfg = ModelConfig.from_dir(tiny_checkpoint("deepseek_v3"))
+    for ep in (False, True):
+        got = [(x.dst_rank, x.src_rank, x.src_heads, x.dst_heads) for x in plan(cfg, src_size, dst_size, ep, ep)]
+        assert got == [(d, d % src_size, range(0, 1), range(0, 1)) for d in range(dst_size)]

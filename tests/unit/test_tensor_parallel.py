@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU: an engine over 2 rank processes (gloo), each holding half of every
-layer — query and KV heads (KV heads replicated where there are fewer than ranks), MLP and
-expert columns or whole experts, vocab rows — gives Hugging Face's greedy tokens (tie rule as
-in test_engine_parity), and losing a rank fails the engine with an error instead of hanging."""
+layer — query and KV heads (KV heads replicated where there are fewer than ranks; MLA's
+latent on every rank), MLP and expert columns or whole experts, vocab rows — gives Hugging
+Face's greedy tokens (tie rule as in test_engine_parity), and losing a rank fails the engine
+with an error instead of hanging."""
 
 import time
 
@@ -31,6 +32,26 @@ def test_tp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, exper
         if llm.engine.model_config.moe is not None:
             routed = llm.engine.stats().expert_tokens_total
             assert len(routed) == llm.engine.model_config.moe.num_experts and min(routed) > 0
+
+
+@pytest.mark.parametrize("expert_parallel, num_kv_blocks", [(False, 96), (True, 24)])
+def test_tp2_latent_attention_equals_transformers(tiny_checkpoint, reference, expert_parallel, num_kv_blocks):
+    """DeepSeek-V3 (MLA): 2 of the 4 heads per rank (q_b_proj and kv_b_proj by head, o_proj by
+    its input columns), the latent replicated: each rank caches the whole latent. Chunked
+    prefill (64 tokens a step) and prefix hits with every expert's columns split; with whole
+    experts per rank, a pool too small for the batch (preemption)."""
+    with LLM(str(tiny_checkpoint("deepseek_v3")), num_kv_blocks=num_kv_blocks, max_num_batched_tokens=64,
+             tensor_parallel_size=2, expert_parallel=expert_parallel) as llm:
+        local = llm.engine.runner.model.cfg
+        assert (local.num_heads, local.num_kv_heads, local.head_dim) == (2, 1, llm.engine.model_config.mla.latent_dim)
+        run_and_compare(llm, reference, "deepseek_v3")
+        stats = llm.engine.stats()
+        if num_kv_blocks < 96:
+            assert stats.num_preempted_total > 0, "the pool was meant to be too small for the batch"
+        else:
+            assert stats.prefix_hit_tokens_total > 0  # a third of the prompts share a 40-token prefix
+        drained(llm)
+        assert min(stats.expert_tokens_total) > 0
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
@@ -74,13 +95,32 @@ def test_kv_heads_are_split_or_replicated_by_which_query_heads_read_them(tiny_ch
     assert [s.vocab for s in four] == [range(0, 96), range(96, 192), range(192, 288), range(288, 384)]
     qwen3_moe = ModelConfig.from_dir(tiny_checkpoint("qwen3_moe"))
     assert [Shard.of(qwen3_moe, r, 2, expert_parallel=True).experts for r in range(2)] == [range(0, 4), range(4, 8)]
+    deepseek = ModelConfig.from_dir(tiny_checkpoint("deepseek_v3"))  # 4 heads over one latent "KV head"
+    assert [(s.heads, s.kv_heads) for s in (Shard.of(deepseek, r, 4) for r in range(4))] == \
+        [(range(r, r + 1), range(0, 1)) for r in range(4)]  # the latent: on every rank
+
+
+def test_latent_attention_shards_add_up_to_the_whole_layer(tiny_checkpoint):
+    """MLA at TP 2: the per-head projections' rows (o_proj's columns) of the two ranks put
+    together are the whole model's; the latent's projections and norms are on both, whole."""
+    from splitserve.engine.model.loader import load_model
+
+    path = tiny_checkpoint("deepseek_v3")
+    cfg = ModelConfig.from_dir(path)
+    whole = load_model(path, cfg, torch.float32, 64).state_dict()
+    ranks = [load_model(path, cfg, torch.float32, 64, shard=Shard.of(cfg, r, 2)).state_dict() for r in range(2)]
+    a = "layers.1.self_attn."
+    for name, dim in [("q_b_proj.weight", 0), ("kv_b_proj.weight", 0), ("o_proj.weight", 1)]:
+        assert torch.equal(torch.cat([r[a + name] for r in ranks], dim), whole[a + name]), name
+    for name in ("q_a_proj.weight", "q_a_layernorm.weight", "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"):
+        assert all(torch.equal(r[a + name], whole[a + name]) for r in ranks), name
 
 
 def test_a_size_the_shapes_do_not_divide_is_refused_before_any_rank_starts(tiny_checkpoint):
     with pytest.raises(ConfigError, match="tensor_parallel_size 3 does not divide num_attention_heads 8"):
         LLM(str(tiny_checkpoint("llama")), num_kv_blocks=16, tensor_parallel_size=3)
-    with pytest.raises(ConfigError, match="not supported for latent-attention"):  # MLA: TP not built
-        LLM(str(tiny_checkpoint("deepseek_v3")), num_kv_blocks=16, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size 3 does not divide num_attention_heads 4"):
+        LLM(str(tiny_checkpoint("deepseek_v3")), num_kv_blocks=16, tensor_parallel_size=3)
 
 
 def test_losing_a_rank_fails_the_engine_with_an_error_not_a_hang(tiny_checkpoint):

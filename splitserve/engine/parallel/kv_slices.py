@@ -6,7 +6,11 @@ A rank's KV cache holds only its KV heads (parallel/shard.py: split over the ran
 replicated where there are fewer KV heads than ranks). Each destination rank gets every head it
 holds exactly once, from a source rank holding it; where several source ranks hold a head (a
 replicated one), destination ranks take it from different ones, so that no source serves every
-read. Heads are grouped into runs contiguous on both sides: one slice per run."""
+read. Heads are grouped into runs contiguous on both sides: one slice per run.
+
+A latent-attention (MLA) model caches one "KV head" per token, the latent, and every rank of
+either group holds all of it (shard.py): each decode rank reads the whole latent from a single
+prefill rank — rank d takes it from prefill rank d mod P — and nothing is split or merged."""
 
 from __future__ import annotations
 

@@ -9,6 +9,12 @@
   experts: either each rank holds every expert's column/row shard (`expert_parallel` off), or
       each holds whole experts, num_experts / T of them (on); the router, norms and the shared
       expert's gate are replicated; the shared expert is split as a dense MLP is.
+  latent attention (MLA, DeepSeek-V3): the per-head projections split by head — q_b_proj (or
+      q_proj) and kv_b_proj column-parallel, o_proj row-parallel over v_head_dim columns — and
+      the latent's (q_a_proj, kv_a_proj_with_mqa, their norms) replicated. Every rank computes
+      and caches the whole latent, its one "KV head" (replicated as any KV head read by more
+      ranks than there are KV heads): the latent cache is not divided by T, as in vLLM and
+      SGLang's TP; splitting it would take attention data-parallel over requests instead.
 
 A rank's model is the ordinary model built on `local_config` — the shard's head, KV head,
 intermediate and expert counts — plus the all-reduces; the loader cuts each checkpoint tensor
@@ -21,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.config import MLAConfig, ModelConfig
 from splitserve.types import ConfigError
 
 
@@ -56,8 +62,6 @@ def check(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """Refuse, naming the reason, a tensor-parallel size the model's shapes do not divide by."""
     if size < 1:
         raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
-    if size > 1 and cfg.mla is not None:
-        raise ConfigError("tensor_parallel_size > 1 is not supported for latent-attention (MLA) models yet")
     need = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size}
     if cfg.moe is not None:
         if expert_parallel:
@@ -95,13 +99,13 @@ def narrow(pname: str, t: torch.Tensor, cfg: ModelConfig, s: Shard, piece: int |
     d = cfg.head_dim
     if ".experts." in pname:
         return _narrow_experts(pname, t, s, expert)
+    if cfg.mla is not None and ".self_attn." in pname:
+        return _narrow_latent_attention(pname, t, cfg.mla, s)
     if "qkv_proj" in pname:
         heads = s.heads if piece == 0 else s.kv_heads
         return t[heads.start * d: heads.stop * d]
     if "o_proj" in pname:
-        if pname.endswith("bias"):
-            return t if s.rank == 0 else torch.zeros_like(t)
-        return t[:, s.heads.start * d: s.heads.stop * d]
+        return _row_parallel_o_proj(pname, t, s, d)
     if "gate_up_proj" in pname:  # one piece (gate or up) of a dense or shared-expert MLP
         return t[s.split(t.shape[0])]
     if "down_proj" in pname:
@@ -109,6 +113,26 @@ def narrow(pname: str, t: torch.Tensor, cfg: ModelConfig, s: Shard, piece: int |
     if pname in ("embed_tokens.weight", "lm_head.weight"):
         return _vocab_rows(t, s)
     return t  # norms, the router, the shared expert's gate: every rank holds them whole
+
+
+def _row_parallel_o_proj(pname: str, t: torch.Tensor, s: Shard, d: int) -> torch.Tensor:
+    """o_proj's input columns of this rank's heads (`d` each); its bias on rank 0 alone."""
+    if pname.endswith("bias"):
+        return t if s.rank == 0 else torch.zeros_like(t)
+    return t[:, s.heads.start * d: s.heads.stop * d]
+
+
+def _narrow_latent_attention(pname: str, t: torch.Tensor, m: MLAConfig, s: Shard) -> torch.Tensor:
+    """MLA: the rows of this rank's heads in the per-head projections, o_proj's columns of
+    them; the latent's projections and norms whole."""
+    proj = pname.split(".")[-2]
+    per_head = {"q_proj": m.qk_head_dim, "q_b_proj": m.qk_head_dim, "kv_b_proj": m.qk_nope_head_dim + m.v_head_dim}
+    if proj in per_head:
+        d = per_head[proj]
+        return t[s.heads.start * d: s.heads.stop * d]
+    if proj == "o_proj":
+        return _row_parallel_o_proj(pname, t, s, m.v_head_dim)
+    return t  # q_a_proj, kv_a_proj_with_mqa, q_a_layernorm, kv_a_layernorm
 
 
 def _narrow_experts(pname: str, t: torch.Tensor, s: Shard, expert: int | None) -> torch.Tensor | None:
