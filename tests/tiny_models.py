@@ -3,8 +3,10 @@
 Each shape exercises what its family adds: Llama (GQA, llama3 rope scaling, sharded
 safetensors), Qwen2 (q/k/v bias, tied embeddings), Qwen3 (q/k RMSNorm, explicit head_dim),
 Mistral, the mixtures of experts Mixtral, Qwen2-MoE (shared expert, a dense layer) and
-Qwen3-MoE, and DeepSeek-V3 (latent attention, grouped sigmoid routing). Weights are drawn with a larger spread than HF's default init so that greedy choices
-are decisive rather than near-ties between almost uniform logits.
+Qwen3-MoE, and DeepSeek-V3 (latent attention, grouped sigmoid routing); yarn and dynamic NTK
+rope scaling on Qwen3, DeepSeek-V3 and Llama. Weights are drawn with a larger spread than HF's
+default init so that greedy choices are decisive rather than near-ties between almost uniform
+logits.
 """
 
 from __future__ import annotations
@@ -69,6 +71,18 @@ SHAPES: dict[str, dict] = {
                         norm_topk_prob=True, rope_interleave=True, tie_word_embeddings=False,
                         rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
 }
+# rope scaling: the prompts (up to ~150 positions) run past the original 64 positions
+_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+SHAPES.update({
+    # cos/sin times yarn's attention factor (0.1 ln 4 + 1)
+    "qwen3_yarn": dict(SHAPES["qwen3"], rope_parameters=dict(_YARN, rope_theta=1000000.0)),
+    # DeepSeek's mscale = mscale_all_dim: cos/sin unscaled, the softmax scale times mscale² instead
+    "deepseek_v3_yarn": dict(SHAPES["deepseek_v3"],
+                             rope_parameters=dict(_YARN, rope_theta=10000.0, mscale=1.0, mscale_all_dim=1.0)),
+    # dynamic NTK past 64 positions (tests/unit/test_rope_scaling.py: what matches transformers)
+    "llama_dynamic": dict(SHAPES["llama"], max_position_embeddings=64,
+                          rope_scaling=dict(rope_type="dynamic", factor=4.0)),
+})
 
 
 def build_tokenizer(out: Path, vocab_size: int) -> None:

@@ -8,7 +8,8 @@ import torch
 
 from splitserve import LLM, SamplingParams
 
-SHAPES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+SHAPES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
+          "qwen3_yarn", "deepseek_v3_yarn"]
 MAX_NEW = 16
 TIE_MARGIN = 1e-4
 

@@ -1,15 +1,20 @@
 """What the engine needs to know about a Hugging Face checkpoint, read once from config.json.
 
-Llama 2/3 (incl. `rope_scaling` type `llama3`), Qwen2/2.5 (q/k/v bias, tied embeddings),
-Qwen3 (q/k RMSNorm, explicit `head_dim`) and Mistral share one decoder; so do the
-mixture-of-experts models Mixtral, Qwen2-MoE (with a gated shared expert) and Qwen3-MoE, whose
-feed-forward is a `MoEConfig`. This file turns their configs into one `ModelConfig` so the
-model code has no per-architecture branches beyond flags.
+Llama 2/3, Qwen2/2.5 (q/k/v bias, tied embeddings), Qwen3 (q/k RMSNorm, explicit `head_dim`)
+and Mistral share one decoder; so do the mixture-of-experts models Mixtral, Qwen2-MoE (with a
+gated shared expert), Qwen3-MoE and DeepSeek-V3, whose feed-forward is a `MoEConfig`. This file
+turns their configs into one `ModelConfig` so the model code has no per-architecture branches
+beyond flags.
+
+Rotary scaling (`rope_scaling` / `rope_parameters`), as transformers' ROPE_INIT_FUNCTIONS:
+`default`, `linear`, `dynamic` (NTK), `yarn` (with DeepSeek's `mscale` / `mscale_all_dim`),
+`longrope` and `llama3`; the tables are built in `layers.RotaryEmbedding`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,14 +37,66 @@ _MOE = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Dee
 _MLA = {"DeepseekV3ForCausalLM"}
 
 
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature, 0.1 · mscale · ln(scale) + 1 (transformers' own)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    scaling_type: str = "default"  # "default" | "linear" | "llama3"
+    scaling_type: str = "default"  # one of ROPE_TYPES
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    # the pre-training length: llama3 / yarn / longrope's; for dynamic, max_position_embeddings
+    # (past which transformers starts scaling)
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated dimensions
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions
+    mscale: float | None = None  # yarn (DeepSeek): with mscale_all_dim, the cos/sin factor's numerator
+    mscale_all_dim: float | None = None  # and denominator; MLA also scales its softmax by it, squared
+    attention_factor: float | None = None  # yarn / longrope: cos and sin times this; None: derived
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to the original length
+    long_factor: tuple[float, ...] = ()  # and past it
+
+    def __post_init__(self) -> None:
+        if self.scaling_type not in ROPE_TYPES:
+            raise ConfigError(f"unsupported rope scaling type {self.scaling_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        if self.scaling_type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise ConfigError("longrope rope scaling needs short_factor and long_factor lists of one length, "
+                              f"got {len(self.short_factor)} and {len(self.long_factor)}")
+
+    @property
+    def attention_scaling(self) -> float:
+        """What cos and sin are multiplied by (transformers' `attention_scaling`)."""
+        if self.scaling_type == "yarn":
+            if self.attention_factor is not None:
+                return self.attention_factor
+            if self.mscale and self.mscale_all_dim:
+                return float(yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor, self.mscale_all_dim))
+            return yarn_get_mscale(self.factor)
+        if self.scaling_type == "longrope":
+            if self.attention_factor is not None:
+                return self.attention_factor
+            if self.factor <= 1.0:
+                return 1.0
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
+        return 1.0
+
+    def softmax_scale(self, scale: float) -> float:
+        """A latent attention's softmax scale: DeepSeek's `mscale_all_dim` multiplies it by
+        yarn_get_mscale(factor, mscale_all_dim) squared (transformers' `yarn_apply_mscale`)."""
+        if self.scaling_type != "default" and self.mscale_all_dim:
+            m = yarn_get_mscale(self.factor, self.mscale_all_dim)
+            scale = scale * m * m
+        return scale
 
 
 @dataclass(frozen=True)
@@ -144,10 +201,15 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        """Longest context served exactly: a sliding window is not implemented, so cap at it."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+        """Longest context served exactly: a sliding window is not implemented, so cap at it.
+        Linear and dynamic rope scaling stretch max_position_embeddings by `factor`, yarn the
+        original length (as vLLM derives a model's length; transformers sets no limit)."""
+        n, rope = self.max_position_embeddings, self.rope
+        if rope.scaling_type in ("linear", "dynamic"):
+            n = max(n, int(n * rope.factor))
+        elif rope.scaling_type == "yarn":
+            n = max(n, int(rope.original_max_position_embeddings * rope.factor))
+        return min(n, self.sliding_window) if self.sliding_window else n
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -286,13 +348,27 @@ def _rope(cfg: dict[str, Any]) -> RopeConfig:
     params.update(cfg.get("rope_parameters") or {})
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "llama3"):
-        raise ConfigError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"unsupported rope scaling type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+    max_pos = cfg.get("max_position_embeddings", 4096)
+    # as transformers: a top-level original_max_position_embeddings (Phi-3's) wins, then the
+    # rope parameters', then max_position_embeddings; dynamic NTK scales past the latter
+    original = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or max_pos
+    factor = params.get("factor")
+    if factor is None:  # yarn / longrope derive it from the two lengths
+        factor = max_pos / original if kind in ("yarn", "longrope") else 1.0
+    optional = {k: float(params[k]) for k in ("mscale", "mscale_all_dim", "attention_factor") if params.get(k) is not None}
     return RopeConfig(
         theta=float(theta),
         scaling_type=kind,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(max_pos if kind == "dynamic" else original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+        short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
+        long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
+        **optional,
     )

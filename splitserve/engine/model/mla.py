@@ -45,7 +45,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * m.v_head_dim, cfg.hidden_size, bias=m.attention_bias)
-        self.scale = m.qk_head_dim ** -0.5  # the full query-key width's, as if keys were expanded
+        # the full query-key width's, as if keys were expanded; DeepSeek's yarn mscale_all_dim squared
+        self.scale = cfg.rope.softmax_scale(m.qk_head_dim ** -0.5)
         self.rope = apply_rope  # or a fused kernel (LlamaModel.use_triton_kernels / use_cpu_kernels)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
