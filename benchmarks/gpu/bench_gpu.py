@@ -6,6 +6,13 @@ the JSON.
   copy      device copy bandwidth (bytes read + written / s): the denominator of "utilization"
   kernels   each Triton kernel on the GPU: max error against its torch reference (the same
             references the CPU tests use), time, and the torch path's time at the same shape
+  quant_gemm  the quantized-weight GEMMs of issue 34 (FP8 with DeepSeek-V3's 128 x 128 block
+            scales; FP8 x FP8 through torch._scaled_mm on compute capability >= 8.9; int4 AWQ, GPTQ
+            and GPTQ act-order, group 128) against the torch matmul of the model's dtype, at M = 1
+            / 16 / 256 / 4096 tokens × Llama-3-8B's 4096 x 4096 and 14336 x 4096 layers: time,
+            TFLOP/s, GB/s (bytes of x, weight + its scales / zeros and y) from the time of a CUDA
+            graph's replay (the eager call's time, launch included, beside it), and each kernel's
+            error against x @ its own weight (read back as the product with the identity)
   decode    model decode step (forward + logits) at batch 1 / 16 / 64 / 256 × context 512 /
             2K / 8K: step time and bandwidth utilization = (weight bytes + KV bytes read) /
             step time / copy bandwidth; backends: triton replayed from a CUDA graph, triton
@@ -135,6 +142,9 @@ class Bench:
         for name in KernelCases.NAMES:
             out[name] = self.guarded(f"kernels.{name}", getattr(cases, name))
             print(f"kernel {name}: {out[name]}", flush=True)
+
+    def quant_gemm(self) -> None:
+        self.result["quant_gemm"] = QuantGemmCases(self).run()
 
     # -- the model ----------------------------------------------------------------------------
     def build_model(self) -> None:
@@ -581,6 +591,119 @@ class KernelCases:
         return {"tokens": n, "max_abs_err": err, "seconds": t, "torch_seconds": t_torch}
 
 
+class QuantGemmCases:
+    """Each quantized-weight GEMM (splitserve/engine/kernels/triton_fp8_gemm.py,
+    triton_int4_gemm.py) and the torch matmul at decode and prefill token counts. Weights are
+    random bits with random scales: the timing does not depend on the values, and the error
+    compares a kernel with itself at another tile shape (the identity's product reads back the
+    weight the kernel applies); the formats' meaning is what tests/kernels checks."""
+
+    SHAPES = ((4096, 4096), (14336, 4096))  # (N, K): Llama-3-8B's q / o projections, gate / up
+    TOKENS = (1, 16, 256, 4096)
+
+    def __init__(self, bench: Bench) -> None:
+        from splitserve.engine.kernels import triton_fp8_gemm, triton_int4_gemm
+
+        self.fp8, self.int4 = triton_fp8_gemm, triton_int4_gemm
+        self.bench, self.torch = bench, bench.torch
+        self.dev, self.dt = bench.device, bench.dtype
+        self.g = self.torch.Generator(device=self.dev).manual_seed(0)
+        self.shapes = ((64, 128), (96, 256)) if bench.smoke else self.SHAPES
+        self.tokens = (1, 16) if bench.smoke else self.TOKENS
+        self.iters = 2 if bench.smoke else 20
+
+    def run(self) -> list[dict]:
+        rows: list[dict] = []
+        for n, k in self.shapes:
+            methods = self.bench.guarded(f"quant_gemm.weights.{n}x{k}", lambda: self.methods(n, k)) or {}
+            for name, (fn, weight_bytes) in methods.items():
+                w_eff = self.bench.guarded(f"quant_gemm.{name}.{n}x{k}.readback", lambda: self._readback(fn, k))
+                for m in self.tokens:
+                    row = {"method": name, "m": m, "n": n, "k": k}
+                    if self.bench.time_left() < 30 or w_eff is None:
+                        rows.append({**row, "skipped": "budget" if w_eff is not None else "error"})
+                        continue
+                    r = self.bench.guarded(f"quant_gemm.{name}.m{m}.{n}x{k}",
+                                           lambda: self._row(fn, w_eff, m, n, k, weight_bytes))
+                    rows.append({**row, **r} if r else {**row, "skipped": "error"})
+                del w_eff
+        self._speedups(rows)
+        for r in rows:
+            if "seconds" in r:
+                print(f"quant_gemm {r['method']:19s} m={r['m']:5d} {r['n']:5d}x{r['k']} {r['seconds'] * 1e6:8.1f} us "
+                      f"(eager {r['eager_seconds'] * 1e6:8.1f}) {r['tflops']:6.1f} TFLOP/s {r['gb_per_s']:7.0f} GB/s "
+                      f"x{r['speedup_vs_torch']:.2f} err {r['max_rel_err']:.1e}", flush=True)
+        return rows
+
+    def methods(self, n: int, k: int) -> dict[str, tuple[Callable, int]]:
+        """name -> (x -> x @ W^T-or-W, bytes of the weight with its scales and zeros)."""
+        torch, fp8, int4, dev = self.torch, self.fp8, self.int4, self.dev
+        w = (torch.randn(n, k, generator=self.g, device=dev) * 0.02).to(self.dt)
+        w8 = torch.randn(n, k, generator=self.g, device=dev).to(torch.float8_e4m3fn)
+        blocks = torch.rand(-(-n // 128), -(-k // 128), generator=self.g, device=dev) * 0.01
+        out = {"torch": (lambda x: x @ w.t(), w.numel() * w.element_size()),
+               "fp8_block128": (lambda x: fp8.fp8_gemm(x, w8, blocks, block_size=(128, 128)),
+                                w8.numel() + 4 * blocks.numel())}
+        if dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9):
+            s1 = torch.tensor(0.01, device=dev)
+            out["fp8_scaled_mm"] = (lambda x: fp8.fp8_gemm(x, w8, s1, quantize_activations=True), w8.numel() + 4)
+        groups = k // 128
+
+        def words(*shape):  # random int32 words: eight random nibbles each
+            return torch.randint(-2**31, 2**31, shape, generator=self.g, device=dev, dtype=torch.int32)
+
+        scales = torch.rand(groups, n, generator=self.g, device=dev).to(torch.float16) * 0.01
+        zeros = words(groups, n // 8)
+        int4_bytes = n * k // 2 + 2 * scales.numel() + 4 * zeros.numel()
+        awq_w, gptq_w = words(k, n // 8), words(k // 8, n)
+        perm = torch.randperm(k, generator=self.g, device=dev)
+        g_idx = torch.empty(k, dtype=torch.int32, device=dev)
+        g_idx[perm] = (torch.arange(k, device=dev) // 128).to(torch.int32)  # act-order: groups permuted
+        gptq = dict(group_size=128, sym=False, checkpoint_format="gptq")
+        out["awq_g128"] = (lambda x: int4.awq_gemm(x, awq_w, zeros, scales, 128), int4_bytes)
+        out["gptq_g128"] = (lambda x: int4.gptq_gemm(x, gptq_w, zeros, scales, **gptq), int4_bytes)
+        out["gptq_g128_act_order"] = (lambda x: int4.gptq_gemm(x, gptq_w, zeros, scales, g_idx, validate=False, **gptq),
+                                      int4_bytes + 4 * k)
+        return out
+
+    def _readback(self, fn: Callable, k: int):
+        """The [K, N] weight `fn` applies: its product with the identity (exact for every kernel here)."""
+        return fn(self.torch.eye(k, device=self.dev, dtype=self.dt))
+
+    def _row(self, fn: Callable, w_eff, m: int, n: int, k: int, weight_bytes: int) -> dict:
+        x = self.torch.randn(m, k, generator=self.g, device=self.dev).to(self.dt)
+        ref = (x.float() @ w_eff.float())
+        err = float((fn(x).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+        eager = self.bench.timeit(lambda: fn(x), self.iters)
+        t = self._graph_seconds(fn, x) if self.dev.type == "cuda" else eager
+        moved = weight_bytes + (m * k + m * n) * x.element_size()
+        return {"seconds": t, "eager_seconds": eager, "tflops": 2 * m * n * k / t / 1e12, "gb_per_s": moved / t / 1e9,
+                "bytes": moved, "max_rel_err": err}
+
+    def _graph_seconds(self, fn: Callable, x) -> float:
+        """The device's time for one call, replayed from a CUDA graph as a captured decode step
+        runs it: without the Python launch, which at small M takes longer than the GEMM."""
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(x)  # warm on a side stream, as capture wants
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(x)
+        return self.bench.timeit(graph.replay, self.iters)
+
+    @staticmethod
+    def _speedups(rows: list[dict]) -> None:
+        base = {(r["m"], r["n"], r["k"]): r["seconds"] for r in rows if r["method"] == "torch" and "seconds" in r}
+        for r in rows:
+            if "seconds" in r and (r["m"], r["n"], r["k"]) in base:
+                r["speedup_vs_torch"] = base[(r["m"], r["n"], r["k"])] / r["seconds"]
+            elif "seconds" in r:
+                r["speedup_vs_torch"] = float("nan")
+
+
 def _err(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
@@ -728,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, if the GPU name is not known")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    ap.add_argument("--sections", default="kernels,decode,prefill,fused_ablation,host_tier,streaming,tp")
+    ap.add_argument("--sections", default="kernels,quant_gemm,decode,prefill,fused_ablation,host_tier,streaming,tp")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -741,6 +864,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.copy_bandwidth()
     if "kernels" in sections:
         bench.guarded("kernels", bench.kernels)
+    if "quant_gemm" in sections:
+        bench.guarded("quant_gemm", bench.quant_gemm)
     if {"decode", "prefill", "fused_ablation", "host_tier", "streaming"} & set(sections):
         bench.guarded("model", bench.build_model)
         need = 512 if args.smoke else 256 * (8192 + 16)  # the largest batch x context (capped by memory)
