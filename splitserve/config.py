@@ -22,6 +22,7 @@ def default_cache_dir() -> Path:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")  # engine/attention/backend.py
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is fp8_e4m3 (engine/kv_cache/fp8.py)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     block_size: int = 16
+    # the KV cache's element: the model's dtype (auto), or fp8 (e4m3 with a per-token-and-head
+    # scale, engine/kv_cache/fp8.py): twice the tokens per byte, half the bytes per handoff
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # None: from gpu_memory_utilization on CUDA if set, else kv_cache_memory_gib
     kv_cache_memory_gib: float = 2.0
     gpu_memory_utilization: float | None = None  # CUDA: the KV cache takes what is left of this share of the GPU
@@ -65,6 +69,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "cuda_graphs", "fused_kernels", "kv_shared_memory", "expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not self.kv_cache_memory_gib > 0:
@@ -76,6 +82,10 @@ class EngineConfig:
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if not Path(self.model).is_dir():
             raise ConfigError(f"model directory {self.model!r} does not exist")
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":

@@ -78,6 +78,9 @@ class GrammarKind(str, enum.Enum):
     GRAMMAR = "grammar"  # a Lark / EBNF grammar (llguidance's dialect)
 
 
+# The FP8 KV cache's dtype name (engine/kv_cache/fp8.py): its storage is bytes, each head's row
+# head_dim e4m3 values and one scale exponent; layouts and handoffs name it so, never "uint8".
+KV_FP8 = "fp8_e4m3"
 MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex or grammar's text: bounded, documented
 GRAMMAR_CACHE_SIZE = 128  # compiled grammars an engine keeps (an LRU: a new spec evicts the oldest)
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's bound)

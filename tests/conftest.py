@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from leaks import no_leaked_ray_state, no_ray_state_between_modules  # noqa: E402,F401  (autouse)
 from loopback import ip  # noqa: E402
+from quantized_models import quantize_checkpoint  # noqa: E402
 from tiny_models import build_checkpoint  # noqa: E402
 
 
@@ -30,6 +31,26 @@ def tiny_checkpoint(tmp_path_factory):
         if shape not in built:
             built[shape] = build_checkpoint(shape, tmp_path_factory.mktemp(shape))
         return built[shape]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def quantized_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """quantized_checkpoint(shape, fmt) -> (the quantized checkpoint, the one a Hugging Face
+    reference loads): for FP8 formats the same directory (transformers dequantizes those itself);
+    for AWQ / GPTQ, whose transformers integrations need gptqmodel (which needs a newer torch
+    than this project pins), a float checkpoint of what the stored integers and scales mean,
+    computed by the builder before packing."""
+    built: dict[tuple[str, str], tuple[Path, Path]] = {}
+
+    def get(shape: str, fmt: str) -> tuple[Path, Path]:
+        if (shape, fmt) not in built:
+            out = tmp_path_factory.mktemp(f"{shape}-{fmt}")
+            dense = out / "dense" if fmt in ("awq", "gptq") else None
+            q = quantize_checkpoint(tiny_checkpoint(shape), out / "quantized", fmt, dense_out=dense)
+            built[shape, fmt] = (q, dense or q)
+        return built[shape, fmt]
 
     return get
 

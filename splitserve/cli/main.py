@@ -21,7 +21,7 @@ import sys
 from typing import Sequence
 
 from splitserve import __version__
-from splitserve.config import ATTENTION_BACKENDS
+from splitserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 from splitserve.text.tool_calls import FORMATS
 from splitserve.control.deploy_config import ENGINE_FLAG_KEYS
 
@@ -167,6 +167,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="the share of requests traced, 0..1 (default 1; a request whose caller's traceparent is "
                         "sampled is traced regardless)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV cache's element: auto (the model's dtype) or fp8 (e4m3 with a scale per token "
+                        "and head: twice the tokens per GiB, half the bytes per prefill-to-decode handoff)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N: where workers run (auto: a GPU "
                                                     "each when the cluster has GPUs)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -285,6 +288,7 @@ def _add_generate(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--kv-cache-memory-gib", type=float, default=0.5)
     p.set_defaults(func=_run_generate)
 
@@ -292,7 +296,8 @@ def _add_generate(subparsers: argparse._SubParsersAction, name: str) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     from splitserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_gib=args.kv_cache_memory_gib)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_memory_gib=args.kv_cache_memory_gib)
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
     if args.command == "chat":
         outs = llm.chat([{"role": "user", "content": args.text[0]}], sp)

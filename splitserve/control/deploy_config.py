@@ -17,8 +17,8 @@ from splitserve.types import ConfigError
 
 POOL_KEYS = ("prefill", "decode")
 TRANSPORTS = ("auto",) + KV_TRANSPORTS
-ENGINE_FLAG_KEYS = ("dtype", "device", "attention_backend", "kv_cache_memory_gib", "gpu_memory_utilization",
-                    "host_kv_blocks", "tensor_parallel_size")
+ENGINE_FLAG_KEYS = ("dtype", "kv_cache_dtype", "device", "attention_backend", "kv_cache_memory_gib",
+                    "gpu_memory_utilization", "host_kv_blocks", "tensor_parallel_size")
 
 
 @dataclass(frozen=True)

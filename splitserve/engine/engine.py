@@ -10,6 +10,7 @@ block hand-back. Text and stop strings are the caller's (`detokenizer`).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import uuid
@@ -25,6 +26,7 @@ from splitserve.engine.core import EngineCore, Sampled
 from splitserve.engine.decode_graphs import cuda_graph_capture
 from splitserve.engine.kv_cache import HostTier, KVCacheTensors
 from splitserve.engine.kernels.norm_rope_cpu import available as cpu_kernels
+from splitserve.engine import memory_report
 from splitserve.engine.kv_cache.tensors import SHM_PREFIX, sweep_stale_shm
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import cpu_has_amx, load_model, resolve_dtype
@@ -41,6 +43,8 @@ from splitserve.engine.parallel.launch import Ranks, start_local_group
 from splitserve.engine.parallel.shard import Shard
 from splitserve.engine.parallel.shard import check as check_tp
 from splitserve.types import ConfigError, FinishReason, Request, SamplingParams, TokenChunk, as_token_ids
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from splitserve.engine.grammar import GrammarMasks
@@ -95,7 +99,7 @@ class Engine(EngineCore):
             sweep_stale_shm(SHM_PREFIX)  # files of workers that died without cleaning up
             shm = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         self.kv = KVCacheTensors.allocate(mc.num_layers, num_blocks, config.block_size, kv_heads,
-                                          mc.head_dim, self.dtype, self.device, shm_path=shm)
+                                          mc.head_dim, self.dtype, self.device, shm_path=shm, fp8=config.fp8_kv)
         host = HostTier(config.host_kv_blocks, self.kv.storage) if config.host_kv_blocks else None
         super().__init__(block_size=config.block_size, num_blocks=num_blocks, max_num_seqs=config.max_num_seqs,
                          max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
@@ -111,7 +115,7 @@ class Engine(EngineCore):
         if cpu_bf16 and not cpu_has_amx():
             widen_linears(model)  # prefill matmuls at fp32 speed, same bf16 result (model/widened_linear.py)
         backend = get_backend(config.attention_backend, self.dtype, self.device, block_size=config.block_size,
-                              head_dim=mc.head_dim)
+                              head_dim=mc.head_dim, fp8_kv=config.fp8_kv)
         self.runner = ModelRunner(model, self.kv, backend, config.block_size, self.device, self.tp)
         # a graph cannot capture the experts' dispatch (which experts a batch needs is read back),
         # nor a gloo collective
@@ -119,6 +123,10 @@ class Engine(EngineCore):
                 and size == 1):
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len,
                                               functools.partial(cuda_graph_capture, pool=torch.cuda.graph_pool_handle()))
+        self.memory = memory_report.report(model, mc, config.model, self.kv.storage.numel() * self.kv.storage.element_size(),
+                                           num_blocks * config.block_size, self.kv.dtype_name, self.dtype,
+                                           config.max_num_batched_tokens, config.max_num_seqs)
+        log.info("rank %d %s", self.tp.rank, self.memory.describe())
         self.sampler = Sampler()
         self._grammar_lock = threading.Lock()
         self.step_model = StepTimeModel()
@@ -288,7 +296,8 @@ def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
 def _blocks_for_memory(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
                        kv_heads: int) -> int:
     """Blocks of this rank's `kv_heads` that fit its memory budget."""
-    per_block = KVCacheTensors.bytes_per_block(mc.num_layers, config.block_size, kv_heads, mc.head_dim, dtype)
+    per_block = KVCacheTensors.bytes_per_block(mc.num_layers, config.block_size, kv_heads, mc.head_dim, dtype,
+                                               fp8=config.fp8_kv)
     if config.gpu_memory_utilization is not None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = kv_budget_bytes(total, free, config.gpu_memory_utilization)

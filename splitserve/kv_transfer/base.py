@@ -50,8 +50,8 @@ class KVLayout:
     num_blocks: int
     block_size: int
     num_kv_heads: int
-    head_dim: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    head_dim: int  # a row's elements: fp8_e4m3's is head_dim + 1 bytes (values, then their scale)
+    dtype: str  # "float32" | "bfloat16" | "float16" | "fp8_e4m3"
     element_size: int
     model_fingerprint: str  # hash of the model config + weights' identity
 

@@ -24,7 +24,7 @@ import torch
 
 from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransportEndpoint
 from splitserve.kv_transfer.jobs import wait_transfer
-from splitserve.kv_transfer.regions import block_runs, tensor_checksum
+from splitserve.kv_transfer.regions import block_runs, dtype_name, tensor_checksum
 from splitserve.kv_transfer.shm import PeerMaps
 
 SLICED_TRANSPORTS = ("shm", "tcp")  # nixl moves whole blocks of one registered cache only, so far
@@ -80,7 +80,7 @@ def pull_heads(h: KVHandoff, slices, storage: torch.Tensor, dst_blocks: Sequence
 
 def _check_geometry(src: KVLayout, storage: torch.Tensor, h: KVHandoff, sl) -> None:
     L, _, nb, B, H, D = storage.shape
-    dtype = str(storage.dtype).removeprefix("torch.")
+    dtype = dtype_name(storage)
     for name, a, b in (("num_layers", src.num_layers, L), ("block_size", src.block_size, B),
                        ("head_dim", src.head_dim, D), ("dtype", src.dtype, dtype)):
         if a != b:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from splitserve.kv_transfer.base import KVLayout, TransferError
+from splitserve.types import KV_FP8
 
 try:  # xxh3: ~10x faster than crc32 here; crc32 keeps things working without it
     import xxhash
@@ -113,6 +114,11 @@ def _check_ids(side: str, blocks: Sequence[int], num_blocks: int) -> None:
     bad = [b for b in blocks if not 0 <= b < num_blocks]
     if bad:
         raise TransferError("header", f"{side} block ids {bad[:4]} outside 0..{num_blocks - 1}")
+
+
+def dtype_name(storage: torch.Tensor) -> str:
+    """The KV dtype a storage tensor holds, as layouts name it: a byte storage is an FP8 cache."""
+    return KV_FP8 if storage.dtype == torch.uint8 else str(storage.dtype).removeprefix("torch.")
 
 
 def storage_tensor(kv) -> torch.Tensor:

@@ -55,7 +55,7 @@ def _content_digest(path: str, size: int, mtime_ns: int, full_bytes: int = FULL_
 
 def layout_of(engine: Engine) -> KVLayout:
     s = engine.kv.storage
-    dtype = str(s.dtype).removeprefix("torch.")
+    dtype = engine.kv.dtype_name
     return KVLayout(num_layers=s.shape[0], num_blocks=s.shape[2], block_size=s.shape[3], num_kv_heads=s.shape[4],
                     head_dim=s.shape[5], dtype=dtype, element_size=s.element_size(),
                     model_fingerprint=model_fingerprint(engine.config.model, dtype))

@@ -158,3 +158,18 @@ class CorruptNthLanding(Wrapped):
             w = self.worker
             w.engine.kv.storage.view(-1)[w.layout.offset(0, 0, handle.dst_blocks[0]) // w.layout.element_size] += 1.0
         return st
+
+
+class CorruptScaleLanding(Wrapped):
+    """FP8 KV: the bytes land, then the scale of the first landed row changes (its exponent byte,
+    the row's last, one bit flipped): a value off by a factor of two, which the checksum over
+    values and scales together must catch."""
+
+    def poll(self, handle):
+        st = self.inner.poll(handle)
+        if st.state is TransferState.DONE and not getattr(handle, "_flipped", False):
+            handle._flipped = True
+            w = self.worker
+            row = w.layout.head_dim  # bytes: head_dim values + the exponent
+            w.engine.kv.storage.view(-1)[w.layout.offset(0, 0, handle.dst_blocks[0]) + row - 1] ^= 1
+        return st

@@ -61,12 +61,14 @@ BACKENDS = ATTENTION_BACKENDS[1:]  # after "auto"
 
 
 def get_backend(name: str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, *,
-                block_size: int = 16, head_dim: int | None = None) -> AttentionBackend:
+                block_size: int = 16, head_dim: int | None = None, fp8_kv: bool = False) -> AttentionBackend:
     """`torch`: pure PyTorch (the reference); `cpu`: PyTorch plus native CPU kernels; `triton`:
     our Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1); `flash_attn`: flash-attn 2
     on CUDA. `auto`: on CUDA flash_attn where it can run (installed, fp16/bf16, pages of a
     multiple of 256 tokens), else triton, else torch; on CPU `cpu` where its kernel builds, else
-    `torch`. A backend named but unable to run here raises ConfigError saying why."""
+    `torch`. With an FP8 KV cache (`fp8_kv`), torch and cpu (gathering: its native kernel reads
+    plain dtypes); auto picks those. A backend named but unable to run here raises ConfigError
+    saying why."""
     from splitserve.engine.attention import paged_backends as paged
     from splitserve.engine.attention.torch_backend import CpuBackend, TorchBackend
     from splitserve.engine.kernels import paged_decode_cpu
@@ -79,6 +81,9 @@ def get_backend(name: str, dtype: torch.dtype = torch.float32, device: torch.dev
         "triton": lambda: paged.triton_unavailable(device) or _head_dim_problem(head_dim),
         "flash_attn": lambda: paged.flash_attn_unavailable(device, dtype, block_size, head_dim),
     }
+    if fp8_kv:
+        for gpu in ("triton", "flash_attn"):
+            why_not[gpu] = lambda: "it does not read an FP8 KV cache yet (kv_cache_dtype fp8 runs on torch or cpu)"
     if name == "auto":
         order = ("flash_attn", "triton", "torch") if device.type == "cuda" else ("cpu", "torch")
         name = next(n for n in order if why_not[n]() is None)
@@ -88,7 +93,7 @@ def get_backend(name: str, dtype: torch.dtype = torch.float32, device: torch.dev
     if problem:
         raise ConfigError(f"attention backend {name!r} cannot run here: {problem}; use 'auto' or 'torch'")
     if name in ("torch", "cpu"):
-        return {"torch": TorchBackend, "cpu": CpuBackend}[name](dtype)
+        return {"torch": TorchBackend, "cpu": CpuBackend}[name](dtype, fp8_kv)
     return {"triton": paged.TritonBackend, "flash_attn": paged.FlashAttnBackend}[name](dtype, device)
 
 

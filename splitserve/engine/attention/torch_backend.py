@@ -6,6 +6,10 @@ block-sized rows, far faster on CPU than gathering token slots) into a padded
 heads grouped per KV head so GQA needs no K/V repetition. Prefill chunks run one sequence at a
 time through SDPA's fused CPU kernel (K/V expanded for GQA: `enable_gqa` falls back to a slow
 unfused path on CPU); a chunk with no earlier context attends to its own fresh K/V (no gather).
+
+With an FP8 cache (kv_cache/fp8.py) K/V are encoded as they are stored and decoded as they are
+gathered; the fresh K/V a chunk attends to are the decoded ones too, so a token sees the same
+keys whether its context was computed in this step, an earlier chunk, or another worker.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 
 from splitserve.engine.attention.backend import AttentionBatch, SeqSlice
 from splitserve.engine.kernels import paged_decode_cpu
+from splitserve.engine.kv_cache import fp8 as kv_fp8
 
 
 @dataclass
@@ -40,8 +45,9 @@ class TorchMeta:
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, fp8: bool = False) -> None:
         self.dtype = dtype
+        self.fp8 = fp8  # the cache holds FP8 rows
 
     def prepare(self, batch: AttentionBatch) -> TorchMeta:
         blocks, max_ctx, mask, ctx = self._prepare_decodes(batch)
@@ -86,11 +92,7 @@ class TorchBackend:
         return _PrefillMeta(seq, torch.tensor(seq.block_ids, dtype=torch.int64, device=device), mask)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMeta, scale: float) -> torch.Tensor:
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        k, v = self._store(k_cache, k, meta.slot_mapping), self._store(v_cache, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.num_decodes:
             nd = meta.num_decodes
@@ -101,10 +103,21 @@ class TorchBackend:
             out[sl] = self._prefill(q[sl], k[sl], v[sl], k_cache, v_cache, p, scale)
         return out
 
-    @staticmethod
-    def _gather(cache: torch.Tensor, blocks: torch.Tensor, rows: int, ctx: int) -> torch.Tensor:
+    def _store(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Write the new tokens' K (or V) at their slots; returns them as attention reads them."""
+        flat = cache.view(-1, *cache.shape[2:])
+        if not self.fp8:
+            flat.index_copy_(0, slots, x)
+            return x
+        rows = kv_fp8.encode(x)
+        flat.index_copy_(0, slots, rows)
+        return kv_fp8.decode(rows, x.dtype)
+
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, rows: int, ctx: int) -> torch.Tensor:
         """[rows, kv_heads, ctx, head_dim] from whole blocks, contiguous for the fused kernel."""
         g = cache.index_select(0, blocks).view(rows, -1, cache.shape[2], cache.shape[3])[:, :ctx]
+        if self.fp8:
+            g = kv_fp8.decode(g, self.dtype)
         return g.transpose(1, 2).contiguous()
 
     def _decode(self, q, k_cache, v_cache, meta: TorchMeta, scale: float) -> torch.Tensor:
@@ -141,7 +154,7 @@ class CpuBackend(TorchBackend):
     name = "cpu"
 
     def gathers_decodes(self) -> bool:
-        return self.dtype not in paged_decode_cpu.DTYPES
+        return self.fp8 or self.dtype not in paged_decode_cpu.DTYPES
 
     def _decode(self, q, k_cache, v_cache, meta: TorchMeta, scale: float) -> torch.Tensor:
         if self.gathers_decodes():

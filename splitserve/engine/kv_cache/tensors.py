@@ -1,6 +1,7 @@
 """The paged KV memory: per layer, K and V each [num_blocks, block_size, num_kv_heads, head_dim]
 (flash-attn's paged layout), all views of one contiguous allocation so that a transport can
-register the whole cache as a single region.
+register the whole cache as a single region. An FP8 cache (kv_cache/fp8.py) holds bytes, each
+head's row head_dim + 1 long (the values, then their scale's exponent).
 
 With `shm_path`, that allocation lives in a shared-memory file (/dev/shm) instead of anonymous
 memory, so that a worker on the same host can map it and pull a request's blocks with one memcpy
@@ -14,6 +15,9 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+
+from splitserve.engine.kv_cache import fp8 as kv_fp8
+
 
 def _release_shm_file(path: str) -> None:
     try:
@@ -33,7 +37,7 @@ def _create_shm_file(path: str, nbytes: int) -> None:
 
 @dataclass
 class KVCacheTensors:
-    storage: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    storage: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim (+1 for fp8)]
     shm_path: str | None = None  # the file backing `storage`, when it is shared memory
     # set when this process created the file: unlinks it on close(), garbage collection or exit
     _unlink: weakref.finalize | None = field(default=None, repr=False, compare=False)
@@ -41,7 +45,10 @@ class KVCacheTensors:
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu",
-                 shm_path: str | None = None) -> "KVCacheTensors":
+                 shm_path: str | None = None, fp8: bool = False) -> "KVCacheTensors":
+        """`dtype`: the model's; with `fp8` the cache holds FP8 rows (kv_cache/fp8.py) instead."""
+        if fp8:
+            dtype, head_dim = kv_fp8.STORAGE_DTYPE, kv_fp8.row_bytes(head_dim)
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         if shm_path is None:
             return cls(torch.zeros(shape, dtype=dtype, device=device))
@@ -66,8 +73,19 @@ class KVCacheTensors:
             self._unlink()  # runs once; later calls are no-ops
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        fp8: bool = False) -> int:
+        row = kv_fp8.row_bytes(head_dim) if fp8 else head_dim * torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * block_size * num_kv_heads * row
+
+    @property
+    def fp8(self) -> bool:
+        return self.storage.dtype == kv_fp8.STORAGE_DTYPE
+
+    @property
+    def dtype_name(self) -> str:
+        """The KV dtype as configs and logs name it: the model's, or fp8_e4m3."""
+        return kv_fp8.NAME if self.fp8 else str(self.storage.dtype).removeprefix("torch.")
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

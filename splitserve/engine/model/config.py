@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from splitserve.engine.quant import config as quant_config
+from splitserve.engine.quant.config import WeightQuant
 from splitserve.types import ConfigError
 
 # architecture name -> (q/k/v bias always on, q/k norm). Qwen2 hard-codes q/k/v bias; Llama and
@@ -181,6 +183,10 @@ class ModelConfig:
     max_new_tokens: int | None = None  # generation_config.json's: a request's default max_tokens (as vLLM)
     moe: MoEConfig | None = None  # None: every layer's feed-forward is a dense MLP
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3); None: grouped-query
+    quant: WeightQuant | None = None  # how the checkpoint stores its weights; None: plain floats
+    # layers the checkpoint holds past num_hidden_layers: DeepSeek-V3's multi-token-prediction
+    # modules (num_nextn_predict_layers), which greedy decoding does not run; the loader skips them
+    extra_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -254,6 +260,8 @@ class ModelConfig:
             max_new_tokens=_max_new_tokens(gen or {}),
             moe=_moe(arch, cfg),
             mla=mla,
+            quant=quant_config.parse(cfg),
+            extra_layers=int(cfg.get("num_nextn_predict_layers") or 0),
         )
 
 

@@ -1,4 +1,5 @@
-"""Load a Llama-family model from a local Hugging Face directory (safetensors, sharded or not).
+"""Load a Llama-family model from a local Hugging Face directory (safetensors, sharded or not;
+quantized weights dequantized as they are read: engine/quant/).
 
 HF parameter names are mapped onto our fused layout: q/k/v into `qkv_proj`, gate/up into
 `gate_up_proj` (the shared expert's too), and a mixture-of-experts layer's experts into two
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -22,6 +24,7 @@ from splitserve.engine.model.llama import LlamaModel
 from splitserve.engine.model.moe import SparseMoE
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.shard import Shard, local_config, narrow
+from splitserve.engine.quant.checkpoint import dense_tensors
 from splitserve.types import ConfigError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -95,10 +98,14 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
             m.expert_tokens.zero_()
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                _copy_param(name, f.get_tensor(name), params, cfg, local, filled, shard)
+    with ExitStack() as files:
+        # every shard open at once: a quantized weight's scales may be stored in another shard
+        where = {}
+        for path in safetensors_files(model_dir):
+            f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            where.update(dict.fromkeys(f.keys(), f))
+        for name, tensor in dense_tensors(where, lambda n: where[n].get_tensor(n), cfg.quant):
+            _copy_param(name, tensor, params, cfg, local, filled, shard)
     if cfg.tie_word_embeddings:
         filled.pop("lm_head.weight", None)
         model.tie_weights()
@@ -119,6 +126,10 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, Region] | None:
         if m is None:
             return name[len("model."):], (None, None)
         idx, rest = m.groups()
+        if int(idx) >= cfg.num_layers + cfg.extra_layers:
+            return f"layers.{idx}.{rest}", (None, None)  # no such layer: refused by the caller, named
+        if int(idx) >= cfg.num_layers:
+            return None  # a multi-token-prediction module (ModelConfig.extra_layers)
         rest = rest.replace("block_sparse_moe.", "mlp.", 1)  # Mixtral's name for its sparse block
         rest = rest.replace("mlp.shared_experts.", "mlp.shared_expert.", 1)  # DeepSeek's for its shared one
         e = _EXPERT.fullmatch(rest)

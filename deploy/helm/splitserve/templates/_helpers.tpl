@@ -181,7 +181,7 @@ the groups' `replicas`, the autoscaler's bounds their minReplicas / maxReplicas.
 {{- end -}}
 {{- /* The keys set above from values (serve.extraArgs may not set them), and the engine keys
 DeployConfig also reads at the top level (they belong under serve.engine). */ -}}
-{{- $managed := list "model" "served_model_name" "prefill" "decode" "prefill_resources" "decode_resources" "prefill_tp" "decode_tp" "tensor_parallel_size" "policy" "transport" "kv_streaming" "kv_streaming_min_tokens" "ingress_replicas" "ttft_slo_ms" "tpot_slo_ms" "max_tokens_default" "otlp_traces_endpoint" "trace_sample_ratio" "engine" "autoscale" "name" "dtype" "device" "attention_backend" "kv_cache_memory_gib" "gpu_memory_utilization" -}}
+{{- $managed := list "model" "served_model_name" "prefill" "decode" "prefill_resources" "decode_resources" "prefill_tp" "decode_tp" "tensor_parallel_size" "policy" "transport" "kv_streaming" "kv_streaming_min_tokens" "ingress_replicas" "ttft_slo_ms" "tpot_slo_ms" "max_tokens_default" "otlp_traces_endpoint" "trace_sample_ratio" "engine" "autoscale" "name" "dtype" "kv_cache_dtype" "device" "attention_backend" "kv_cache_memory_gib" "gpu_memory_utilization" -}}
 {{- if $v.apiKeys.secretName -}}
 {{- /* the key file, from the operator's Secret mounted on the head (where the app is built) */ -}}
 {{- $_ := set $args "api_keys" (printf "%s/%s" (include "splitserve.apiKeysMount" .) $v.apiKeys.key) -}}
