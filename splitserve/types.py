@@ -453,3 +453,33 @@ def as_token_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
         _check(isinstance(t, int) and not isinstance(t, bool), f"token ids must be integers, got {t!r}")
         _check(0 <= t < vocab_size, f"token id {t} is outside the vocabulary [0, {vocab_size})")
     return out
+
+
+_GIB = float(1 << 30)
+
+
+def _size(n: int) -> str:
+    return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / (1 << 20):.1f} MiB"
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What one engine (one tensor-parallel rank) holds, said at start (engine/memory_report.py
+    computes it; a worker registers it, `splitserve status` shows it) so an operator can size pools."""
+
+    weights_bytes: int  # as held, in the serving dtype
+    weights_dtype: str
+    stored_bytes: int  # the checkpoint's safetensors files (all ranks' together)
+    stored_format: str  # "plain" or the quantized format's label
+    kv_bytes: int
+    kv_tokens: int
+    kv_dtype: str
+    activation_bytes: int  # an estimate: the largest step's live intermediates and logits
+    held: str = "dequantized at load"  # how a quantized checkpoint's weights are held
+
+    def describe(self) -> str:
+        stored = ("" if self.stored_format == "plain" else
+                  f" (checkpoint {self.stored_format}: {_size(self.stored_bytes)} stored, {self.held})")
+        return (f"weights {_size(self.weights_bytes)} {self.weights_dtype}{stored}; "
+                f"KV cache {_size(self.kv_bytes)} {self.kv_dtype} = {self.kv_tokens} tokens; "
+                f"activations ~{_size(self.activation_bytes)} per step")

@@ -61,6 +61,7 @@ def status_table(st: ClusterStatus) -> str:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = [f"targets: prefill {st.targets['prefill']}, decode {st.targets['decode']}"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]
+    lines += [f"{w.id} memory: {w.memory}" for w in st.workers if w.memory]
     lines += [f"error ({role}): {e}" for role, e in st.errors.items()]
     lines += [f"retrying ({role}): {m}" for role, m in st.retrying.items()]
     last = st.autoscale.last if st.autoscale is not None else None

@@ -25,6 +25,7 @@ class WorkerStatus:
     kv_usage: float
     reason: str = ""
     ranks: tuple[str, ...] = ()  # a tensor-parallel worker: every rank's node IP, rank 0 first
+    memory: str = ""  # what its engine holds (MemoryReport.describe), once registered
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ def status_row(r: WorkerRecord) -> WorkerStatus:
     s = r.load.stats if r.load else None
     return WorkerStatus(str(r.id), r.role.value, r.state.value, r.node_ip, r.info.node_id if r.info else "",
                         s.num_waiting if s else 0, s.num_running if s else 0,
-                        round(s.kv_usage, 4) if s else 0.0, r.reason, _rank_ips(r))
+                        round(s.kv_usage, 4) if s else 0.0, r.reason, _rank_ips(r),
+                        r.info.memory.describe() if r.info and r.info.memory else "")
 
 
 def _rank_ips(r: WorkerRecord) -> tuple[str, ...]:

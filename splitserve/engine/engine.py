@@ -126,7 +126,7 @@ class Engine(EngineCore):
         self.memory = memory_report.report(model, mc, config.model, self.kv.storage.numel() * self.kv.storage.element_size(),
                                            num_blocks * config.block_size, self.kv.dtype_name, self.dtype,
                                            config.max_num_batched_tokens, config.max_num_seqs)
-        log.info("rank %d %s", self.tp.rank, self.memory.describe())
+        log.info("rank %d memory: %s", self.tp.rank, self.memory.describe())
         self.sampler = Sampler()
         self._grammar_lock = threading.Lock()
         self.step_model = StepTimeModel()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from splitserve.types import RankPlace
+from splitserve.types import MemoryReport, RankPlace
 
 if TYPE_CHECKING:  # kv_transfer brings torch; the registry and the router stay without it
     from splitserve.kv_transfer.base import TransportEndpoint
@@ -21,6 +21,7 @@ class WorkerInfo:
     pid: int
     endpoints: tuple[TransportEndpoint, ...]
     ranks: tuple[RankPlace, ...] = ()  # a tensor-parallel worker's ranks 1..T-1 (rank 0 is this one)
+    memory: MemoryReport | None = None  # what its engine holds (rank 0's)
 
     @property
     def transports(self) -> tuple[str, ...]:

@@ -55,7 +55,8 @@ class KVWorker:
 
     def describe(self) -> WorkerInfo:
         ranks = self.engine.ranks.places() if self.engine.ranks is not None else ()
-        return WorkerInfo(self.node_id, self.host, os.getpid(), tuple(self.endpoints.values()), ranks)
+        return WorkerInfo(self.node_id, self.host, os.getpid(), tuple(self.endpoints.values()), ranks,
+                          self.engine.memory)
 
     async def stats(self) -> WorkerStats:
         return await self.loop.call(self.engine.stats)

@@ -102,6 +102,9 @@ def test_a_handoff_between_groups_of_different_sizes_continues_exactly(ray_sessi
             assert w.ranks == ((ip[w.role],) * 2 if tps[w.role] == 2 else ()), w
         grouped = "prefill" if prefill_tp == 2 else "decode"
         assert f"2: {ip[grouped]} ×2" in status_table(st)
+        # each worker registered what its engine holds; the table says it for pool sizing
+        assert all("KV cache" in w.memory and " tokens" in w.memory for w in ready), ready
+        assert status_table(st).count(" memory: weights ") == len(ready)
         outs = c.generate([list(p) for p in ps], sps)
         assert [tuple(o.outputs[0].token_ids) for o in outs] == ref
         assert all(t.prefill_done_to_first_token_s is not None for t in c.timings)  # every one handed over

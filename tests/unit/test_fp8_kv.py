@@ -67,8 +67,8 @@ def test_an_unknown_kv_dtype_is_refused(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def hf_fp8(tiny_checkpoint):
-    """(hf model, prompts, greedy continuations) with HF's cache rounding K/V as ours does."""
+def hf_fp8_of(tiny_checkpoint):
+    """shape -> (hf model, prompts, greedy continuations) with HF's cache rounding K/V as ours does."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
     class Fp8Cache(DynamicCache):
@@ -76,32 +76,66 @@ def hf_fp8(tiny_checkpoint):
             return super().update(reference_fake_fp8(key_states), reference_fake_fp8(value_states), layer_idx,
                                   *args, **kwargs)
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen3"), dtype=torch.float32).eval()
-    prompts = make_prompts(seed=3, lengths=(1, 7, 17, 33, 64, 97, 23, 50))
-    refs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
-                          pad_token_id=0, past_key_values=Fp8Cache(config=hf.config))
-        refs.append(out[0, len(p):].tolist())
-    # the rounding matters: HF's plain cache differs somewhere
-    assert hf_greedy(hf, prompts, MAX_NEW) != refs
-    return hf, prompts, refs
+    cache = {}
+
+    def get(shape):
+        if shape not in cache:
+            hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(shape), dtype=torch.float32).eval()
+            prompts = make_prompts(seed=3, lengths=(1, 7, 17, 33, 64, 97, 23, 50))
+            refs = []
+            for p in prompts:
+                ids = torch.tensor([p])
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
+                                  pad_token_id=0, past_key_values=Fp8Cache(config=hf.config))
+                refs.append(out[0, len(p):].tolist())
+            # the rounding matters: HF's plain cache differs somewhere
+            assert hf_greedy(hf, prompts, MAX_NEW) != refs
+            cache[shape] = (hf, prompts, refs)
+        return cache[shape]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf_fp8(hf_fp8_of):
+    return hf_fp8_of("qwen3")
+
+
+def generate_and_compare(llm, reference, passes=2):
+    hf, prompts, refs = reference
+    for _ in range(passes):  # a second pass hits the first's cached blocks (when the pool keeps them)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+        for p, o, r in zip(prompts, outs, refs):
+            assert_greedy_equal(hf, p, list(o.outputs[0].token_ids), r)
 
 
 @pytest.mark.parametrize("engine", [dict(num_kv_blocks=256), dict(num_kv_blocks=12, max_num_batched_tokens=24)],
                          ids=["plain+prefix", "chunked+preempted"])
 def test_greedy_equals_transformers_with_the_same_kv_rounding(tiny_checkpoint, hf_fp8, engine):
-    hf, prompts, refs = hf_fp8
     llm = LLM(str(tiny_checkpoint("qwen3")), kv_cache_dtype="fp8", **engine)
     assert llm.engine.kv.dtype_name == "fp8_e4m3"
-    for _ in range(2):  # the second pass hits the first's cached blocks (when the pool keeps them)
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
-        for p, o, r in zip(prompts, outs, refs):
-            assert_greedy_equal(hf, p, list(o.outputs[0].token_ids), r)
+    generate_and_compare(llm, hf_fp8)
     stats = llm.engine.stats()
     assert stats.num_preempted_total > 0 if engine["num_kv_blocks"] < 24 else stats.prefix_hit_tokens_total > 0
     drained(llm)
+
+
+def test_prefix_blocks_come_back_from_the_host_tier_with_their_scales(tiny_checkpoint, hf_fp8):
+    """A pool too small to keep the first pass's prefixes: they go to the host tier (rows and
+    scales as bytes) and are promoted back for the second pass."""
+    llm = LLM(str(tiny_checkpoint("qwen3")), kv_cache_dtype="fp8", num_kv_blocks=20, host_kv_blocks=64)
+    generate_and_compare(llm, hf_fp8)
+    assert llm.engine.host.promoted_total > 0
+    drained(llm)
+
+
+def test_tensor_parallel_ranks_hold_their_heads_rows_and_scales(hf_fp8_of, tiny_checkpoint):
+    """TP 2 on a Llama with 2 KV heads: each rank's FP8 cache holds its head (values and scale)."""
+    with LLM(str(tiny_checkpoint("llama")), kv_cache_dtype="fp8", num_kv_blocks=96, tensor_parallel_size=2) as llm:
+        assert llm.engine.kv.storage.shape[-2:] == (1, llm.engine.model_config.head_dim + 1)
+        generate_and_compare(llm, hf_fp8_of("llama"))
+        assert llm.engine.stats().prefix_hit_tokens_total > 0
+        drained(llm)
 
 
 class Local:
@@ -170,7 +204,8 @@ async def _hand_over_all(pre, dec, transport, only=None):
         result = await pre.prefill(req, transport)
         chunks = [c async for c in dec.generate(req, result.handoff, Local(pre))]
         got.append([result.handoff.first_token] + [t for c in chunks for t in c.token_ids])
-        moved.append(len(result.handoff.block_ids) * pre.layout.num_layers * 2 * pre.layout.block_bytes)
+        # what the decode worker reports having moved (PhaseTimes, counted on /metrics)
+        moved.append(next(c.phases.transfer_bytes for c in chunks if c.phases and c.phases.transfer_bytes))
     await asyncio.sleep(0.05)
     p, d = await pre.check_invariants(), await dec.check_invariants()
     assert (p["in_use"], p["leases"], d["in_use"], d["handoffs"]) == (0, 0, 0, 0), (p, d)
