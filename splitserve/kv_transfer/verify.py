@@ -13,10 +13,11 @@ from typing import Sequence
 from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError
 from splitserve.kv_transfer.regions import kv_checksum, storage_tensor
 
-# (header field, local layout field) pairs that must be equal.
+# (header field, local layout field) pairs that must be equal. The KV dtype first: the model's
+# fingerprint covers it too, and "dtype: source 'fp8_e4m3', local 'bfloat16'" says what differs.
 _HEADER_FIELDS = (
-    ("model_fingerprint", "model_fingerprint"),
     ("dtype", "dtype"),
+    ("model_fingerprint", "model_fingerprint"),
     ("block_size", "block_size"),
     ("num_layers", "num_layers"),
 )

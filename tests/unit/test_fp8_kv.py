@@ -210,3 +210,41 @@ async def _hand_over_all(pre, dec, transport, only=None):
     p, d = await pre.check_invariants(), await dec.check_invariants()
     assert (p["in_use"], p["leases"], d["in_use"], d["handoffs"]) == (0, 0, 0, 0), (p, d)
     return got, moved
+
+
+def test_a_decode_worker_with_another_kv_dtype_refuses_the_blocks_and_recomputes(tiny_checkpoint, caplog):
+    """One app gives both pools one engine config, so their KV dtypes agree by construction; a
+    prefill worker whose cache is FP8 meeting a 32-bit decode worker anyway (two apps, a stale
+    worker) is refused at the handoff's header check, naming the dtypes, never copied as if the
+    bytes meant the same thing, and the decode side recomputes."""
+    import logging
+
+    from splitserve.engine.engine import Engine
+    from splitserve.worker.decode.handoff import HandoffState
+    from splitserve.worker.decode.worker import DecodeWorker
+    from splitserve.worker.prefill.worker import PrefillWorker
+
+    cfg = EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=64)
+    prompt = tuple(range(5, 45))
+    eng = Engine(cfg)
+    eng.add_request(Request("ref", prompt, SP))
+    reference = []
+    while eng.has_unfinished():
+        reference += [t for c in eng.step() for t in c.token_ids]
+    pre, dec = PrefillWorker(dataclasses.replace(cfg, kv_cache_dtype="fp8"), ["tcp"]), DecodeWorker(cfg, ["tcp"])
+    try:
+        async def go():
+            req = Request("mixed", prompt, SP)
+            result = await pre.prefill(req, "tcp")
+            chunks = [c async for c in dec.generate(req, result.handoff, Local(pre))]
+            return [t for c in chunks for t in c.token_ids]
+
+        with caplog.at_level(logging.WARNING):
+            tokens = asyncio.run(go())
+        assert dec.transfer_failures == {"header": 1}
+        assert dec.handoff_outcomes[HandoffState.RECOMPUTE] == 1
+        assert "header: dtype: source 'fp8_e4m3', local 'float32'" in caplog.text
+        assert tokens == reference[1:]  # the first token came from the prefill, the rest recomputed here
+    finally:
+        pre.close()
+        dec.close()
