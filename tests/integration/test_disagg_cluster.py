@@ -83,6 +83,21 @@ def test_32_concurrent_requests_exact(ray_session, model, expected, transport):
         assert_drained(c)
 
 
+def test_an_fp8_kv_cache_hands_over_on_a_cluster(ray_session, model):
+    """kv_cache_dtype fp8 through the app's engine config: both pools' caches hold FP8 rows,
+    the KV streams over tcp in pieces (a 32-token step budget) with its scales, and the tokens
+    equal the in-process FP8 engine's (test_fp8_kv.py ties that to transformers)."""
+    ps = prompts()[:12]
+    want = [o.outputs[0].token_ids for o in LLM(model, num_kv_blocks=256, kv_cache_dtype="fp8").generate(ps, SP)]
+    with Cluster.start(model=model, transport="tcp", disagg_min_tokens=0, num_kv_blocks=256, kv_cache_dtype="fp8",
+                       kv_streaming_min_tokens=0, max_num_batched_tokens=32, **fakes(prefill="PacedPrefill")) as c:
+        assert [o.outputs[0].token_ids for o in c.generate(ps, SP)] == want
+        assert all(t.prefill_done_to_first_token_s is not None for t in c.timings)  # all disaggregated
+        decode = c.check_invariants()[-1]
+        assert decode["transfer_failures"] == {} and decode["pieces_landed"] > 0, decode
+        assert_drained(c)
+
+
 def test_auto_picks_shared_memory_on_one_host(ray_session, model, expected):
     both_on_the_head = {"head_node": 1}
     with Cluster.start(model=model, transport="auto", disagg_min_tokens=0, num_kv_blocks=256,
