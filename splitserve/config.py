@@ -23,6 +23,7 @@ def default_cache_dir() -> Path:
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")  # engine/attention/backend.py
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is fp8_e4m3 (engine/kv_cache/fp8.py)
+QUANTIZED_WEIGHTS = ("auto", "dequantize", "keep")  # engine/quant/linear.py
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ class EngineConfig:
     host_kv_blocks: int = 0  # a host-memory KV tier of this many blocks below the device pool (0: none)
     tensor_parallel_size: int = 1  # ranks (processes) one engine's model is split over (parallel/)
     expert_parallel: bool = False  # a mixture of experts under TP: whole experts per rank, not slices of each
+    # a quantized checkpoint's weights: kept as stored, multiplied by the quantized GEMM kernels
+    # (keep), or dequantized once at load (dequantize); auto: keep on CUDA where the kernels run
+    # (engine/quant/linear.py). keep on a CPU needs TRITON_INTERPRET=1 (tests)
+    quantized_weights: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -69,6 +74,9 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "cuda_graphs", "fused_kernels", "kv_shared_memory", "expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.quantized_weights not in QUANTIZED_WEIGHTS:
+            raise ConfigError(f"quantized_weights must be one of {', '.join(QUANTIZED_WEIGHTS)}, "
+                              f"got {self.quantized_weights!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size & (self.block_size - 1):

@@ -37,20 +37,20 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def quantized_checkpoint(tiny_checkpoint, tmp_path_factory):
-    """quantized_checkpoint(shape, fmt) -> (the quantized checkpoint, the one a Hugging Face
-    reference loads): for FP8 formats the same directory (transformers dequantizes those itself);
-    for AWQ / GPTQ, whose transformers integrations need gptqmodel (which needs a newer torch
-    than this project pins), a float checkpoint of what the stored integers and scales mean,
-    computed by the builder before packing."""
-    built: dict[tuple[str, str], tuple[Path, Path]] = {}
+    """quantized_checkpoint(shape, fmt, block=(8, 8)) -> (the quantized checkpoint, the one a
+    Hugging Face reference loads): for FP8 formats the same directory (transformers dequantizes
+    those itself); for AWQ / GPTQ, whose transformers integrations need gptqmodel (which needs a
+    newer torch than this project pins), a float checkpoint of what the stored integers and
+    scales mean, computed by the builder before packing. `block`: FP8 block scales' (rows, cols)."""
+    built: dict[tuple[str, str, tuple[int, int]], tuple[Path, Path]] = {}
 
-    def get(shape: str, fmt: str) -> tuple[Path, Path]:
-        if (shape, fmt) not in built:
+    def get(shape: str, fmt: str, block: tuple[int, int] = (8, 8)) -> tuple[Path, Path]:
+        if (shape, fmt, block) not in built:
             out = tmp_path_factory.mktemp(f"{shape}-{fmt}")
             dense = out / "dense" if fmt in ("awq", "gptq") else None
-            q = quantize_checkpoint(tiny_checkpoint(shape), out / "quantized", fmt, dense_out=dense)
-            built[shape, fmt] = (q, dense or q)
-        return built[shape, fmt]
+            q = quantize_checkpoint(tiny_checkpoint(shape), out / "quantized", fmt, block=block, dense_out=dense)
+            built[shape, fmt, block] = (q, dense or q)
+        return built[shape, fmt, block]
 
     return get
 

@@ -33,6 +33,7 @@ from splitserve.engine.model.loader import cpu_has_amx, load_model, resolve_dtyp
 from splitserve.engine.model.moe import SparseMoE
 from splitserve.engine.model.widened_linear import widen_linears
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.quant.linear import keep_quantized
 from splitserve.engine.sampler import Sampler, SamplingState, make_generator
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
@@ -86,7 +87,8 @@ class Engine(EngineCore):
     def _build(self, config: EngineConfig, mc: ModelConfig, max_model_len: int) -> None:
         size = config.tensor_parallel_size
         shard = Shard.of(mc, self.tp.rank, size, config.expert_parallel) if size > 1 else None
-        model = load_model(Path(config.model), mc, self.dtype, max_model_len, self.device, self.tp, shard)
+        keep = keep_quantized(config.quantized_weights, mc.quant, self.device)
+        model = load_model(Path(config.model), mc, self.dtype, max_model_len, self.device, self.tp, shard, keep)
         self.tp.wait_all()  # the slowest rank's load is no collective's timeout
         kv_heads = mc.num_kv_heads if shard is None else len(shard.kv_heads)
         # every rank's pool has rank 0's block count: its block ids index them all

@@ -1,5 +1,6 @@
 """Load a Llama-family model from a local Hugging Face directory (safetensors, sharded or not;
-quantized weights dequantized as they are read: engine/quant/).
+quantized weights dequantized as they are read, engine/quant/, or kept as stored:
+model/kept_weights.py).
 
 HF parameter names are mapped onto our fused layout: q/k/v into `qkv_proj`, gate/up into
 `gate_up_proj` (the shared expert's too), and a mixture-of-experts layer's experts into two
@@ -20,11 +21,13 @@ import torch
 from safetensors import safe_open
 
 from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.kept_weights import KeptWeights
 from splitserve.engine.model.llama import LlamaModel
 from splitserve.engine.model.moe import SparseMoE
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.shard import Shard, local_config, narrow
 from splitserve.engine.quant.checkpoint import dense_tensors
+from splitserve.engine.quant.linear import Holding
 from splitserve.types import ConfigError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -82,21 +85,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
-               device: str | torch.device = "cpu", tp: TPGroup | None = None, shard: Shard | None = None
-               ) -> LlamaModel:
+               device: str | torch.device = "cpu", tp: TPGroup | None = None, shard: Shard | None = None,
+               keep_quantized: bool = False) -> LlamaModel:
     """The model, or under tensor parallelism this rank's `shard` of it (reading only the
-    checkpoint's parts it holds into its parameters)."""
+    checkpoint's parts it holds into its parameters). `keep_quantized`: a quantized checkpoint's
+    projections stay as stored (model/kept_weights.py); else every weight is dequantized."""
     model_dir = Path(model_dir)
     local = cfg if shard is None else local_config(cfg, shard)
     with torch.device("meta"):
         model = LlamaModel(local, max_positions, tp, shard)
-    model = model.to_empty(device=device)
-    model.rotary.__init__(cfg.rope, cfg.rope_dim, max_positions)  # buffers are computed, not loaded
-    model.rotary.to(device)
-    for m in model.modules():  # counters are state, not weights: start at zero
-        if isinstance(m, SparseMoE):
-            m.expert_tokens.zero_()
-    params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     with ExitStack() as files:
         # every shard open at once: a quantized weight's scales may be stored in another shard
@@ -104,14 +101,29 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
         for path in safetensors_files(model_dir):
             f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             where.update(dict.fromkeys(f.keys(), f))
-        for name, tensor in dense_tensors(where, lambda n: where[n].get_tensor(n), cfg.quant):
+        names, get = set(where), lambda n: where[n].get_tensor(n)
+        kept = (KeptWeights(model, names, cfg, shard, lambda n: _target(n, cfg))
+                if keep_quantized and cfg.quant is not None else None)  # before any weight is allocated
+        model = model.to_empty(device=device)
+        model.rotary.__init__(cfg.rope, cfg.rope_dim, max_positions)  # buffers are computed, not loaded
+        model.rotary.to(device)
+        for m in model.modules():  # counters are state, not weights: start at zero
+            if isinstance(m, SparseMoE):
+                m.expert_tokens.zero_()
+        params = dict(model.named_parameters())
+        for name, tensor in dense_tensors(names - (kept.consumed if kept else set()), get, cfg.quant):
             _copy_param(name, tensor, params, cfg, local, filled, shard)
+        if kept is not None:
+            kept.read(names, get)
     if cfg.tie_word_embeddings:
         filled.pop("lm_head.weight", None)
         model.tie_weights()
         params.pop("lm_head.weight", None)
     _check_complete(params, filled, cfg)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if cfg.quant is not None:  # how the weights are held, for the memory report
+        model.quant_holding = kept.install(model, dtype, device) if kept else Holding(0)
+    return model
 
 
 Region = tuple[int | None, int | None]  # (expert or None, shard of a fused tensor's rows or None)

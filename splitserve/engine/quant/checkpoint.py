@@ -48,29 +48,57 @@ def _is_companion(prefix: str, leaf: str, names: set[str], quant: WeightQuant) -
     return leaf in _INT_PARTS and f"{prefix}.qweight" in names
 
 
-def _fp8_weight(prefix: str, weight: torch.Tensor, names: set[str], get, quant: WeightQuant) -> torch.Tensor:
+def stored_tensors(prefix: str, names: set[str], get, quant: WeightQuant) -> dict[str, torch.Tensor]:
+    """The tensors one quantized projection is stored as, by their role: FP8 `weight` and `scale`
+    (whatever the format calls it); AWQ / GPTQ `qweight`, `qzeros`, `scales` and GPTQ's `g_idx`
+    where stored. Refuses, naming it, a projection whose companions are missing."""
+    if f"{prefix}.qweight" in names:
+        if quant.method not in (QuantMethod.AWQ, QuantMethod.GPTQ):
+            raise ConfigError(f"checkpoint tensor {prefix}.qweight is integer-packed, but the config says {quant.label}")
+        needed = ("qzeros", "scales") + (("g_idx",) if quant.method is QuantMethod.GPTQ and f"{prefix}.g_idx" in names else ())
+        missing = [f"{prefix}.{p}" for p in needed if f"{prefix}.{p}" not in names]
+        if missing:
+            raise ConfigError(f"checkpoint tensor {prefix}.qweight comes without {', '.join(missing)}")
+        return {"qweight": get(f"{prefix}.qweight"), **{p: get(f"{prefix}.{p}") for p in needed}}
+    return {"weight": get(f"{prefix}.weight"), "scale": get(_fp8_scale_name(prefix, names, quant))}
+
+
+def _fp8_scale_name(prefix: str, names: set[str], quant: WeightQuant) -> str:
     scale_name = f"{prefix}.{_FP8_SCALE.get(quant.method, 'weight_scale_inv')}"
     if quant.method not in _FP8_SCALE or scale_name not in names:
         raise ConfigError(f"checkpoint tensor {prefix}.weight is FP8 but has no {scale_name} "
                           f"(the config says {quant.label})")
+    return scale_name
+
+
+def stored_names(prefix: str, names: set[str], quant: WeightQuant) -> set[str]:
+    """The checkpoint names one quantized projection's `stored_tensors` come from."""
+    leaves = ("weight", "qweight", _FP8_SCALE.get(quant.method, "weight_scale_inv")) + _INT_PARTS
+    return {f"{prefix}.{leaf}" for leaf in leaves} & names
+
+
+def is_stored_quantized(prefix: str, leaf: str, names: set[str], quant: WeightQuant) -> bool:
+    """Whether `prefix.leaf` is a quantized projection's values (judged by name: FP8 weights by
+    their scale beside them)."""
+    if leaf == "qweight":
+        return True
+    return leaf == "weight" and f"{prefix}.{_FP8_SCALE.get(quant.method, '')}" in names
+
+
+def _fp8_weight(prefix: str, weight: torch.Tensor, names: set[str], get, quant: WeightQuant) -> torch.Tensor:
+    scale = get(_fp8_scale_name(prefix, names, quant))
     try:
-        return fp8.dequantize(weight, get(scale_name), quant.block)
+        return fp8.dequantize(weight, scale, quant.block)
     except ValueError as e:
         raise ConfigError(f"{prefix}.weight: {e}") from None
 
 
 def _int_weight(prefix: str, names: set[str], get, quant: WeightQuant) -> torch.Tensor:
-    if quant.method not in (QuantMethod.AWQ, QuantMethod.GPTQ):
-        raise ConfigError(f"checkpoint tensor {prefix}.qweight is integer-packed, but the config says {quant.label}")
-    needed = ("qzeros", "scales") + (("g_idx",) if quant.method is QuantMethod.GPTQ and f"{prefix}.g_idx" in names else ())
-    missing = [f"{prefix}.{p}" for p in needed if f"{prefix}.{p}" not in names]
-    if missing:
-        raise ConfigError(f"checkpoint tensor {prefix}.qweight comes without {', '.join(missing)}")
-    parts = {p: get(f"{prefix}.{p}") for p in needed}
+    t = stored_tensors(prefix, names, get, quant)
     try:
         if quant.method is QuantMethod.AWQ:
-            return int4.dequantize_awq(get(f"{prefix}.qweight"), parts["qzeros"], parts["scales"], quant.group_size)
-        return int4.dequantize_gptq(get(f"{prefix}.qweight"), parts["qzeros"], parts["scales"], parts.get("g_idx"),
+            return int4.dequantize_awq(t["qweight"], t["qzeros"], t["scales"], quant.group_size)
+        return int4.dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"),
                                     quant.bits, quant.group_size, quant.zeros_minus_one)
     except (ValueError, RuntimeError) as e:
         raise ConfigError(f"{prefix}.qweight: {e}") from None
