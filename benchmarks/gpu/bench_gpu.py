@@ -13,6 +13,12 @@ the JSON.
             TFLOP/s, GB/s (bytes of x, weight + its scales / zeros and y) from the time of a CUDA
             graph's replay (the eager call's time, launch included, beside it), and each kernel's
             error against x @ its own weight (read back as the product with the identity)
+  fp8_kv_decode  paged decode attention (the triton kernel, one layer of the model's heads) over
+            the FP8 KV cache (e4m3 rows + a scale byte, kv_cache/fp8.py) and over the bf16 cache
+            holding the same values, at batch 1 / 4 / 16 / 64 × context 1K / 4K / 16K / 32K: time
+            of a CUDA graph's replay (eager beside it), effective GB/s (the K/V bytes the context
+            occupies / time) and its share of the copy bandwidth, FP8's speedup; the FP8 kernel's
+            error against the reference and against the bf16 cache's output at the smallest cell
   decode    model decode step (forward + logits) at batch 1 / 16 / 64 / 256 × context 512 /
             2K / 8K: step time and bandwidth utilization = (weight bytes + KV bytes read) /
             step time / copy bandwidth; backends: triton replayed from a CUDA graph, triton
@@ -145,6 +151,25 @@ class Bench:
 
     def quant_gemm(self) -> None:
         self.result["quant_gemm"] = QuantGemmCases(self).run()
+
+    def fp8_kv_decode(self) -> None:
+        self.result["fp8_kv_decode"] = Fp8KvDecodeCases(self).run()
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()  # the section's caches, before the model's pool is sized
+
+    def graph_seconds(self, fn: Callable[[], Any], iters: int) -> float:
+        """The device's time for one call, replayed from a CUDA graph as a captured decode step
+        runs it: without the Python launch, which for small work takes longer than the kernel."""
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # warm on a side stream, as capture wants
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return self.timeit(graph.replay, iters)
 
     # -- the model ----------------------------------------------------------------------------
     def build_model(self) -> None:
@@ -484,6 +509,9 @@ class Bench:
         for r in self.result.get("prefill", []):
             if (r.get("tokens"), r.get("backend")) == (8192, "triton"):
                 out["prefill_mfu_8k"] = r.get("mfu")
+        for r in self.result.get("fp8_kv_decode", []):
+            if (r.get("batch"), r.get("context")) == (64, 32768) and "speedup_vs_plain" in r:
+                out["fp8_kv_decode_speedup_b64_ctx32k"] = r["speedup_vs_plain"]
         return out
 
 
@@ -675,24 +703,10 @@ class QuantGemmCases:
         ref = (x.float() @ w_eff.float())
         err = float((fn(x).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
         eager = self.bench.timeit(lambda: fn(x), self.iters)
-        t = self._graph_seconds(fn, x) if self.dev.type == "cuda" else eager
+        t = self.bench.graph_seconds(lambda: fn(x), self.iters) if self.dev.type == "cuda" else eager
         moved = weight_bytes + (m * k + m * n) * x.element_size()
         return {"seconds": t, "eager_seconds": eager, "tflops": 2 * m * n * k / t / 1e12, "gb_per_s": moved / t / 1e9,
                 "bytes": moved, "max_rel_err": err}
-
-    def _graph_seconds(self, fn: Callable, x) -> float:
-        """The device's time for one call, replayed from a CUDA graph as a captured decode step
-        runs it: without the Python launch, which at small M takes longer than the GEMM."""
-        torch = self.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(x)  # warm on a side stream, as capture wants
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(x)
-        return self.bench.timeit(graph.replay, self.iters)
 
     @staticmethod
     def _speedups(rows: list[dict]) -> None:
@@ -702,6 +716,106 @@ class QuantGemmCases:
                 r["speedup_vs_torch"] = base[(r["m"], r["n"], r["k"])] / r["seconds"]
             elif "seconds" in r:
                 r["speedup_vs_torch"] = float("nan")
+
+
+class Fp8KvDecodeCases:
+    """Paged decode attention (triton_attention.paged_attention_decode, default splits, as the
+    engine launches it) over one layer's cache in two forms holding the same values: the model
+    dtype's, and FP8 (kv_cache/fp8.py: head_dim e4m3 bytes + one exponent byte a row: 129 bytes
+    against bf16's 256 at head_dim 128). Decode attention reads each context token's K and
+    V once, so its time is the cache bytes over the bandwidth it reaches: GB/s below counts the
+    K/V bytes the batch's contexts occupy (q, the output and the block tables are < 0.1%)."""
+
+    BATCHES = (1, 4, 16, 64)
+    CONTEXTS = (1024, 4096, 16384, 32768)
+
+    def __init__(self, bench: Bench) -> None:
+        from splitserve.engine.kernels import triton_attention
+        from splitserve.engine.kv_cache import fp8 as kv_fp8
+
+        self.att, self.kv_fp8 = triton_attention, kv_fp8
+        self.bench, self.torch = bench, bench.torch
+        s = bench.shape
+        self.h, self.hkv, self.d = s["heads"], s["kv_heads"], s["head_dim"]
+        self.bs, self.dev, self.dt = bench.block_size, bench.device, bench.dtype
+        self.plain_name = str(self.dt).removeprefix("torch.")
+        self.batches = (1, 2) if bench.smoke else self.BATCHES
+        self.contexts = (16, 40) if bench.smoke else self.CONTEXTS
+        self.iters = 2 if bench.smoke else 20
+        self.g = self.torch.Generator(device=self.dev).manual_seed(0)
+
+    def run(self) -> list[dict]:
+        from splitserve.engine.attention.paged_backends import triton_fp8_unavailable
+
+        why_not = triton_fp8_unavailable(self.dev)
+        if why_not:
+            return [{"skipped": why_not}]
+        caches = self.bench.guarded("fp8_kv_decode.caches", self._caches)
+        if caches is None:
+            return [{"skipped": "error"}]
+        rows: list[dict] = []
+        for b in self.batches:
+            for c in self.contexts:
+                cell = {}
+                for name, (k, v) in caches.items():
+                    row = {"batch": b, "context": c, "kv_dtype": name}
+                    if self.bench.time_left() < 30:
+                        rows.append({**row, "skipped": "budget"})
+                        continue
+                    r = self.bench.guarded(f"fp8_kv_decode.{name}.b{b}.c{c}", lambda: self._row(b, c, k, v, caches))
+                    rows.append({**row, **r} if r else {**row, "skipped": "error"})
+                    cell[name] = rows[-1].get("seconds")
+                plain, fp8 = cell.get(self.plain_name), cell.get(self.kv_fp8.NAME)
+                if plain and fp8:
+                    rows[-1]["speedup_vs_plain"] = plain / fp8
+        for r in rows:
+            if "seconds" in r:
+                print(f"fp8_kv_decode {r['kv_dtype']:9s} b={r['batch']:3d} ctx={r['context']:6d} "
+                      f"{r['seconds'] * 1e6:9.1f} us (eager {r['eager_seconds'] * 1e6:9.1f}) {r['gb_per_s']:7.0f} GB/s"
+                      + (f" x{r['speedup_vs_plain']:.2f}" if "speedup_vs_plain" in r else ""), flush=True)
+        return rows
+
+    def _caches(self) -> dict:
+        """{kv dtype name: (K, V)}: random values in the model dtype, and the same values encoded
+        (in slices: encode's temporaries are fp32)."""
+        torch, kv_fp8 = self.torch, self.kv_fp8
+        blocks = max(self.batches) * -(-max(self.contexts) // self.bs)
+        shape = (blocks, self.bs, self.hkv, self.d)
+        plain = [torch.randn(shape, generator=self.g, device=self.dev, dtype=torch.float32).to(self.dt)
+                 for _ in range(2)]
+        fp8 = [torch.empty((*shape[:3], kv_fp8.row_bytes(self.d)), dtype=kv_fp8.STORAGE_DTYPE, device=self.dev)
+               for _ in range(2)]
+        for x, rows in zip(plain, fp8):
+            for i in range(0, blocks, 4096):
+                rows[i:i + 4096] = kv_fp8.encode(x[i:i + 4096])
+        return {self.plain_name: tuple(plain), kv_fp8.NAME: tuple(fp8)}
+
+    def _row(self, b: int, c: int, k, v, caches: dict) -> dict:
+        torch, att = self.torch, self.att
+        per_seq = -(-c // self.bs)
+        perm = torch.randperm(k.shape[0], generator=self.g, device=self.dev)[: b * per_seq]
+        tables = perm.to(torch.int32).view(b, per_seq)
+        lens = torch.full((b,), c, dtype=torch.int32, device=self.dev)
+        q = torch.randn(b, self.h, self.d, generator=self.g, device=self.dev, dtype=torch.float32).to(self.dt)
+        out = torch.empty_like(q)
+        scale = self.d ** -0.5
+
+        def fn():
+            att.paged_attention_decode(q, k, v, tables, lens, scale, out=out, validate=False)
+
+        eager = self.bench.timeit(fn, self.iters)
+        t = self.bench.graph_seconds(fn, self.iters) if self.dev.type == "cuda" else eager
+        row_bytes = k.shape[-1] * k.element_size()
+        moved = 2 * b * c * self.hkv * row_bytes
+        r = {"seconds": t, "eager_seconds": eager, "bytes": moved, "gb_per_s": moved / t / 1e9,
+             "bandwidth_util": moved / t / self.bench.copy_bw}
+        if (b, c) == (self.batches[0], self.contexts[0]):  # errors once: the reference gathers in Python
+            fn()
+            r["max_abs_err"] = _err(out, att.paged_attention_decode_reference(q, k, v, tables, lens, scale))
+            if k.dtype == self.kv_fp8.STORAGE_DTYPE:
+                pk, pv = caches[self.plain_name]
+                r["vs_plain_max_abs_err"] = _err(out, att.paged_attention_decode(q, pk, pv, tables, lens, scale))
+        return r
 
 
 def _err(a, b) -> float:
@@ -851,7 +965,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new measurements after this")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, if the GPU name is not known")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    ap.add_argument("--sections", default="kernels,quant_gemm,decode,prefill,fused_ablation,host_tier,streaming,tp")
+    ap.add_argument("--sections",
+                    default="kernels,quant_gemm,fp8_kv_decode,decode,prefill,fused_ablation,host_tier,streaming,tp")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -866,6 +981,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.guarded("kernels", bench.kernels)
     if "quant_gemm" in sections:
         bench.guarded("quant_gemm", bench.quant_gemm)
+    if "fp8_kv_decode" in sections:  # before the model: its caches are freed before the pool is sized
+        bench.guarded("fp8_kv_decode", bench.fp8_kv_decode)
     if {"decode", "prefill", "fused_ablation", "host_tier", "streaming"} & set(sections):
         bench.guarded("model", bench.build_model)
         need = 512 if args.smoke else 256 * (8192 + 16)  # the largest batch x context (capped by memory)

@@ -1,7 +1,7 @@
 """Attention backends: the `triton` backend (our kernels; the Triton interpreter on CPU) gives
 the engine the same greedy tokens as the `torch` reference backend on tiny models — GQA 1 / 2 /
-4, prefix-cache hits, chunked prefill, decodes and prefills in one batch — and backend choice
-explains itself when a backend cannot run."""
+4, prefix-cache hits, chunked prefill, decodes and prefills in one batch — with a 16-bit KV cache
+and with the FP8 one, and backend choice explains itself when a backend cannot run."""
 
 import pytest
 import torch
@@ -57,6 +57,14 @@ def test_backend_choice_says_why(tiny_checkpoint, monkeypatch):
         get_backend("triton", torch.float32, cpu, head_dim=320)
     with pytest.raises(ConfigError, match="flash-attn runs only on CUDA"):
         get_backend("flash_attn", torch.bfloat16, cpu)
+    assert get_backend("triton", torch.bfloat16, cpu, head_dim=40, fp8_kv=True).name == "triton"
+    with pytest.raises(ConfigError, match="'flash_attn' cannot run here: it does not read an FP8 KV cache: "
+                                          "flash-attn 2 takes fp16/bf16 K/V only"):
+        get_backend("flash_attn", torch.bfloat16, cpu, block_size=256, fp8_kv=True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    with pytest.raises(ConfigError, match="e4m3 in hardware, from compute capability 8.9 .*this GPU is 8.0"):
+        get_backend("triton", torch.bfloat16, torch.device("cuda"), fp8_kv=True)
+    assert get_backend("auto", torch.bfloat16, torch.device("cuda"), fp8_kv=True).name == "torch"
     with pytest.raises(ConfigError, match="known: auto, torch, cpu, triton, flash_attn"):
         get_backend("flash-magic")
     with pytest.raises(ConfigError, match="'flash_attn' cannot run here"):
@@ -156,3 +164,28 @@ def test_flash_attn_backend_calls_the_varlen_api_as_documented(tiny_checkpoint, 
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)] == ref
     assert calls and max(calls) > 0  # decode rows went through it too
+
+
+
+@pytest.mark.parametrize("shape", ["qwen3", "deepseek_v3"])
+def test_triton_reads_the_fp8_cache_as_torch_does(tiny_checkpoint, shape):
+    """kv_cache_dtype fp8: the triton backend (its store kernel encoding the rows, its attention
+    kernels upcasting them in registers) gives the torch backend's greedy tokens — GQA with
+    head_dim 32 (qwen3), MLA's one latent KV head of head_dim 40 (deepseek_v3) — over chunked
+    prefill after cached context, decodes beside prefill chunks, and prefix hits on a second pass.
+    Three prompts and four tokens: the interpreter is slow, the kernels' own tests sweep shapes."""
+    g = torch.Generator().manual_seed(17)
+    prefix = torch.randint(3, 384, (40,), generator=g).tolist()
+    prompts = [prefix + [5, 6, 7], torch.randint(3, 384, (9,), generator=g).tolist(),
+               prefix + torch.randint(3, 384, (20,), generator=g).tolist()]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    got = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_checkpoint(shape)), attention_backend=backend, num_kv_blocks=64, dtype="float32",
+                  kv_cache_dtype="fp8", max_num_batched_tokens=24, fused_kernels=False)
+        assert llm.engine.runner.backend.name == backend and llm.engine.kv.fp8
+        got[backend] = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)] for _ in range(2)]
+        assert llm.engine.stats().prefix_hit_tokens_total > 0
+        llm.engine.check_invariants()
+        assert llm.engine.pool.num_in_use == 0
+    assert got["triton"] == got["torch"] and got["torch"][0] == got["torch"][1]

@@ -66,8 +66,9 @@ def get_backend(name: str, dtype: torch.dtype = torch.float32, device: torch.dev
     our Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1); `flash_attn`: flash-attn 2
     on CUDA. `auto`: on CUDA flash_attn where it can run (installed, fp16/bf16, pages of a
     multiple of 256 tokens), else triton, else torch; on CPU `cpu` where its kernel builds, else
-    `torch`. With an FP8 KV cache (`fp8_kv`), torch and cpu (gathering: its native kernel reads
-    plain dtypes); auto picks those. A backend named but unable to run here raises ConfigError
+    `torch`. With an FP8 KV cache (`fp8_kv`), triton (its kernels read the FP8 rows; on CUDA from
+    compute capability 8.9), torch and cpu (gathering: its native kernel reads plain dtypes), not
+    flash_attn; auto picks among those. A backend named but unable to run here raises ConfigError
     saying why."""
     from splitserve.engine.attention import paged_backends as paged
     from splitserve.engine.attention.torch_backend import CpuBackend, TorchBackend
@@ -82,8 +83,11 @@ def get_backend(name: str, dtype: torch.dtype = torch.float32, device: torch.dev
         "flash_attn": lambda: paged.flash_attn_unavailable(device, dtype, block_size, head_dim),
     }
     if fp8_kv:
-        for gpu in ("triton", "flash_attn"):
-            why_not[gpu] = lambda: "it does not read an FP8 KV cache yet (kv_cache_dtype fp8 runs on torch or cpu)"
+        plain_triton = why_not["triton"]
+        why_not["triton"] = lambda: plain_triton() or paged.triton_fp8_unavailable(device)
+        why_not["flash_attn"] = lambda: (
+            "it does not read an FP8 KV cache: flash-attn 2 takes fp16/bf16 K/V only, not e4m3 rows that each "
+            "carry their scale's exponent byte (kv_cache_dtype fp8 runs on triton, torch or cpu)")
     if name == "auto":
         order = ("flash_attn", "triton", "torch") if device.type == "cuda" else ("cpu", "torch")
         name = next(n for n in order if why_not[n]() is None)

@@ -77,7 +77,11 @@ class TritonBackend(_PagedBackend):
     """store_kv, then decode rows through the split-K decode kernel and prefill rows through the
     prefill kernel, each reading the cache in place. The kernels' device-reading checks are off:
     the metadata is built here from the scheduler's slices, and a check that reads the device
-    would stall the host once per layer (and cannot run inside a CUDA graph)."""
+    would stall the host once per layer (and cannot run inside a CUDA graph).
+
+    With an FP8 cache (uint8 rows, kv_cache/fp8.py) the same calls: store_kv encodes each row as
+    it writes it, the attention kernels upcast fp8 * 2**e in registers; a prefill chunk's own K/V
+    are read back from the cache, so it attends to them decoded, as the torch backend does."""
 
     name = "triton"
 
@@ -129,6 +133,16 @@ def triton_unavailable(device: torch.device) -> str | None:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return (f"the triton backend runs on CUDA; on {device.type} only under the Triton interpreter "
                 "(TRITON_INTERPRET=1, for tests: very slow)")
+    return None
+
+
+def triton_fp8_unavailable(device: torch.device) -> str | None:
+    """Why the triton backend cannot read an FP8 KV cache here, or None: its kernels convert e4m3
+    with the GPU's own instructions (Triton's float8e4nv), which start at compute capability 8.9."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        return (f"its FP8 KV kernels convert e4m3 in hardware, from compute capability 8.9 (Ada, Hopper); "
+                f"this GPU is {major}.{minor}")
     return None
 
 

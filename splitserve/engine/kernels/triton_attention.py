@@ -16,6 +16,11 @@ head dim to a power of two ≥ 16, since `tl.dot` needs 16 and `tl.arange` power
 lanes load nothing, so the padding costs no bytes. Scores are in the log2 domain
 (scale folded with log2 e, `exp2`).
 
+With an FP8 cache (kv_cache/fp8.py: uint8, each (token, head) row head_dim e4m3 bytes then its
+scale's exponent byte e) the kernels load the bytes and the exponent, upcast in registers to
+fp8 * 2**e in q's dtype — the values the torch backend's `decode` gives — and attend as above;
+a prefill chunk's own K/V are read back from the cache too, so it sees them decoded.
+
 Launchers check shapes, dtypes, devices and strides and raise ValueError naming the argument;
 `validate=False` skips only the checks that read device values (so a step can be graph-captured).
 `*_reference` are the gather + softmax torch definitions the tests compare against.
@@ -30,25 +35,41 @@ import triton
 import triton.language as tl
 
 from splitserve.engine.kernels.checks import need
+from splitserve.engine.kv_cache import fp8 as kv_fp8
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend(qv, m, l, acc, k_cache, v_cache, table_row, n0, kv_end, qpos, kvh, qk_scale,
+def _load_fp8(cache, row, d, ok, row_ok, q, D: tl.constexpr):
+    """K or V from FP8 rows starting at `row` (values at row + d, the exponent byte at row + D),
+    as fp8 * 2**e in q's dtype. `row` and `d` broadcast to the tile's shape."""
+    vals = tl.load(cache + row + d, mask=ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    e = tl.load(cache + row + D, mask=row_ok, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+    return (vals * ((e + 127) << 23).to(tl.float32, bitcast=True)).to(q.dtype.element_ty)  # 2**e, exact
+
+
+@triton.jit
+def _attend(qv, m, l, acc, q, k_cache, v_cache, table_row, n0, kv_end, qpos, kvh, qk_scale,
             HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-            PREC: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr):
+            PREC: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax step over context tokens [n0, n0 + BLOCK_N) ∩ [0, kv_end). Head
-    dims run to DP (a power of two, as tl.arange needs); lanes past D load zeros."""
+    dims run to DP (a power of two, as tl.arange needs); lanes past D load zeros. `q` (the
+    query pointer) names the dtype attention runs in; with FP8 a head's row is D + 1 bytes."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < kv_end
     slot = tl.load(table_row + n // BS, mask=n_ok, other=0).to(tl.int64) * BS + n % BS
     d = tl.arange(0, DP)
     d_ok = d < D
-    kt = tl.load(k_cache + slot[None, :] * (HKV * D) + kvh * D + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
-                 other=0.0)
-    v = tl.load(v_cache + slot[:, None] * (HKV * D) + kvh * D + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                other=0.0)
+    if FP8:
+        row = slot * (HKV * (D + 1)) + kvh * (D + 1)
+        kt = _load_fp8(k_cache, row[None, :], d[:, None], n_ok[None, :] & d_ok[:, None], n_ok[None, :], q, D)
+        v = _load_fp8(v_cache, row[:, None], d[None, :], n_ok[:, None] & d_ok[None, :], n_ok[:, None], q, D)
+    else:
+        kt = tl.load(k_cache + slot[None, :] * (HKV * D) + kvh * D + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
+                     other=0.0)
+        v = tl.load(v_cache + slot[:, None] * (HKV * D) + kvh * D + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0)
     if DOT_F32:
         kt = kt.to(tl.float32)
     scores = tl.dot(qv, kt, input_precision=PREC) * qk_scale
@@ -60,7 +81,7 @@ def _attend(qv, m, l, acc, k_cache, v_cache, table_row, n0, kv_end, qpos, kvh, q
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    p = p.to(v_cache.dtype.element_ty)  # rounded like the compiled kernel's second dot operand
+    p = p.to(q.dtype.element_ty)  # rounded like the compiled kernel's second dot operand
     if DOT_F32:
         p = p.to(tl.float32)
         v = v.to(tl.float32)
@@ -74,7 +95,7 @@ def _decode_partial(q, k_cache, v_cache, block_tables, context_lens, out, part_o
                     stride_qs, stride_qh, stride_os, stride_oh, stride_bt, num_splits,
                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                     HKV: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
-                    DOT_F32: tl.constexpr):
+                    DOT_F32: tl.constexpr, FP8: tl.constexpr):
     s, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens + s)
     g = tl.arange(0, GP)
@@ -92,8 +113,8 @@ def _decode_partial(q, k_cache, v_cache, block_tables, context_lens, out, part_o
     first = split * per_split
     last = tl.minimum(first + per_split, ctx)
     for n0 in range(first, last, BLOCK_N):  # an empty split keeps m = -inf: it weighs nothing
-        m, l, acc = _attend(qv, m, l, acc, k_cache, v_cache, block_tables + s * stride_bt, n0, last, g, kvh,
-                            qk_scale, HKV, D, DP, BS, BLOCK_N, PREC, DOT_F32, False)
+        m, l, acc = _attend(qv, m, l, acc, q, k_cache, v_cache, block_tables + s * stride_bt, n0, last, g, kvh,
+                            qk_scale, HKV, D, DP, BS, BLOCK_N, PREC, DOT_F32, False, FP8)
     if SINGLE:  # one split: the result is final, no partials and no merge pass
         o = acc / l[:, None]
         tl.store(out + s * stride_os + (kvh * G + g)[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
@@ -144,8 +165,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """`q` `[num_seqs, num_heads, head_dim]` (last dim contiguous) → `out` of the same shape.
     `block_tables` int32 `[num_seqs, max_blocks]`, `context_lens` int32 `[num_seqs]` (each ≥ 1).
     `num_splits`: context splits per sequence (None: `decode_splits`; it depends only on
-    shapes, so a captured graph keeps it)."""
-    nb, bs, hkv, d = _check_common(q, k_cache, v_cache, block_tables, q.shape[0], context_lens)
+    shapes, so a captured graph keeps it). The caches: `[num_blocks, block_size, num_kv_heads,
+    head_dim]` of q's dtype, or FP8 (uint8, last dim head_dim + 1)."""
+    nb, bs, hkv, d, fp8 = _check_common(q, k_cache, v_cache, block_tables, q.shape[0], context_lens)
     n, h = q.shape[0], q.shape[1]
     if validate and n:
         ctx = context_lens.cpu()
@@ -170,7 +192,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_partial[(n, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_m, part_l, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), num_splits,
-        G=g, GP=gp, D=d, DP=dp, BS=bs, HKV=hkv, BLOCK_N=block_n, SINGLE=single, **_dot_args(q.dtype))
+        G=g, GP=gp, D=d, DP=dp, BS=bs, HKV=hkv, BLOCK_N=block_n, SINGLE=single, FP8=fp8, **_dot_args(q.dtype))
     if not single:
         _decode_merge[(n, hkv)](part_o, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
                                 G=g, GP=gp, D=d, DP=dp, HKV=hkv)
@@ -188,7 +210,7 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, contex
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                     HKV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-                    DOT_F32: tl.constexpr):
+                    DOT_F32: tl.constexpr, FP8: tl.constexpr):
     s, tile, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + s)
     q_len = tl.load(cu_seqlens_q + s + 1) - q_start
@@ -210,8 +232,8 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, contex
         acc = tl.zeros((BLOCK_M * GP, DP), tl.float32)
         kv_end = past + tl.minimum((tile + 1) * BLOCK_M, q_len)  # one past the tile's last query
         for n0 in range(0, kv_end, BLOCK_N):
-            m, l, acc = _attend(qv, m, l, acc, k_cache, v_cache, block_tables + s * stride_bt, n0, kv_end, qpos,
-                                kvh, qk_scale, HKV, D, DP, BS, BLOCK_N, PREC, DOT_F32, True)
+            m, l, acc = _attend(qv, m, l, acc, q, k_cache, v_cache, block_tables + s * stride_bt, n0, kv_end, qpos,
+                                kvh, qk_scale, HKV, D, DP, BS, BLOCK_N, PREC, DOT_F32, True, FP8)
         o = acc / l[:, None]
         o_off = (q_start + t).to(tl.int64)[:, None] * stride_ot + (kvh * G + g)[:, None] * stride_oh + d[None, :]
         tl.store(out + o_off, o.to(out.dtype.element_ty), mask=rows_ok)
@@ -225,12 +247,13 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     e.g. a slice of a fused qkv) → `out` of the same shape. Sequence i's new tokens are rows
     `cu_seqlens_q[i]:cu_seqlens_q[i+1]` (int32 `[num_seqs + 1]`); `context_lens` (int32
     `[num_seqs]`) counts all its tokens, the new ones included; `block_tables` int32
-    `[num_seqs, max_blocks]`. `max_seqlen_q` saves a device→host read of the longest chunk."""
+    `[num_seqs, max_blocks]`; the caches as `paged_attention_decode` takes them. `max_seqlen_q`
+    saves a device→host read of the longest chunk."""
     need(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] >= 1 and cu_seqlens_q.dtype == torch.int32
          and cu_seqlens_q.is_contiguous(), f"cu_seqlens_q must be contiguous int32 [num_seqs + 1], "
          f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
     n = cu_seqlens_q.shape[0] - 1
-    nb, bs, hkv, d = _check_common(q, k_cache, v_cache, block_tables, n, context_lens, cu_seqlens_q)
+    nb, bs, hkv, d, fp8 = _check_common(q, k_cache, v_cache, block_tables, n, context_lens, cu_seqlens_q)
     if validate and n:
         _check_chunks(q.shape[0], cu_seqlens_q.cpu(), context_lens.cpu(), block_tables.shape[1] * bs)
     g = q.shape[1] // hkv
@@ -249,7 +272,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (n, triton.cdiv(max_seqlen_q, block_m), hkv)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, float(scale) * _LOG2E,
                           q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-                          G=g, GP=gp, D=d, DP=dp, BS=bs, HKV=hkv, BLOCK_M=block_m, BLOCK_N=block_n,
+                          G=g, GP=gp, D=d, DP=dp, BS=bs, HKV=hkv, BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8,
                           num_warps=4 if block_m * gp * dp <= 64 * 128 else 8,
                           num_stages=2 if dp > 128 else 3,  # K+V tiles of d 256 in 3 stages overflow shared memory
                           **_dot_args(q.dtype))
@@ -257,9 +280,12 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def paged_attention_prefill_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
-    """Per sequence: gather its context, mask causally offset by the cached prefix, softmax in fp32."""
+    """Per sequence: gather its context (an FP8 cache's decoded to q's dtype, as the torch backend
+    reads it), mask causally offset by the cached prefix, softmax in fp32."""
     d = q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.dtype == kv_fp8.STORAGE_DTYPE:
+        k_cache, v_cache = kv_fp8.decode(k_cache, q.dtype), kv_fp8.decode(v_cache, q.dtype)
     group = q.shape[1] // hkv
     out = torch.empty_like(q)
     for s in range(cu_seqlens_q.shape[0] - 1):
@@ -298,18 +324,22 @@ def _check_block_n(block_n: int) -> None:
     need(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}")
 
 
-def _check_common(q, k_cache, v_cache, block_tables, num_seqs: int, context_lens, *extra) -> tuple[int, int, int, int]:
+def _check_common(q, k_cache, v_cache, block_tables, num_seqs: int, context_lens,
+                  *extra) -> tuple[int, int, int, int, bool]:
     need(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
          f"k_cache / v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
          f"got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
     nb, bs, hkv, d = k_cache.shape
+    fp8 = k_cache.dtype == kv_fp8.STORAGE_DTYPE
+    d -= fp8  # an FP8 row: head_dim values, then the exponent byte
     need(k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache and v_cache must be contiguous")
     need(q.dim() == 3 and q.shape[2] == d, f"q must be [num_tokens, num_heads, {d}], got {tuple(q.shape)}")
     need(q.stride(2) == 1, f"q's last dimension must be contiguous, strides {q.stride()}")
     need(q.shape[1] % hkv == 0, f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({hkv})")
     need(1 <= d <= 256, f"head_dim must be at most 256, got {d}")
     need(bs & (bs - 1) == 0, f"block_size must be a power of two, got {bs}")
-    need(q.dtype == k_cache.dtype == v_cache.dtype, f"dtypes differ: q {q.dtype}, cache {k_cache.dtype}")
+    need(v_cache.dtype == k_cache.dtype and (fp8 or q.dtype == k_cache.dtype),
+         f"dtypes differ: q {q.dtype}, cache {k_cache.dtype} / {v_cache.dtype}")
     need(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}")
     need(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32
          and block_tables.stride(1) == 1, f"block_tables must be int32 [{num_seqs}, max_blocks] with contiguous "
@@ -318,7 +348,7 @@ def _check_common(q, k_cache, v_cache, block_tables, num_seqs: int, context_lens
          f"context_lens must be int32 [{num_seqs}], got {context_lens.dtype} {tuple(context_lens.shape)}")
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens, *extra)}
     need(len(devices) == 1, f"tensors on different devices: {devices}")
-    return nb, bs, hkv, d
+    return nb, bs, hkv, d, fp8
 
 
 def _check_chunks(num_rows: int, cu: torch.Tensor, ctx: torch.Tensor, capacity: int) -> None:

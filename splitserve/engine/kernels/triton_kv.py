@@ -2,7 +2,9 @@
 per layer, K and V each `[num_blocks, block_size, num_kv_heads, head_dim]`).
 
   store_kv      new tokens' K/V → their cache slots (`slot = block * block_size + offset`,
-                -1 = skip: padding, or tokens whose KV is already cached)
+                -1 = skip: padding, or tokens whose KV is already cached); into an FP8
+                cache (uint8, rows of head_dim + 1 bytes) it writes each (token, head) row
+                encoded as kv_cache/fp8.py `encode` does, byte for byte
   pack_blocks   the listed blocks of every layer → one contiguous buffer
                 `[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]`
                 (the staging the KV transfer sends)
@@ -11,6 +13,11 @@ per layer, K and V each `[num_blocks, block_size, num_kv_heads, head_dim]`).
 Each launcher checks shapes, dtypes, devices and strides and raises ValueError naming the
 argument; `*_reference` are the torch definitions the tests compare against. On CPU the kernels
 run under the Triton interpreter (`TRITON_INTERPRET=1`, set before triton is imported).
+
+The FP8 encoding rounds to e4m3 in integer arithmetic rather than through Triton's float8 cast:
+the same instructions on a GPU and in the interpreter (whose float8 cast neither carries a
+rounded-up mantissa into the exponent nor breaks ties to even), so the CPU tests check the bytes
+a GPU writes. The block moves copy bytes and need no FP8 case.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import triton
 import triton.language as tl
 
 from splitserve.engine.kernels.checks import need
+from splitserve.engine.kv_cache import fp8 as kv_fp8
 
 
 @triton.jit
@@ -40,16 +48,70 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slots, k_stride_t, v_stride_t
         tl.store(v_cache + dst, v, mask=mask)
 
 
+@triton.jit
+def _e4m3_bytes(s):
+    """fp32 values with |s| <= 448 → their e4m3fn bytes, rounded to nearest even (torch's cast)."""
+    bits = s.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a_bits = bits & 0x7FFFFFFF
+    # normal (>= 2**-6): round the 23-bit mantissa to 3 bits, half to even, the carry running
+    # into the exponent; then rebias the exponent from 127 to 7
+    normal = ((a_bits + 0x7FFFF + ((a_bits >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal (< 2**-6): a multiple of 2**-9, its count rounded half to even by adding 2**23 in
+    # fp32; a count of 8 is the byte of 2**-6, the smallest normal
+    a = a_bits.to(tl.float32, bitcast=True)
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    return (tl.where(a < 0.015625, sub, normal) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _store_fp8_rows(src, dst, ok, D: tl.constexpr, DP: tl.constexpr):
+    """Encode rows of D floats (row i at `src[i]`, contiguous) into rows of D + 1 bytes at
+    `dst[i]`, as kv_fp8.encode: the values times 2**-e, e = frexp(amax / 448)'s exponent, then e."""
+    d = tl.arange(0, DP)
+    m = ok[:, None] & (d < D)[None, :]
+    x = tl.load(src[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    y = tl.math.div_rn(amax, 448.0)  # rounded as torch divides
+    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126  # frexp's exponent (subnormal y: -126)
+    e = tl.where(amax > 0, tl.minimum(e, 127), -126)  # a finite amax gives e <= 120
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
+    s = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
+    tl.store(dst[:, None] + d[None, :], _e4m3_bytes(s), mask=m)
+    tl.store(dst + D, (e & 0xFF).to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _store_kv_fp8_kernel(key, value, k_cache, v_cache, slots, num_rows, k_stride_t, v_stride_t,
+                         H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr):
+    """Program i encodes (token, head) rows [i * ROWS, (i + 1) * ROWS) of K and of V."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    t = r // H
+    slot = tl.load(slots + t, mask=r < num_rows, other=-1)
+    ok = slot >= 0
+    dst = slot.to(tl.int64) * (H * (D + 1)) + (r % H) * (D + 1)
+    t = t.to(tl.int64)
+    _store_fp8_rows(key + t * k_stride_t + (r % H) * D, k_cache + dst, ok, D, DP)
+    _store_fp8_rows(value + t * v_stride_t + (r % H) * D, v_cache + dst, ok, D, DP)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write key/value `[num_tokens, num_kv_heads, head_dim]` into the slots `slot_mapping`
-    `[num_tokens]` (int64; -1 skips the token) of one layer's caches, in place."""
+    `[num_tokens]` (int64; -1 skips the token) of one layer's caches, in place. An FP8 cache
+    (uint8, last dim head_dim + 1) takes key/value of any float dtype and stores them encoded."""
     _check_cache_pair(k_cache, v_cache)
     nb, bs, h, d = k_cache.shape
+    fp8 = k_cache.dtype == kv_fp8.STORAGE_DTYPE
+    d -= fp8  # an FP8 row: head_dim values, then the exponent byte
     for name, x in (("key", key), ("value", value)):
         need(x.dim() == 3 and tuple(x.shape[1:]) == (h, d),
              f"{name} must be [num_tokens, {h}, {d}] to match the cache, got {tuple(x.shape)}")
-        need(x.dtype == k_cache.dtype, f"{name} is {x.dtype}, the cache is {k_cache.dtype}")
+        if fp8:
+            need(x.dtype in (torch.float32, torch.float16, torch.bfloat16),
+                 f"{name} is {x.dtype}; an FP8 cache takes float32, float16 or bfloat16")
+        else:
+            need(x.dtype == k_cache.dtype, f"{name} is {x.dtype}, the cache is {k_cache.dtype}")
         need(x.device == k_cache.device, f"{name} is on {x.device}, the cache on {k_cache.device}")
         need(x.stride(2) == 1 and x.stride(1) == d, f"{name} must be contiguous per token, strides {x.stride()}")
     need(key.shape[0] == value.shape[0], f"key has {key.shape[0]} tokens, value {value.shape[0]}")
@@ -60,6 +122,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if key.shape[0] == 0:
         return
     slots = slot_mapping.contiguous()
+    if fp8:
+        dp = triton.next_power_of_2(d)
+        rows = max(1, 2048 // dp)  # (token, head) rows per program: tiles of ~2K values
+        grid = (triton.cdiv(key.shape[0] * h, rows),)
+        _store_kv_fp8_kernel[grid](key, value, k_cache, v_cache, slots, key.shape[0] * h, key.stride(0),
+                                   value.stride(0), H=h, D=d, DP=dp, ROWS=rows)
+        return
     _store_kv_kernel[(key.shape[0],)](key, value, k_cache, v_cache, slots, key.stride(0), value.stride(0),
                                       HD=h * d, BLOCK=triton.next_power_of_2(h * d))
 
@@ -67,8 +136,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def store_kv_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
     nb, bs, h, d = k_cache.shape
     keep = slot_mapping >= 0
-    k_cache.view(nb * bs, h, d)[slot_mapping[keep]] = key[keep]
-    v_cache.view(nb * bs, h, d)[slot_mapping[keep]] = value[keep]
+    fp8 = k_cache.dtype == kv_fp8.STORAGE_DTYPE
+    enc = kv_fp8.encode if fp8 else (lambda x: x)
+    k_cache.view(nb * bs, h, d)[slot_mapping[keep]] = enc(key[keep])
+    v_cache.view(nb * bs, h, d)[slot_mapping[keep]] = enc(value[keep])
 
 
 @triton.jit
