@@ -62,8 +62,8 @@ def test_a_cache_holds_about_twice_the_tokens_per_gib():
 def test_an_unknown_kv_dtype_is_refused(tiny_checkpoint):
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'int4'"):
         EngineConfig(model=str(tiny_checkpoint("llama")), kv_cache_dtype="int4")
-    with pytest.raises(ConfigError, match="does not read an FP8 KV cache yet"):
-        LLM(str(tiny_checkpoint("llama")), num_kv_blocks=16, kv_cache_dtype="fp8", attention_backend="triton")
+    with pytest.raises(ConfigError, match="does not read an FP8 KV cache: flash-attn 2 takes"):
+        LLM(str(tiny_checkpoint("llama")), num_kv_blocks=16, kv_cache_dtype="fp8", attention_backend="flash_attn")
 
 
 @pytest.fixture(scope="module")
