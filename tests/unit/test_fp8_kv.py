@@ -248,3 +248,23 @@ def test_a_decode_worker_with_another_kv_dtype_refuses_the_blocks_and_recomputes
     finally:
         pre.close()
         dec.close()
+
+
+def test_a_migrated_stream_continues_exactly_on_an_fp8_decode_worker(tiny_checkpoint):
+    """Migration's decode side: a request arrives without a handoff, with the tokens another
+    worker already streamed; this worker computes its FP8 KV itself and continues as the
+    in-process FP8 engine does."""
+    from splitserve.worker.decode.worker import DecodeWorker
+
+    cfg = EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=64, kv_cache_dtype="fp8")
+    prompt = tuple(range(5, 45))
+    reference = list(LLM(**dataclasses.asdict(cfg)).generate([list(prompt)], SP)[0].outputs[0].token_ids)
+    dec = DecodeWorker(cfg, ["tcp"])
+    try:
+        async def go():
+            chunks = [c async for c in dec.generate(Request("moved", prompt, SP), outputs=tuple(reference[:3]))]
+            return [t for c in chunks for t in c.token_ids]
+
+        assert asyncio.run(go()) == reference[3:]
+    finally:
+        dec.close()
