@@ -50,6 +50,9 @@ class EngineConfig:
     host_kv_blocks: int = 0  # a host-memory KV tier of this many blocks below the device pool (0: none)
     tensor_parallel_size: int = 1  # ranks (processes) one engine's model is split over (parallel/)
     expert_parallel: bool = False  # a mixture of experts under TP: whole experts per rank, not slices of each
+    # stages (processes) one engine's layers are cut into, contiguous ranges (engine/parallel/stages.py)
+    pipeline_parallel_size: int = 1
+    pipeline_micro_batches: int = 1  # a step cut into this many micro-batches in flight through the stages
     # a quantized checkpoint's weights: kept as stored, multiplied by the quantized GEMM kernels
     # (keep), or dequantized once at load (dequantize); auto: keep on CUDA where the kernels run
     # (engine/quant/linear.py). keep on a CPU needs TRITON_INTERPRET=1 (tests)
@@ -62,8 +65,14 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches"):
             positive(name)
+        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ConfigError("pipeline_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet")
+        if self.pipeline_parallel_size > 1 and self.host_kv_blocks:
+            raise ConfigError("host_kv_blocks is not supported with pipeline_parallel_size > 1 yet")
+        if self.pipeline_micro_batches > 1 and self.pipeline_parallel_size == 1:
+            raise ConfigError("pipeline_micro_batches > 1 needs pipeline_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.host_kv_blocks:
             raise ConfigError("host_kv_blocks is not supported with tensor_parallel_size > 1 yet")
         h = self.host_kv_blocks

@@ -41,8 +41,12 @@ from splitserve.engine.step_model import StepTimeModel
 from splitserve.engine.step_shape import StepShape
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.launch import Ranks, start_local_group
+from splitserve.engine.parallel.pipe_group import PipeGroup, start_local_stages
+from splitserve.engine.parallel.pipeline import PipelineRunner, agree
 from splitserve.engine.parallel.shard import Shard
 from splitserve.engine.parallel.shard import check as check_tp
+from splitserve.engine.parallel.stages import Stage
+from splitserve.engine.parallel.stages import check as check_pp
 from splitserve.types import ConfigError, FinishReason, Request, SamplingParams, TokenChunk, as_token_ids
 
 log = logging.getLogger(__name__)
@@ -60,9 +64,15 @@ class Engine(EngineCore):
     """`tp`: this process's rank of a tensor-parallel group (parallel/); None with
     tensor_parallel_size > 1: this engine is rank 0 and starts the other ranks with
     `start_ranks` (engine/parallel/launch.py; local processes unless told otherwise). Rank 0 runs
-    everything; the others only the forward passes (`follow`)."""
+    everything; the others only the forward passes (`follow`).
 
-    def __init__(self, config: EngineConfig, tp: TPGroup | None = None, start_ranks=None) -> None:
+    `pp`: this process's stage of a pipeline-parallel engine (parallel/pipeline.py); None with
+    pipeline_parallel_size > 1: this engine is stage 0 and starts the others with `start_ranks`
+    (local processes unless told otherwise; parallel/pipe_group.py). `stage` says which layers
+    this engine holds (None: all)."""
+
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None, start_ranks=None,
+                 pp: PipeGroup | None = None) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
@@ -72,12 +82,18 @@ class Engine(EngineCore):
         torch.manual_seed(config.seed)
         size = config.tensor_parallel_size
         check_tp(mc, size, config.expert_parallel)  # before any rank is started
+        check_pp(mc.num_layers, config.pipeline_parallel_size)
         self.ranks: Ranks | None = None  # the followers this engine started (rank 0 only)
         if tp is None and size > 1:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # rank 0's GPU
             tp, self.ranks = (start_ranks or start_local_group)(config)
+        if pp is None and config.pipeline_parallel_size > 1:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # stage 0's GPU
+            pp, self.ranks = (start_ranks or start_local_stages)(config)
         self.tp = tp or TPGroup()
+        self.pp = pp
         try:
             self._build(config, mc, max_model_len)
         except BaseException:  # the ranks it started must not outlive a failed start
@@ -87,20 +103,30 @@ class Engine(EngineCore):
     def _build(self, config: EngineConfig, mc: ModelConfig, max_model_len: int) -> None:
         size = config.tensor_parallel_size
         shard = Shard.of(mc, self.tp.rank, size, config.expert_parallel) if size > 1 else None
+        pp = self.pp
+        self.stage = Stage.of(mc.num_layers, pp.rank, pp.size) if pp is not None else None
         keep = keep_quantized(config.quantized_weights, mc.quant, self.device)
-        model = load_model(Path(config.model), mc, self.dtype, max_model_len, self.device, self.tp, shard, keep)
+        model = load_model(Path(config.model), mc, self.dtype, max_model_len, self.device, self.tp, shard, keep,
+                           self.stage)
         self.tp.wait_all()  # the slowest rank's load is no collective's timeout
         kv_heads = mc.num_kv_heads if shard is None else len(shard.kv_heads)
-        # every rank's pool has rank 0's block count: its block ids index them all
+        kv_layers = mc.num_layers if self.stage is None else len(self.stage.layers)
+        # every rank's pool has rank 0's block count: its block ids index them all (every stage's:
+        # the fewest any stage's memory holds)
         num_blocks = config.num_kv_blocks
-        if num_blocks is None and self.tp.rank == 0:
-            num_blocks = _blocks_for_memory(config, mc, self.dtype, self.device, kv_heads)
+        if num_blocks is None and (self.tp.rank == 0 or pp is not None):
+            num_blocks = _blocks_for_memory(config, mc, self.dtype, self.device, kv_heads, kv_layers)
+        if pp is not None:
+            pp.wait_all()
+            num_blocks = agree(pp, num_blocks, min)
+            if not agree(pp, model.fused, lambda xs: len(set(xs)) == 1):
+                raise ConfigError("the pipeline's stages disagree on fused kernels (what they hand over differs)")
         num_blocks = self.tp.broadcast(num_blocks)
         shm = None
         if config.kv_shared_memory:
             sweep_stale_shm(SHM_PREFIX)  # files of workers that died without cleaning up
             shm = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
-        self.kv = KVCacheTensors.allocate(mc.num_layers, num_blocks, config.block_size, kv_heads,
+        self.kv = KVCacheTensors.allocate(kv_layers, num_blocks, config.block_size, kv_heads,
                                           mc.head_dim, self.dtype, self.device, shm_path=shm, fp8=config.fp8_kv)
         host = HostTier(config.host_kv_blocks, self.kv.storage) if config.host_kv_blocks else None
         super().__init__(block_size=config.block_size, num_blocks=num_blocks, max_num_seqs=config.max_num_seqs,
@@ -118,11 +144,15 @@ class Engine(EngineCore):
             widen_linears(model)  # prefill matmuls at fp32 speed, same bf16 result (model/widened_linear.py)
         backend = get_backend(config.attention_backend, self.dtype, self.device, block_size=config.block_size,
                               head_dim=mc.head_dim, fp8_kv=config.fp8_kv)
-        self.runner = ModelRunner(model, self.kv, backend, config.block_size, self.device, self.tp)
+        if pp is None:
+            self.runner = ModelRunner(model, self.kv, backend, config.block_size, self.device, self.tp)
+        else:
+            self.runner = PipelineRunner(model, self.kv, backend, config.block_size, self.device, self.dtype, pp,
+                                         self.stage, config.pipeline_micro_batches)
         # a graph cannot capture the experts' dispatch (which experts a batch needs is read back),
         # nor a gloo collective
         if (config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton" and mc.moe is None
-                and size == 1):
+                and size == 1 and pp is None):
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len,
                                               functools.partial(cuda_graph_capture, pool=torch.cuda.graph_pool_handle()))
         self.memory = memory_report.report(model, mc, config.model, self.kv.storage.numel() * self.kv.storage.element_size(),
@@ -205,7 +235,7 @@ class Engine(EngineCore):
         model = self.runner.model
         # a CPU forward runs layer after layer as called; on a device, a layer's KV is written
         # only when the stream gets there, so there the blocks move once the step is done
-        if self.kv.storage.device.type == "cpu":
+        if self.kv.storage.device.type == "cpu" and self.pp is None:  # a stage's layers are not all
             model.after_layer = self._layer_progress(sched, len(self.runner.kv_layers), KV_LAYER_GROUPS)
         try:
             result = self.runner.run(sched)
@@ -273,12 +303,13 @@ class Engine(EngineCore):
         peer was seen to hang in it (CI, two test workers on two cores)."""
         lost = self.ranks.lost() if self.ranks is not None else None
         if lost is not None:
-            raise RuntimeError(f"this engine's tensor-parallel group is broken: {lost}")
+            kind = "tensor-parallel" if self.pp is None else "pipeline-parallel"
+            raise RuntimeError(f"this engine's {kind} group is broken: {lost}")
 
     def _stop_ranks(self) -> None:
         if self.ranks is not None:
             self.ranks, ranks = None, self.ranks
-            ranks.stop(self.tp)
+            ranks.stop(self.pp or self.tp)
 
 
 def _device(name: str) -> torch.device:
@@ -296,9 +327,9 @@ def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
 
 
 def _blocks_for_memory(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
-                       kv_heads: int) -> int:
-    """Blocks of this rank's `kv_heads` that fit its memory budget."""
-    per_block = KVCacheTensors.bytes_per_block(mc.num_layers, config.block_size, kv_heads, mc.head_dim, dtype,
+                       kv_heads: int, kv_layers: int) -> int:
+    """Blocks of this rank's `kv_heads` of its `kv_layers` layers that fit its memory budget."""
+    per_block = KVCacheTensors.bytes_per_block(kv_layers, config.block_size, kv_heads, mc.head_dim, dtype,
                                                fp8=config.fp8_kv)
     if config.gpu_memory_utilization is not None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

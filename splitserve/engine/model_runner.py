@@ -78,14 +78,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run_flat(self, step: FlatStep) -> torch.Tensor | None:
         """The forward pass; the sampled rows' logits (on every rank), None if none is due."""
-        batch = AttentionBatch(
-            num_tokens=len(step.ids),
-            slot_mapping=self._tensor(step.slots),
-            decodes=tuple(s for s in step.slices if s.q_len == 1),
-            prefills=tuple(s for s in step.slices if s.q_len != 1),
-            block_size=self.block_size,
-        )
-        meta = self.backend.prepare(batch)
+        meta, batch = self.prepare(step)
         ids_t, pos_t = self._tensor(step.ids), self._tensor(step.pos)
         hidden = None
         if self.graphs is not None and not batch.prefills:
@@ -95,6 +88,17 @@ class ModelRunner:
         if not step.sample_rows:
             return None
         return self.model.compute_logits(hidden[self._tensor(step.sample_rows)])
+
+    def prepare(self, step: FlatStep):
+        """The attention backend's metadata for `step`, and its batch."""
+        batch = AttentionBatch(
+            num_tokens=len(step.ids),
+            slot_mapping=self._tensor(step.slots),
+            decodes=tuple(s for s in step.slices if s.q_len == 1),
+            prefills=tuple(s for s in step.slices if s.q_len != 1),
+            block_size=self.block_size,
+        )
+        return self.backend.prepare(batch), batch
 
     def _tensor(self, xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.int64, device=self.device)

@@ -21,6 +21,7 @@ from splitserve.engine.model.mla import MLAttention
 from splitserve.engine.model.moe import SparseMoE
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.shard import Shard
+from splitserve.engine.parallel.stages import Stage
 
 
 class Attention(nn.Module):
@@ -85,22 +86,29 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """`cfg`: the shapes this rank holds (parallel/shard.local_config; the model's own at
-    tensor_parallel_size 1). `shard`: which vocab rows and experts, None for all."""
+    tensor_parallel_size 1). `shard`: which vocab rows and experts, None for all. `stage`: a
+    pipeline stage's layers only (`layers[i]` is global layer stage.layers[i]), the embedding
+    on the first (and a tied LM head's last), the final norm and LM head on the last (the
+    modules a stage lacks are None); None for all."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None,
-                 shard: Shard | None = None) -> None:
+                 shard: Shard | None = None, stage: Stage | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp or TPGroup()
         self.shard = shard
+        self.stage = stage
         rows = cfg.vocab_size if shard is None else len(shard.vocab)
         # given its (empty) weight, Embedding skips its random init: normal_ on the meta device the
         # loader builds under would import torch._dynamo, ~3 s of every worker's start
-        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.tp, shard) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = (nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
+                             if stage is None or stage.holds_embedding(cfg.tie_word_embeddings) else None)
+        held = range(cfg.num_layers) if stage is None else stage.layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.tp, shard) for i in held)
+        last = stage is None or stage.last
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_dim, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False) if last else None
         # called with i once layer i has run (its KV written): a streamed prefill's blocks move
         # layer group by layer group while the later layers compute (set for one step at a time)
         self.after_layer: Callable[[int], None] | None = None
@@ -135,7 +143,7 @@ class LlamaModel(nn.Module):
             layer.self_attn.rope = apply_rotary
 
     def tie_weights(self) -> None:
-        if self.cfg.tie_word_embeddings:
+        if self.cfg.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
@@ -146,21 +154,30 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         meta: Any,
     ) -> torch.Tensor:
-        x = self.embed(input_ids)
+        x, delta = self.run_layers(self.embed(input_ids), None, positions, kv_caches, backend, meta)
+        return x if delta is None else x + delta
+
+    def run_layers(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
+                   meta: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers held on the stream `x` entering the first of them; the stream leaving the
+        last. Fused, the stream is a pair: residual `x` and the last layer's output `delta`, not
+        yet added (None entering the model's first layer); unfused, delta is None. A pipeline
+        stage passes the pair on as it is, so that the next stage's first layer adds it where
+        the whole model's would."""
         cos, sin = self.rotary(positions, x.dtype)
         after = self.after_layer
         if self.fused:
-            delta = None
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 x, delta = layer.forward_fused(x, delta, cos, sin, kv, backend, meta)
                 if after is not None:
                     after(i)
-            return x + delta
+            return x, delta
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin, kv, backend, meta)
             if after is not None:
                 after(i)
-        return x
+        return x, None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.shard is None:
@@ -171,9 +188,10 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(local.clamp(0, len(self.shard.vocab) - 1)) * held[:, None].to(self.embed_tokens.weight.dtype)
         return self.tp.all_reduce(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head, only for the rows that need a next token."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Final norm + LM head, only for the rows that need a next token; in fp32 (`upcast`,
+        else the model's dtype: a pipeline's last stage sends half the bytes, upcast exactly)."""
         logits = self.lm_head(self.norm(hidden))
         if self.shard is not None:  # each rank's vocab rows, gathered (the padding dropped)
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.cfg.vocab_size]
-        return logits.float()
+        return logits.float() if upcast else logits

@@ -26,6 +26,7 @@ from splitserve.engine.model.llama import LlamaModel
 from splitserve.engine.model.moe import SparseMoE
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.shard import Shard, local_config, narrow
+from splitserve.engine.parallel.stages import Stage
 from splitserve.engine.quant.checkpoint import dense_tensors
 from splitserve.engine.quant.linear import Holding
 from splitserve.types import ConfigError
@@ -86,14 +87,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
                device: str | torch.device = "cpu", tp: TPGroup | None = None, shard: Shard | None = None,
-               keep_quantized: bool = False) -> LlamaModel:
+               keep_quantized: bool = False, stage: Stage | None = None) -> LlamaModel:
     """The model, or under tensor parallelism this rank's `shard` of it (reading only the
-    checkpoint's parts it holds into its parameters). `keep_quantized`: a quantized checkpoint's
-    projections stay as stored (model/kept_weights.py); else every weight is dequantized."""
+    checkpoint's parts it holds into its parameters); under pipeline parallelism its `stage`'s
+    layers (and embedding, or final norm and LM head) only. `keep_quantized`: a quantized
+    checkpoint's projections stay as stored (model/kept_weights.py); else every weight is
+    dequantized."""
     model_dir = Path(model_dir)
     local = cfg if shard is None else local_config(cfg, shard)
     with torch.device("meta"):
-        model = LlamaModel(local, max_positions, tp, shard)
+        model = LlamaModel(local, max_positions, tp, shard, stage)
     filled: dict[str, int] = {}
     with ExitStack() as files:
         # every shard open at once: a quantized weight's scales may be stored in another shard
@@ -102,7 +105,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
             f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             where.update(dict.fromkeys(f.keys(), f))
         names, get = set(where), lambda n: where[n].get_tensor(n)
-        kept = (KeptWeights(model, names, cfg, shard, lambda n: _target(n, cfg))
+        kept = (KeptWeights(model, names, cfg, shard, lambda n: _held_target(n, cfg, stage))
                 if keep_quantized and cfg.quant is not None else None)  # before any weight is allocated
         model = model.to_empty(device=device)
         model.rotary.__init__(cfg.rope, cfg.rope_dim, max_positions)  # buffers are computed, not loaded
@@ -112,7 +115,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
                 m.expert_tokens.zero_()
         params = dict(model.named_parameters())
         for name, tensor in dense_tensors(names - (kept.consumed if kept else set()), get, cfg.quant):
-            _copy_param(name, tensor, params, cfg, local, filled, shard)
+            _copy_param(name, tensor, params, cfg, local, filled, shard, stage)
         if kept is not None:
             kept.read(names, get)
     if cfg.tie_word_embeddings:
@@ -159,6 +162,24 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, Region] | None:
     return None
 
 
+def _held_target(name: str, cfg: ModelConfig, stage: Stage | None) -> tuple[str, Region] | None:
+    """`_target` on a pipeline `stage`: None for what another stage holds, a layer's parameter
+    renamed to the stage's own index of it."""
+    target = _target(name, cfg)
+    if stage is None or target is None:
+        return target
+    pname, region = target
+    if pname.startswith("layers."):
+        _, idx, rest = pname.split(".", 2)
+        if int(idx) >= cfg.num_layers:
+            return target  # no such layer: refused by the caller, named
+        local = stage.local(int(idx))
+        return None if local is None else (f"layers.{local}.{rest}", region)
+    if pname.startswith("embed_tokens."):
+        return target if stage.holds_embedding(cfg.tie_word_embeddings) else None
+    return target if stage.last else None  # the final norm, the LM head
+
+
 def _region(pname: str, param: torch.Tensor, region: Region, cfg: ModelConfig) -> torch.Tensor:
     """The part of `param` (a rank's, shaped by its local `cfg`) that `region` names."""
     expert, shard = region
@@ -174,9 +195,9 @@ def _region(pname: str, param: torch.Tensor, region: Region, cfg: ModelConfig) -
 
 
 def _copy_param(name: str, tensor: torch.Tensor, params: dict, cfg: ModelConfig, local: ModelConfig,
-                filled: dict[str, int], shard: Shard | None = None) -> None:
+                filled: dict[str, int], shard: Shard | None = None, stage: Stage | None = None) -> None:
     """`local`: the shapes of the model being filled (`cfg`'s, or `shard`'s local_config)."""
-    target = _target(name, cfg)
+    target = _held_target(name, cfg, stage)
     if target is None:
         return
     pname, (expert, piece) = target

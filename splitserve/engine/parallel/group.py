@@ -57,6 +57,8 @@ class DistGroup(TPGroup):
     does not hang. The step broadcast is apart, on a group of its own without that limit: a
     follower waits in it between steps, and an engine may stay idle for hours."""
 
+    kind = "tensor-parallel"  # what the group is, in its failure's words
+
     def __init__(self, spec: GroupSpec) -> None:
         import torch.distributed as dist
 
@@ -70,7 +72,7 @@ class DistGroup(TPGroup):
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # a rank is gone or late: no later collective lines up with the others'
-            self.failure = self.failure or f"a collective of its tensor-parallel group failed with {type(e).__name__}"
+            self.failure = self.failure or f"a collective of its {self.kind} group failed with {type(e).__name__}"
             raise
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""Pipeline parallelism on CPU: an engine over 2 stage processes (gloo), each holding one of the
+tiny models' two layers and that layer's KV cache (the embedding on stage 0, the final norm and
+LM head on stage 1), activations sent stage to stage and the logits back to stage 0, a step cut
+into micro-batches in flight — gives Hugging Face's greedy tokens (tie rule as in
+test_engine_parity) with chunked prefill, prefix hits and preemption; losing a stage fails the
+engine with an error instead of hanging."""
+
+import time
+
+import pytest
+import torch
+
+from splitserve import LLM, SamplingParams
+from splitserve.config import EngineConfig
+from splitserve.engine.attention import SeqSlice
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model_runner import FlatStep
+from splitserve.engine.parallel.micro_batches import split
+from splitserve.engine.parallel.pipeline import holding, on_all_stages, stage_times
+from splitserve.engine.parallel.stages import Stage, split_layers
+from splitserve.types import ConfigError
+from tests.unit.test_engine_parity import drained, reference, run_and_compare  # noqa: F401  (a fixture)
+
+
+def test_layers_are_cut_into_contiguous_ranges_as_evenly_as_possible(tiny_checkpoint):
+    assert split_layers(61, 2) == (range(0, 30), range(30, 61))
+    assert split_layers(7, 3) == (range(0, 2), range(2, 4), range(4, 7))
+    assert Stage.of(2, 1, 2) == Stage(1, 2, range(1, 2)) and Stage.of(2, 1, 2).local(1) == 0
+    with pytest.raises(ConfigError, match="pipeline_parallel_size 3 exceeds the model's 2 layers"):
+        LLM(str(tiny_checkpoint("llama")), num_kv_blocks=16, pipeline_parallel_size=3)
+    path = str(tiny_checkpoint("llama"))
+    with pytest.raises(ConfigError, match="with tensor_parallel_size > 1 is not supported yet"):
+        EngineConfig(model=path, pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="pipeline_micro_batches > 1 needs pipeline_parallel_size > 1"):
+        EngineConfig(model=path, pipeline_micro_batches=2)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size must be a positive integer"):
+        EngineConfig(model=path, pipeline_parallel_size=0)
+
+
+@pytest.mark.parametrize("shape, fused", [
+    ("llama", False),
+    ("qwen2", False),  # the LM head tied to the embedding
+    ("llama", True),  # bf16 through the fused residual + RMSNorm kernels: the stream handed over as a pair
+])
+def test_a_stage_loads_only_its_layers_and_chained_they_are_the_model(tiny_checkpoint, shape, fused):
+    from splitserve.engine.attention import get_backend
+    from splitserve.engine.kv_cache import KVCacheTensors
+    from splitserve.engine.model.loader import load_model
+    from splitserve.engine.model_runner import ModelRunner
+
+    from splitserve.engine.kernels.norm_rope_cpu import available
+
+    if fused and not available():
+        pytest.skip("no native CPU kernels here")
+    path = tiny_checkpoint(shape)
+    cfg = ModelConfig.from_dir(path)
+    dtype = torch.bfloat16 if fused else torch.float32
+    whole = load_model(path, cfg, dtype, 128)
+    stages = [load_model(path, cfg, dtype, 128, stage=Stage.of(cfg.num_layers, s, 2)) for s in range(2)]
+    if fused:
+        for m in [whole] + stages:
+            m.use_cpu_kernels()
+    assert [len(m.layers) for m in stages] == [1, 1]
+    assert stages[0].norm is None and stages[0].lm_head is None
+    assert (stages[1].embed_tokens is not None) == cfg.tie_word_embeddings  # a tied LM head is the embedding
+    w = whole.state_dict()
+    for m in stages:
+        for name, t in m.state_dict().items():
+            if name.startswith("layers."):
+                _, i, rest = name.split(".", 2)
+                name = f"layers.{m.stage.layers[int(i)]}.{rest}"
+            assert torch.equal(t, w[name]), name
+    # one forward: stage 0's layers, their stream into stage 1's, its logits == the whole model's
+    backend = get_backend("torch", dtype, torch.device("cpu"), block_size=16, head_dim=cfg.head_dim)
+    kvs = [KVCacheTensors.allocate(n, 4, 16, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu"))
+           for n in (cfg.num_layers, 1, 1)]
+    step = FlatStep(list(range(3, 23)), list(range(20)), list(range(20)), [SeqSlice(0, 20, 20, (0, 1))], [19])
+    want = ModelRunner(whole, kvs[0], backend, 16, torch.device("cpu")).run_flat(step)
+    meta, _ = ModelRunner(stages[0], kvs[1], backend, 16, torch.device("cpu")).prepare(step)
+    ids, pos = torch.tensor(step.ids), torch.tensor(step.pos)
+    x, delta = stages[0].run_layers(stages[0].embed(ids), None, pos, kvs[1].layers, backend, meta)
+    assert (delta is not None) == fused
+    x, delta = stages[1].run_layers(x, delta, pos, kvs[2].layers, backend, meta)
+    assert torch.equal(stages[1].compute_logits((x if delta is None else x + delta)[19:]), want)
+
+
+def test_micro_batches_cover_the_step_decodes_first_and_cut_prefills_into_chunks():
+    bs = 4
+    # two decodes, then prefill chunks of 5 (context 9) and 7 (no context) tokens
+    slices = [SeqSlice(0, 1, 6, (0, 1)), SeqSlice(1, 1, 3, (2,)), SeqSlice(2, 5, 9, (3, 4, 5)),
+              SeqSlice(7, 7, 7, (6, 7))]
+    step = FlatStep(list(range(100, 114)), [5, 2, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4, 5, 6], list(range(14)), slices,
+                    [0, 1, 6, 13])
+    for m in (1, 2, 3, 4, 14, 20):
+        parts = split(step, m, bs)
+        assert 1 <= len(parts) <= m and all(p.ids for p in parts)
+        assert sum((p.ids for p in parts), []) == step.ids and sum((p.slots for p in parts), []) == step.slots
+        assert sum(len(p.sample_rows) for p in parts) == 4
+        for p in parts:
+            ones = [s.q_len == 1 for s in p.slices]
+            assert ones == sorted(ones, reverse=True), (m, p.slices)  # the one-token rows first
+            for s in p.slices:  # each piece's context ends at its last row's position + 1
+                assert s.ctx_len == p.pos[s.q_start + s.q_len - 1] + 1 and len(s.block_ids) == -(-s.ctx_len // bs)
+    parts = split(step, 4, bs)  # cuts at 3 (moved to 4: no prefill's first token alone), 7 and 10
+    assert [len(p.ids) for p in parts] == [4, 3, 3, 4]
+    assert parts[0].slices[2] == SeqSlice(2, 2, 6, (3, 4)) and parts[1].slices == [SeqSlice(0, 3, 9, (3, 4, 5))]
+    assert parts[2].slices == [SeqSlice(0, 3, 3, (6,))] and parts[3].slices == [SeqSlice(0, 4, 7, (6, 7))]
+    assert [p.sample_rows for p in parts] == [[0, 1], [2], [], [3]]
+
+
+def _held(engine):
+    return on_all_stages(engine, holding)
+
+
+@pytest.mark.parametrize("shape, num_kv_blocks", [
+    ("llama", 96),  # GQA; chunked prefill (64 tokens a step) and, on a second pass, prefix hits
+    ("deepseek_v3", 24),  # MLA + MoE (the dense layer on stage 0, the sparse one on stage 1); preemption
+])
+def test_pp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, num_kv_blocks):
+    with LLM(str(tiny_checkpoint(shape)), num_kv_blocks=num_kv_blocks, max_num_batched_tokens=64,
+             pipeline_parallel_size=2, pipeline_micro_batches=2) as llm:
+        e = llm.engine
+        held = _held(e)
+        assert [h[0] for h in held] == [range(0, 1), range(1, 2)] and [h[2] for h in held] == [1, 1]
+        assert [h[3:] for h in held] == [(True, False), (False, True)]
+        on_all_stages(e, stage_times, True)  # zeroed
+        run_and_compare(llm, reference, shape)
+        times = on_all_stages(e, stage_times)
+        assert all(t.steps == times[0].steps > 0 and t.busy_s > 0 for t in times)
+        assert times[0].micro_batches > times[0].steps  # steps were cut in two
+        if num_kv_blocks < 96:
+            assert e.stats().num_preempted_total > 0, "the pool was meant to be too small for the batch"
+        else:
+            e.runner.micro_batches = 3  # stage 0's choice, step by step: the stages follow its cut
+            hits = e.stats().prefix_hit_tokens_total
+            run_and_compare(llm, reference, shape)
+            assert e.stats().prefix_hit_tokens_total > hits
+        drained(llm)
+
+
+def test_losing_a_stage_fails_the_engine_with_an_error_not_a_hang(tiny_checkpoint):
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(str(tiny_checkpoint("llama")), num_kv_blocks=32, pipeline_parallel_size=2) as llm:
+        assert len(llm.generate([[5, 6, 7]], sp)[0].outputs[0].token_ids) == 4
+        assert llm.engine.ranks.lost() is None
+        stage1 = llm.engine.ranks.procs[0]
+        stage1.kill()
+        stage1.join(10)
+        assert llm.engine.ranks.lost() == "pipeline stage 1 exited"
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="pipeline-parallel group is broken: pipeline stage 1 exited"):
+            llm.generate([[8, 9, 10]], sp)
+        assert time.monotonic() - started < 60
+        assert llm.engine.pool.num_in_use == 0  # the failed request's blocks went back
+
+
+def test_a_stage_lost_inside_a_step_fails_that_step(tiny_checkpoint):
+    """Unseen before the step (its loss not yet noticed): the activations' transfer to or from
+    the dead stage raises — its connection closed — rather than wait."""
+    from tests.unit.test_tensor_parallel import UnwatchedRanks
+
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(str(tiny_checkpoint("llama")), num_kv_blocks=32, pipeline_parallel_size=2) as llm:
+        watched = llm.engine.ranks
+        llm.engine.ranks = UnwatchedRanks(watched)
+        stage1 = watched.procs[0]
+        stage1.kill()
+        stage1.join(10)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):
+            llm.generate([[8, 9, 10]], sp)
+        assert time.monotonic() - started < 60
+        assert llm.engine.pp.failure.startswith("a collective of its pipeline-parallel group failed")
+        llm.engine.ranks = watched
