@@ -53,6 +53,11 @@ class EngineConfig:
     # stages (processes) one engine's layers are cut into, contiguous ranges (engine/parallel/stages.py)
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int = 1  # a step cut into this many micro-batches in flight through the stages
+    # expert load balancing (engine/expert_balance.py): extra physical expert slots per MoE layer,
+    # spread evenly over the expert-parallel ranks, for replicas of hot experts; and how often
+    # (engine steps; 0: never) the placement is re-planned from the measured tokens per expert
+    redundant_experts: int = 0
+    expert_rebalance_interval_steps: int = 0
     # a quantized checkpoint's weights: kept as stored, multiplied by the quantized GEMM kernels
     # (keep), or dequantized once at load (dequantize); auto: keep on CUDA where the kernels run
     # (engine/quant/linear.py). keep on a CPU needs TRITON_INTERPRET=1 (tests)
@@ -83,6 +88,10 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "cuda_graphs", "fused_kernels", "kv_shared_memory", "expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("redundant_experts", "expert_rebalance_interval_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
         if self.quantized_weights not in QUANTIZED_WEIGHTS:
             raise ConfigError(f"quantized_weights must be one of {', '.join(QUANTIZED_WEIGHTS)}, "
                               f"got {self.quantized_weights!r}")

@@ -81,9 +81,12 @@ class Metrics:
         self.expert_tokens = Gauge(PREFIX + "worker_expert_tokens",
                                    "A mixture-of-experts worker: tokens routed to each expert, over all layers",
                                    ["role", "worker", "expert"], registry=r)
-        self.expert_imbalance = Gauge(PREFIX + "worker_expert_imbalance",
-                                      "A mixture-of-experts worker: its busiest expert's tokens / the mean",
-                                      ["role", "worker"], registry=r)
+        self.expert_imbalance = Gauge(
+            PREFIX + "worker_expert_imbalance",
+            "A mixture-of-experts worker's load imbalance, max / mean: scope expert, its busiest expert's tokens "
+            "(ever); scope rank, its busiest expert-parallel rank's (summed over layers of each layer's busiest), "
+            "since the last expert rebalance; scope rank_before_rebalance, the same over the window that rebalance "
+            "was planned from (engine/expert_balance.py)", ["role", "worker", "scope"], registry=r)
         self.pool_size = Gauge(PREFIX + "pool_size", "Workers per role", ["role"], registry=r)
         self.autoscaler_target = Gauge(PREFIX + "autoscaler_target", "The autoscaler's target pool size", ["role"],
                                        registry=r)

@@ -308,6 +308,22 @@ STEP_TERMS = ("const", "prefill_tokens", "decode_seqs", "decode_ctx_tokens", "pr
 
 
 @dataclass(frozen=True)
+class ExpertBalance:
+    """A mixture-of-experts worker's expert placement and the load it gives its expert-parallel
+    ranks (engine/expert_balance.py; one rank without expert parallelism), summed over layers.
+    Imbalance: the sum over layers of the busiest rank's tokens / the sum of the mean's — how much
+    longer the MoE layers take than with an even spread (1.0)."""
+
+    ranks: int
+    slots_per_rank: int  # physical expert slots per rank (logical experts / ranks + redundant ones)
+    replicas: tuple[int, ...]  # per logical expert: the slots holding it, over all layers
+    rank_tokens: tuple[int, ...]  # tokens each rank's slots took since the last rebalance
+    imbalance: float  # of rank_tokens' window (0.0: nothing counted yet)
+    imbalance_before: float = 0.0  # of the window the last rebalance was planned from (0.0: none yet)
+    rebalances_total: int = 0  # placements applied
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     """A snapshot of an engine's load, for the router and the admission cost models."""
 
@@ -330,6 +346,7 @@ class WorkerStats:
     host_hit_tokens_total: int = 0  # of the prefix hits, tokens loaded back from the host KV tier
     kv_host_blocks_cached: int = 0  # blocks the host tier holds now
     expert_tokens_total: tuple[int, ...] = ()  # a mixture of experts: tokens each expert took, over all layers
+    expert_balance: ExpertBalance | None = None  # where its experts sit and the rank load (None: not tracked)
     grammar_compile_s: float = 0.0  # a structured-output grammar's compile time on a cache miss (0: none yet)
 
     @property

@@ -20,8 +20,8 @@ from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence, SeqStatus
 from splitserve.engine.step_shape import StepShape, shape_of
 from splitserve.hashing import block_hashes
-from splitserve.types import (ConfigError, FinishReason, KVProgress, PhaseTimes, Request, Tier, TokenChunk,
-                              WorkerStats)
+from splitserve.types import (ConfigError, ExpertBalance, FinishReason, KVProgress, PhaseTimes, Request, Tier,
+                              TokenChunk, WorkerStats)
 
 Sampled = tuple[Sequence, int, object]  # (sequence, next token, its logprob or None)
 
@@ -80,6 +80,10 @@ class EngineCore:
     def expert_tokens(self) -> tuple[int, ...]:
         """A mixture-of-experts model: tokens routed to each expert so far (summed over layers)."""
         return ()
+
+    def expert_balance(self) -> ExpertBalance | None:
+        """A mixture-of-experts model's expert placement and rank load (engine/expert_balance.py)."""
+        return None
 
     def grammar_compile_s(self) -> float:
         """A structured-output grammar's compile time here (0: none compiled yet)."""
@@ -367,6 +371,7 @@ class EngineCore:
             decode_context_tokens=sum(s.num_computed_tokens for s in self.scheduler.running),
             token_budget=self.token_budget,
             expert_tokens_total=self.expert_tokens(),
+            expert_balance=self.expert_balance(),
             grammar_compile_s=self.grammar_compile_s(),
         )
 

@@ -24,6 +24,8 @@ from splitserve.engine.attention import get_backend
 from splitserve.engine.attention.paged_backends import triton_unavailable
 from splitserve.engine.core import EngineCore, Sampled
 from splitserve.engine.decode_graphs import cuda_graph_capture
+from splitserve.engine.expert_balance import ExpertBalancer
+from splitserve.engine.expert_balance import check as check_expert_balance
 from splitserve.engine.kv_cache import HostTier, KVCacheTensors
 from splitserve.engine.kernels.norm_rope_cpu import available as cpu_kernels
 from splitserve.engine import memory_report
@@ -47,7 +49,8 @@ from splitserve.engine.parallel.shard import Shard
 from splitserve.engine.parallel.shard import check as check_tp
 from splitserve.engine.parallel.stages import Stage
 from splitserve.engine.parallel.stages import check as check_pp
-from splitserve.types import ConfigError, FinishReason, Request, SamplingParams, TokenChunk, as_token_ids
+from splitserve.types import (ConfigError, ExpertBalance, FinishReason, Request, SamplingParams, TokenChunk,
+                              as_token_ids)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ class Engine(EngineCore):
         size = config.tensor_parallel_size
         check_tp(mc, size, config.expert_parallel)  # before any rank is started
         check_pp(mc.num_layers, config.pipeline_parallel_size)
+        check_expert_balance(mc, config)
         self.ranks: Ranks | None = None  # the followers this engine started (rank 0 only)
         if tp is None and size > 1:
             if self.device.type == "cuda":
@@ -109,6 +113,8 @@ class Engine(EngineCore):
         model = load_model(Path(config.model), mc, self.dtype, max_model_len, self.device, self.tp, shard, keep,
                            self.stage)
         self.tp.wait_all()  # the slowest rank's load is no collective's timeout
+        # experts in slots, with replicas and a placement rebalanced between steps (None: off)
+        self.expert_balancer = ExpertBalancer.attach(model, mc, config, shard)
         kv_heads = mc.num_kv_heads if shard is None else len(shard.kv_heads)
         kv_layers = mc.num_layers if self.stage is None else len(self.stage.layers)
         # every rank's pool has rank 0's block count: its block ids index them all (every stage's:
@@ -186,6 +192,8 @@ class Engine(EngineCore):
         self.pool.drain_events()
         for m in self._moe_layers:  # the expert load is the users' requests'
             m.expert_tokens.zero_()
+        if self.expert_balancer is not None:
+            self.expert_balancer.reset(self._steps)
         if self.host is not None:
             self.host.reset()
             self.host.drain_events()
@@ -217,6 +225,18 @@ class Engine(EngineCore):
         if outside:
             raise ConfigError(f"logit_bias: token id {outside[0]} is outside the vocabulary (size {vocab})")
         return self.check_lengths(req)
+
+    def step(self) -> list[TokenChunk]:
+        if self.expert_balancer is not None:  # between steps: every rank applies a new placement here
+            self.expert_balancer.between_steps(self)
+        return super().step()
+
+    def rebalance_experts(self, placements=None) -> bool:
+        """Re-plan the experts' placement from the tokens per expert since the last rebalance
+        (or apply `placements`, one ExpertPlacement per MoE layer) now, between steps."""
+        if self.expert_balancer is None:
+            raise ConfigError("expert rebalancing needs redundant_experts or expert_rebalance_interval_steps")
+        return self.expert_balancer.rebalance(self, placements)
 
     # -- the model: what EngineCore leaves to its subclass ----------------------------------
     def _new_seq(self, req: Request, outputs: tuple[int, ...] = ()) -> Sequence:
@@ -275,6 +295,9 @@ class Engine(EngineCore):
     def expert_tokens(self) -> tuple[int, ...]:
         counts = [m.expert_tokens for m in self._moe_layers]
         return tuple(torch.stack(counts).sum(0).tolist()) if counts else ()
+
+    def expert_balance(self) -> ExpertBalance | None:
+        return None if self.expert_balancer is None else self.expert_balancer.stats()
 
     def grammar_compile_s(self) -> float:
         masks = self.sampler.masks

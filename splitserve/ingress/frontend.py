@@ -351,7 +351,13 @@ class Frontend:
                 for e, n in enumerate(w.expert_tokens):
                     m.expert_tokens.labels(role=w.role, worker=w.worker_id, expert=str(e)).set(n)
                 mean = sum(w.expert_tokens) / len(w.expert_tokens)
-                m.expert_imbalance.labels(role=w.role, worker=w.worker_id).set(max(w.expert_tokens) / mean if mean else 0)
+                m.expert_imbalance.labels(role=w.role, worker=w.worker_id, scope="expert").set(
+                    max(w.expert_tokens) / mean if mean else 0)
+            if w.expert_balance is not None:
+                b = w.expert_balance
+                m.expert_imbalance.labels(role=w.role, worker=w.worker_id, scope="rank").set(b.imbalance)
+                m.expert_imbalance.labels(role=w.role, worker=w.worker_id, scope="rank_before_rebalance").set(
+                    b.imbalance_before)
             roles[w.role] = roles.get(w.role, 0) + (1 if w.healthy else 0)
         for role, n in roles.items():
             m.pool_size.labels(role=role).set(n)

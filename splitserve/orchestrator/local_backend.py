@@ -46,7 +46,8 @@ class LocalBackend:
     def worker_views(self) -> list[WorkerView]:
         s = self.loop.latest_stats
         return [WorkerView(LOCAL, "decode", "localhost", s.num_waiting, s.num_running, s.kv_usage,
-                           step_time_coeffs=s.step_time_coeffs, expert_tokens=s.expert_tokens_total)]
+                           step_time_coeffs=s.step_time_coeffs, expert_tokens=s.expert_tokens_total,
+                           expert_balance=s.expert_balance)]
 
     async def generate(self, req: Request, plan: Plan | None = None) -> AsyncIterator[TokenChunk]:
         q = await self.loop.submit(req)

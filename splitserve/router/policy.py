@@ -33,7 +33,7 @@ from typing import Callable, Collection, Hashable, Mapping, Protocol, Sequence
 from splitserve.hashing import BlockHash
 from splitserve.router.kv_index import Group, KVIndex
 from splitserve.router.pd_decider import PDDecider, ThresholdDecider
-from splitserve.types import Role, WorkerId, WorkerStats
+from splitserve.types import ExpertBalance, Role, WorkerId, WorkerStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,7 @@ class WorkerView:
     pending_prefill_tokens: int = 0  # prompt tokens it has queued, not yet computed (the PD decider)
     decode_context_tokens: int = 0  # context its running decodes read each step
     token_budget: int = 2048  # its engine's max_num_batched_tokens: the largest prefill chunk a step takes
+    expert_balance: ExpertBalance | None = None  # its experts' placement and rank load (WorkerStats)
 
     @property
     def up(self) -> bool:
@@ -70,7 +71,7 @@ class WorkerView:
         return WorkerView(wid, role, host, stats.num_waiting + pending, stats.num_running, stats.kv_usage,
                           stats.kv_blocks_free + stats.kv_blocks_cached, healthy, draining, stats.step_time_coeffs,
                           stats.expert_tokens_total, stats.pending_prefill_tokens, stats.decode_context_tokens,
-                          stats.token_budget)
+                          stats.token_budget, stats.expert_balance)
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,8 @@ def test_expert_load_and_its_imbalance_are_exported_per_worker():
     text = front.metrics.exposition().decode()
     got = {ln.split("{")[1].split("}")[0]: float(ln.split()[-1]) for ln in text.splitlines()
            if ln.startswith("splitserve_worker_expert_")}
-    assert got['expert="3",role="decode",worker="w1"'] == 4 and got['role="decode",worker="w1"'] == 2.0  # 4 / mean 2
+    assert got['expert="3",role="decode",worker="w1"'] == 4
+    assert got['role="decode",scope="expert",worker="w1"'] == 2.0  # 4 / mean 2
     assert not any('worker="w2"' in k for k in got)  # a dense worker exports none
 
 
