@@ -72,8 +72,6 @@ class EngineConfig:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                      "tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches"):
             positive(name)
-        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ConfigError("pipeline_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet")
         if self.pipeline_parallel_size > 1 and self.host_kv_blocks:
             raise ConfigError("host_kv_blocks is not supported with pipeline_parallel_size > 1 yet")
         if self.pipeline_micro_batches > 1 and self.pipeline_parallel_size == 1:

@@ -88,14 +88,16 @@ class Engine(EngineCore):
         check_pp(mc.num_layers, config.pipeline_parallel_size)
         check_expert_balance(mc, config)
         self.ranks: Ranks | None = None  # the followers this engine started (rank 0 only)
-        if tp is None and size > 1:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)  # rank 0's GPU
-            tp, self.ranks = (start_ranks or start_local_group)(config)
-        if pp is None and config.pipeline_parallel_size > 1:
+        if pp is None and config.pipeline_parallel_size > 1:  # and its stages' TP ranks
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # stage 0's GPU
             pp, self.ranks = (start_ranks or start_local_stages)(config)
+        if pp is not None:
+            tp = pp.tp  # this stage's TP group (None: a stage is one process)
+        elif tp is None and size > 1:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # rank 0's GPU
+            tp, self.ranks = (start_ranks or start_local_group)(config)
         self.tp = tp or TPGroup()
         self.pp = pp
         try:
@@ -108,7 +110,7 @@ class Engine(EngineCore):
         size = config.tensor_parallel_size
         shard = Shard.of(mc, self.tp.rank, size, config.expert_parallel) if size > 1 else None
         pp = self.pp
-        self.stage = Stage.of(mc.num_layers, pp.rank, pp.size) if pp is not None else None
+        self.stage = Stage.of(mc.num_layers, pp.stage, pp.stages) if pp is not None else None
         keep = keep_quantized(config.quantized_weights, mc.quant, self.device)
         model = load_model(Path(config.model), mc, self.dtype, max_model_len, self.device, self.tp, shard, keep,
                            self.stage)

@@ -2,8 +2,9 @@
 tiny models' two layers and that layer's KV cache (the embedding on stage 0, the final norm and
 LM head on stage 1), activations sent stage to stage and the logits back to stage 0, a step cut
 into micro-batches in flight — gives Hugging Face's greedy tokens (tie rule as in
-test_engine_parity) with chunked prefill, prefix hits and preemption; losing a stage fails the
-engine with an error instead of hanging."""
+test_engine_parity) with chunked prefill, prefix hits and preemption, also with each stage a
+tensor-parallel group of 2 (four processes); losing a stage fails the engine with an error
+instead of hanging."""
 
 import time
 
@@ -29,8 +30,6 @@ def test_layers_are_cut_into_contiguous_ranges_as_evenly_as_possible(tiny_checkp
     with pytest.raises(ConfigError, match="pipeline_parallel_size 3 exceeds the model's 2 layers"):
         LLM(str(tiny_checkpoint("llama")), num_kv_blocks=16, pipeline_parallel_size=3)
     path = str(tiny_checkpoint("llama"))
-    with pytest.raises(ConfigError, match="with tensor_parallel_size > 1 is not supported yet"):
-        EngineConfig(model=path, pipeline_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="pipeline_micro_batches > 1 needs pipeline_parallel_size > 1"):
         EngineConfig(model=path, pipeline_micro_batches=2)
     with pytest.raises(ConfigError, match="pipeline_parallel_size must be a positive integer"):
@@ -135,6 +134,22 @@ def test_pp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, num_k
             hits = e.stats().prefix_hit_tokens_total
             run_and_compare(llm, reference, shape)
             assert e.stats().prefix_hit_tokens_total > hits
+        drained(llm)
+
+
+@pytest.mark.parametrize("shape, num_kv_blocks", [("llama", 96), ("deepseek_v3", 24)])
+def test_pp2_tp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, num_kv_blocks):
+    """Four processes: each stage a TP group of two (heads, MLP and expert columns, vocab rows
+    split), the stream handed from TP rank t of stage 0 to TP rank t of stage 1, the logits
+    gathered on stage 1 and sent back by its rank 0. DeepSeek-V3 with a pool too small for the
+    batch (preemption)."""
+    with LLM(str(tiny_checkpoint(shape)), num_kv_blocks=num_kv_blocks, max_num_batched_tokens=64,
+             pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_micro_batches=2) as llm:
+        held = _held(llm.engine)
+        assert [h[0] for h in held] == [range(0, 1)] * 2 + [range(1, 2)] * 2
+        assert llm.engine.tp.size == 2 and llm.engine.runner.model.cfg.num_heads == llm.engine.model_config.num_heads // 2
+        run_and_compare(llm, reference, shape)  # chunked prefill, prefix hits within the batch
+        assert (llm.engine.stats().num_preempted_total > 0) == (num_kv_blocks < 96)
         drained(llm)
 
 

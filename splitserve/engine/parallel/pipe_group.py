@@ -22,33 +22,54 @@ which every stage knows from the step."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import multiprocessing as mp
 import os
+from typing import Any
 
 import torch
 
-from splitserve.engine.parallel.group import DistGroup, GroupSpec
+from splitserve.engine.parallel.group import IDLE_FOREVER, DistGroup, GroupSpec
 from splitserve.engine.parallel.launch import LocalRanks, free_address, on_cuda
 
 
 class PipeGroup(DistGroup):
-    """Stage `rank` of `size` (PP alone: a stage is one process). Every step, stage s receives
-    its micro-batches' activations from s-1 and sends its own to s+1; the last sends the logits
-    of the rows to sample back to stage 0."""
+    """Process `rank` of the `size` = stages x tp_size processes of a pipeline-parallel engine:
+    stage rank // tp_size, its tensor-parallel rank rank % tp_size (PP alone: a stage is one
+    process). Every step, each process of stage s receives its micro-batches' activations from
+    the same TP rank of stage s-1 and sends its own to that of s+1 (after the all-reduce every
+    rank of a stage holds the whole stream); the last stage's TP rank 0 sends the logits of the
+    rows to sample back to process 0. With tp_size > 1, `tp` is this stage's TP group."""
 
     kind = "pipeline-parallel"
 
-    def __init__(self, spec: GroupSpec) -> None:
+    def __init__(self, spec: GroupSpec, tp_size: int = 1) -> None:
         super().__init__(spec)
         self.timeout_s = spec.timeout_s
+        self.tp_size = tp_size
+        self.stage, self.tp_rank, self.stages = spec.rank // tp_size, spec.rank % tp_size, spec.size // tp_size
+        self.tp: StageTPGroup | None = None
+        if tp_size > 1:  # every process makes every stage's groups, in one order (torch.distributed's rule)
+            groups = [self._stage_groups(s, spec.backend) for s in range(self.stages)]
+            self.tp = StageTPGroup(self, *groups[self.stage])
+
+    def _stage_groups(self, stage: int, backend: str):
+        ranks = list(range(stage * self.tp_size, (stage + 1) * self.tp_size))
+        timed = self._dist.new_group(ranks, backend=backend, timeout=datetime.timedelta(seconds=self.timeout_s))
+        return ranks, timed, self._dist.new_group(ranks, backend=backend, timeout=IDLE_FOREVER)
 
     @property
     def prev(self) -> int:
-        return self.rank - 1
+        return self.rank - self.tp_size
 
     @property
     def next(self) -> int:
-        return self.rank + 1
+        return self.rank + self.tp_size
+
+    @property
+    def last_lead(self) -> int:
+        """The process that sends the logits: the last stage's TP rank 0."""
+        return (self.stages - 1) * self.tp_size
 
     def isend(self, tensors: list[torch.Tensor], dst: int, tag: int) -> list:
         """Start sending `tensors` to `dst` (tags tag, tag+1, ...); the handles to `wait` for
@@ -63,33 +84,76 @@ class PipeGroup(DistGroup):
             self._collective(w.wait)
 
 
+class StageTPGroup(DistGroup):
+    """One stage's tensor-parallel group inside the pipeline's processes: the collectives a TP
+    engine's model and start need (`TPGroup`), on that stage's ranks only."""
+
+    def __init__(self, pp: PipeGroup, ranks: list[int], timed, untimed) -> None:  # no group of its own to init
+        self._dist, self._pg, self._steps, self._ranks = pp._dist, timed, untimed, ranks
+        self.rank, self.size = ranks.index(pp.rank), len(ranks)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self._collective(self._dist.all_reduce, x, group=self._pg)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._collective(self._dist.all_gather, parts, x.contiguous(), group=self._pg)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, obj: Any = None) -> Any:
+        box = [obj]
+        self._collective(self._dist.broadcast_object_list, box, src=self._ranks[0], group=self._steps)
+        return box[0]
+
+    def wait_all(self) -> None:
+        self._collective(self._dist.barrier, group=self._steps)
+
+    def gather(self, obj: Any) -> list | None:
+        out = [None] * self.size if self.rank == 0 else None
+        self._collective(self._dist.gather_object, obj, out, dst=self._ranks[0], group=self._steps)
+        return out
+
+    def close(self) -> None:
+        pass  # the pipeline's group is destroyed with its own
+
+
 class LocalStages(LocalRanks):
+    def __init__(self, procs: list, tp_size: int = 1) -> None:
+        super().__init__(procs)
+        self.tp_size = tp_size
+
     def lost(self) -> str | None:
         gone = [r for r, p in enumerate(self.procs, 1) if not p.is_alive()]
-        return f"pipeline stage {gone[0]} exited" if gone else None
+        if not gone:
+            return None
+        stage, rank = divmod(gone[0], self.tp_size)
+        return f"pipeline stage {stage} exited" + (f" (its tensor-parallel rank {rank})" if self.tp_size > 1 else "")
 
 
 def start_local_stages(config, timeout_s: float = 60.0) -> tuple[PipeGroup, LocalStages]:
-    """Start stages 1..S-1 of `config`'s engine as local processes (stage s on GPU s) and join
-    them as stage 0."""
-    size = config.pipeline_parallel_size
+    """Start processes 1..S*T-1 of `config`'s engine (S stages of T TP ranks; process r on GPU
+    r) and join them as process 0: stage 0, TP rank 0."""
+    t = config.tensor_parallel_size
+    size = config.pipeline_parallel_size * t
     address = free_address()
     backend = "nccl" if on_cuda(config) else "gloo"
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=stage_main, args=(config, GroupSpec(s, size, address, backend, timeout_s), s),
-                         name=f"splitserve-pp-stage{s}", daemon=True) for s in range(1, size)]
+    procs = [ctx.Process(target=stage_main, args=(config, GroupSpec(r, size, address, backend, timeout_s), r, t),
+                         name=f"splitserve-pp-stage{r // t}" + (f"-tp{r % t}" if t > 1 else ""), daemon=True)
+             for r in range(1, size)]
     for p in procs:
         p.start()
     try:
-        return PipeGroup(GroupSpec(0, size, address, backend, timeout_s)), LocalStages(procs)
+        return PipeGroup(GroupSpec(0, size, address, backend, timeout_s), t), LocalStages(procs, t)
     except Exception:
         for p in procs:
             p.kill()
         raise
 
 
-def stage_main(config, spec: GroupSpec, gpu: int | None = 0) -> int:
-    """One stage > 0, to the end of its group; how many steps it ran."""
+def stage_main(config, spec: GroupSpec, gpu: int | None = 0, tp_size: int = 1) -> int:
+    """One process > 0 of the pipeline, to the end of its group; how many steps it ran."""
     from splitserve.engine.engine import Engine
     from splitserve.engine.parallel.pipeline import follow_stage
 
@@ -97,7 +161,7 @@ def stage_main(config, spec: GroupSpec, gpu: int | None = 0) -> int:
     if on_cuda(config):
         torch.cuda.set_device(gpu)
         config = dataclasses.replace(config, device=f"cuda:{gpu}")
-    pp = PipeGroup(spec)
+    pp = PipeGroup(spec, tp_size)
     engine = Engine(config, pp=pp)
     try:
         return follow_stage(engine)

@@ -1,5 +1,6 @@
 """Pipeline parallelism: one engine's layers cut into S stages (parallel/stages.py), each a
-process (parallel/pipe_group.py) holding its layers' weights and their KV cache.
+process (parallel/pipe_group.py) holding its layers' weights and their KV cache — or a
+tensor-parallel group of T processes, each holding its shard of them (PP x TP).
 
 A step's life: stage 0 — the engine: scheduler, block pool, sampler, as without pipelining —
 schedules, flattens the step and cuts it into m micro-batches (parallel/micro_batches.py);
@@ -92,7 +93,8 @@ class PipelineRunner(ModelRunner):
         st, pp, model = self.stage, self.pp, self.model
         width = 2 if model.fused else 1  # tensors per hand-over: the stream, or its unadded pair
         inbox = [] if st.first else [self._expect(mb, k, width) for k, mb in enumerate(micro)]
-        logits_box = [self._expect_logits(mb, k) for k, mb in enumerate(micro) if mb.sample_rows] if st.first else []
+        logits_box = ([self._expect_logits(mb, k) for k, mb in enumerate(micro) if mb.sample_rows]
+                      if pp.rank == 0 else [])  # process 0 samples
         sent: list = []
         for k, mb in enumerate(micro):
             if not st.first:
@@ -107,10 +109,11 @@ class PipelineRunner(ModelRunner):
             x, delta = model.run_layers(x, delta, self._tensor(mb.pos), self.kv_layers, self.backend, meta)
             if not st.last:
                 sent += pp.isend([x] if delta is None else [x, delta], pp.next, k * width)
-            elif mb.sample_rows:
+            elif mb.sample_rows:  # every TP rank of the last stage computes them (gathered), one sends
                 hidden = x if delta is None else x + delta
-                sent += pp.isend([model.compute_logits(hidden[self._tensor(mb.sample_rows)], upcast=False)], 0,
-                                 LOGITS_TAG + k)
+                logits = model.compute_logits(hidden[self._tensor(mb.sample_rows)], upcast=False)
+                if pp.tp_rank == 0:
+                    sent += pp.isend([logits], 0, LOGITS_TAG + k)
             self._clocked(t, k)
         pp.wait(sent)
         self.clock.steps += 1
@@ -127,7 +130,7 @@ class PipelineRunner(ModelRunner):
 
     def _expect_logits(self, mb: FlatStep, k: int):
         buf = torch.empty(len(mb.sample_rows), self.model.cfg.vocab_size, dtype=self.dtype, device=self.device)
-        return buf, self.pp.irecv([buf], self.pp.size - 1, LOGITS_TAG + k)
+        return buf, self.pp.irecv([buf], self.pp.last_lead, LOGITS_TAG + k)
 
     def _clocked(self, t: float, k: int) -> None:
         c = self.clock

@@ -28,6 +28,8 @@ class RankFailure:
 
 def on_all_ranks(engine: "Engine", fn: Callable[..., Any], *args: Any) -> list:
     """fn(engine, *args) on every rank (rank 0 last sends it); the answers in rank order."""
+    if getattr(engine, "pp", None) is not None:  # its processes wait on the pipeline's broadcast, not this one's
+        raise RuntimeError("a pipeline-parallel engine runs rank calls on all its processes: on_all_stages")
     if engine.tp.size > 1:
         engine.tp.broadcast(RankCall(fn, args))
     answers = engine.tp.gather(answer(engine, RankCall(fn, args)))
