@@ -9,8 +9,8 @@ the micro-batches go to every stage in the step broadcast; then every stage runs
 activations to stage 1 (the hidden states, and on the fused residual path the residual and the
 last layer's output unadded) and goes on to micro-batch k+1 while stage 1 runs k; the last
 stage applies the final norm and LM head to the rows due a token and sends their logits back to
-stage 0, which samples as always. Every receive is posted as the step starts, every send is
-asynchronous: no stage waits for a peer to be ready to receive. Stage s runs micro-batch k's
+stage 0, which samples as always. Every activation's receive is posted as the step starts,
+every send is asynchronous: no stage waits for a peer to be ready to receive. Stage s runs micro-batch k's
 layers before k+1's, so a prefill chunk cut over two micro-batches finds its first part's KV in
 each stage's cache (exact, as chunked prefill is).
 
@@ -93,8 +93,6 @@ class PipelineRunner(ModelRunner):
         st, pp, model = self.stage, self.pp, self.model
         width = 2 if model.fused else 1  # tensors per hand-over: the stream, or its unadded pair
         inbox = [] if st.first else [self._expect(mb, k, width) for k, mb in enumerate(micro)]
-        logits_box = ([self._expect_logits(mb, k) for k, mb in enumerate(micro) if mb.sample_rows]
-                      if pp.rank == 0 else [])  # process 0 samples
         sent: list = []
         for k, mb in enumerate(micro):
             if not st.first:
@@ -115,6 +113,11 @@ class PipelineRunner(ModelRunner):
                 if pp.tp_rank == 0:
                     sent += pp.isend([logits], 0, LOGITS_TAG + k)
             self._clocked(t, k)
+        # the logits' receives only now, behind this step's sends: NCCL runs a pair's sends and
+        # receives in order on one stream, and at S = 2 stage 1 sends the logits only once the
+        # activations have reached it
+        logits_box = ([self._expect_logits(mb, k) for k, mb in enumerate(micro) if mb.sample_rows]
+                      if pp.rank == 0 else [])  # process 0 samples
         pp.wait(sent)
         self.clock.steps += 1
         if not logits_box:
