@@ -147,7 +147,8 @@ def test_pp2_tp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, n
              pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_micro_batches=2) as llm:
         held = _held(llm.engine)
         assert [h[0] for h in held] == [range(0, 1)] * 2 + [range(1, 2)] * 2
-        assert llm.engine.tp.size == 2 and llm.engine.runner.model.cfg.num_heads == llm.engine.model_config.num_heads // 2
+        e = llm.engine
+        assert e.tp.size == 2 and e.runner.model.cfg.num_heads == e.model_config.num_heads // 2
         run_and_compare(llm, reference, shape)  # chunked prefill, prefix hits within the batch
         assert (llm.engine.stats().num_preempted_total > 0) == (num_kv_blocks < 96)
         drained(llm)

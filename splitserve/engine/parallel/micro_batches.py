@@ -3,9 +3,10 @@ micro-batch k, stage s-1 runs micro-batch k+1 (engine/parallel/pipeline.py).
 
 The step's flat token run is cut into `m` runs of nearly equal token counts. A cut may fall
 inside a prefill chunk: its first part is then a chunk of its own (the KV it writes is context
-for the second part; never a single token, which would be taken for a decode), and only the part holding the chunk's last token samples. That is exact
-because every stage runs the micro-batches in order: the first part's KV is in each stage's
-cache before the second part's attention reads it there — a prefill chunk pipelined. A decode
+for the second part; never a single token, which would be taken for a decode), and only the
+part holding the chunk's last token samples. That is exact because every stage runs the
+micro-batches in order: the first part's KV is in each stage's cache before the second part's
+attention reads it there — a prefill chunk pipelined. A decode
 is one token and never cut. The micro-batches' sampled rows, in order, are the step's."""
 
 from __future__ import annotations
