@@ -40,3 +40,20 @@ def test_the_cpu_bf16_engine_widens_the_decoder_linears_only(tiny_checkpoint):
     assert not isinstance(model.lm_head, WidenedLinear)
     fp32 = LLM(str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=16).engine.runner.model
     assert not any(isinstance(m, WidenedLinear) for m in fp32.modules())
+
+
+def test_latent_attention_reads_its_widened_projection(tiny_checkpoint):
+    """DeepSeek-V3 in bf16 where the CPU lacks AMX: latent attention reads kv_b_proj's weight
+    directly, which a widened kv_b_proj must still give (generating raised AttributeError)."""
+    from splitserve import SamplingParams
+    from splitserve.engine.model.widened_linear import widen_linears
+
+    llm = LLM(str(tiny_checkpoint("deepseek_v3")), dtype="bfloat16", num_kv_blocks=64)
+    model = llm.engine.runner.model
+    if not isinstance(model.layers[0].self_attn.kv_b_proj, WidenedLinear):
+        widen_linears(model)  # an AMX CPU leaves them plain: widen them here
+    proj = model.layers[0].self_attn.kv_b_proj
+    assert isinstance(proj, WidenedLinear) and proj.weight is proj.linear.weight
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 150)]  # 150 rows: the fp32 path
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 8]

@@ -24,6 +24,11 @@ class WidenedLinear(nn.Module):
         self.weight32 = linear.weight.detach().float()
         self.bias32 = None if linear.bias is None else linear.bias.detach().float()
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The bf16 weight, for a model that reads it directly (latent attention's kv_b_proj)."""
+        return self.linear.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < WIDE_ROWS:
             return self.linear(x)
