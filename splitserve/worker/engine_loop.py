@@ -184,10 +184,11 @@ class EngineLoop:
                 failures = 0
             except Exception as e:  # deliver, don't die: every waiter learns what happened
                 failures += 1
-                if getattr(self.engine, "tp", None) is not None and self.engine.tp.size > 1:
-                    # a rank failed mid-step: the others wait in a collective of that step, so the
-                    # next step's would meet theirs out of order — the group is done at once
-                    self.failure = f"a step of its tensor-parallel group failed with {type(e).__name__}"
+                group = _process_group(self.engine)
+                if group is not None:
+                    # a rank or stage failed mid-step: the others wait in a collective of that
+                    # step, so the next step's would meet theirs out of order — done at once
+                    self.failure = f"a step of its {group} group failed with {type(e).__name__}"
                 elif failures >= self.max_step_failures:
                     self.failure = f"{failures} engine steps in a row failed, the last with {type(e).__name__}"
                 if self.failure is not None:
@@ -220,3 +221,12 @@ class EngineLoop:
         # after the step in progress: the engine's close then runs alone (under tensor parallelism
         # it sends the ranks their last broadcast, which must not cross a step's collectives)
         self._exec.shutdown(wait=True, cancel_futures=True)
+
+
+def _process_group(engine) -> str | None:
+    """The kind of process group an engine's steps span ("pipeline-parallel",
+    "tensor-parallel"), or None for one process."""
+    if getattr(engine, "pp", None) is not None:
+        return "pipeline-parallel"
+    tp = getattr(engine, "tp", None)
+    return "tensor-parallel" if tp is not None and tp.size > 1 else None

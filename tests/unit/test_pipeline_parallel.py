@@ -188,3 +188,36 @@ def test_a_stage_lost_inside_a_step_fails_that_step(tiny_checkpoint):
         assert time.monotonic() - started < 60
         assert llm.engine.pp.failure.startswith("a collective of its pipeline-parallel group failed")
         llm.engine.ranks = watched
+
+
+def test_a_serving_loop_stops_at_the_first_failed_step_of_a_pipeline(tiny_checkpoint):
+    """A worker's serving loop retries a failed step of one process, but a pipeline's stages
+    wait in that step's transfers: the loop stops at once (its worker is replaced), as for TP."""
+    import asyncio
+
+    from splitserve.config import EngineConfig
+    from splitserve.types import Request
+    from splitserve.worker.engine_loop import EngineLoop
+    from tests.unit.test_tensor_parallel import UnwatchedRanks
+
+    loop = EngineLoop.start(EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=32,
+                                         pipeline_parallel_size=2))
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    watched = loop.engine.ranks
+    loop.engine.ranks = UnwatchedRanks(watched)
+
+    async def go():
+        stage1 = watched.procs[0]
+        stage1.kill()
+        stage1.join(10)
+        q = await loop.submit(Request("after-stage-loss", (5, 6, 7), sp))
+        return await asyncio.wait_for(q.get(), 60)
+
+    try:
+        item = asyncio.run(go())
+        assert isinstance(item, Exception) and "this engine has stopped" in str(item)
+        assert loop.failure == "a step of its pipeline-parallel group failed with RuntimeError"  # no retries
+    finally:
+        loop.close()
+        loop.engine.ranks = watched
+        loop.engine.close()
