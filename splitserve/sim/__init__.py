@@ -11,7 +11,9 @@ engine). Entry point: `splitserve simulate` (command.py); the pieces:
     router.py      one router replica: the real policy, KV index and Pending over the reports
     pools.py       the pools: start, drain, stop, nodes; what the Controller does
     simulation.py  a request's life from arrival to end, admission, the autoscaler's ticks
-    cost/          step-time models (linear: calibrated / profiled; roofline) and KV links
+    cost/          step-time models (linear: calibrated / profiled; roofline; parallel: PP, DP
+                   attention, EP, DeepSeek's shape) and KV links
+    capacity.py    a cost model's steady-state output tokens/s at a TPOT target, without simulating
     search.py      goodput at a target SLO attainment; the prefill:decode sweep
     report.py      the summary JSON, its print, the PNG
 """

@@ -17,8 +17,10 @@ from splitserve.sim.cost import ByRole
 from splitserve.sim.cost.hardware import gpu
 from splitserve.sim.cost.linear import LinearCost
 from splitserve.sim.cost.profiled import profiled_cost
+from splitserve.sim.cost.comm import SCHEDULES
+from splitserve.sim.cost.parallel import Layout, ParallelCost
 from splitserve.sim.cost.roofline import RooflineCost
-from splitserve.sim.cost.shapes import model_shape
+from splitserve.sim.cost.shapes import ModelShape, model_shape
 from splitserve.sim.pools import LAYOUTS
 from splitserve.sim.report import format_summary, plot, summarize
 from splitserve.sim.simulation import SimConfig, Simulation
@@ -46,9 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--grammar-compile-ms", type=float, default=1.1,
                    help="a grammar's compile on a worker that has not cached it (default 1.1, measured here)")
     c = p.add_argument_group("cost model (one of)")
-    c.add_argument("--gpu", default=None, help="roofline: h100, h200, a100, h20, l40s")
+    c.add_argument("--gpu", default=None, help="roofline: h100, h200, a100, h20, h800, l40s")
     c.add_argument("--model", default="llama-3-8b",
-                   help="roofline model shape: llama-3-8b, llama-3-70b, qwen2.5-7b, qwen2.5-72b or a config.json "
+                   help="roofline model shape: llama-3-8b, llama-3-70b, qwen2.5-7b, qwen2.5-72b, deepseek-v3, "
+                        "deepseek-r1 or a config.json "
                         "(with --calibrate: the checkpoint directory to measure)")
     c.add_argument("--calibrated", default=None, metavar="FILE", help="a cost model JSON from --calibrate")
     c.add_argument("--calibrated-prefill", default=None, metavar="FILE",
@@ -58,6 +61,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--memory-efficiency", type=float, default=0.8, help="roofline: of HBM bandwidth (default 0.8)")
     c.add_argument("--step-overhead-ms", type=float, default=2.0, help="roofline: per step (default 2)")
     c.add_argument("--tensor-parallel", type=int, default=1, help="roofline: GPUs per worker (default 1)")
+    c.add_argument("--pipeline-parallel", type=int, default=1,
+                   help="roofline: pipeline stages per worker, across nodes where they do not fit one (default 1)")
+    c.add_argument("--micro-batches", type=int, default=1,
+                   help="roofline: a pipelined step's micro-batches (default 1)")
+    c.add_argument("--pp-schedule", choices=SCHEDULES, default="flush",
+                   help="flush: every step drains the pipeline (the bubble); async: micro-batches of successive "
+                        "steps overlap (default flush)")
+    c.add_argument("--dp-attention", type=int, default=1,
+                   help="roofline: attention replicas per stage, each with its own requests and KV (default 1)")
+    c.add_argument("--expert-parallel", action="store_true",
+                   help="roofline: routed experts spread over the stage's tp x dp ranks, all-to-all a MoE layer")
+    c.add_argument("--expert-imbalance", type=float, default=1.0,
+                   help="roofline, expert parallel: the busiest rank's routed tokens over the mean (default 1)")
     k = p.add_argument_group("cluster")
     k.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     k.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
@@ -135,7 +151,17 @@ def cost_of(a: argparse.Namespace):
         raise ConfigError("--calibrated-prefill goes with --calibrated (the decode pool's)")
     if a.gpu is None:
         raise ConfigError("give a cost model: --gpu NAME (roofline, with --model), --calibrated FILE or --profiled FILE")
-    roof = RooflineCost(gpu(a.gpu), model_shape(a.model), a.compute_efficiency, a.memory_efficiency,
+    shape = model_shape(a.model)
+    layout = Layout(tp=a.tensor_parallel, pp=a.pipeline_parallel, dp_attention=a.dp_attention,
+                    expert_parallel=a.expert_parallel, micro_batches=a.micro_batches, schedule=a.pp_schedule,
+                    gpus_per_node=a.gpus_per_node)
+    if not isinstance(shape, ModelShape) or layout != Layout(tp=a.tensor_parallel, gpus_per_node=a.gpus_per_node):
+        if a.profiled is not None:
+            raise ConfigError("--profiled fits a single-stage dense roofline; not with pipeline, DP attention, "
+                              "experts or latent attention")
+        return ParallelCost(gpu(a.gpu), shape, layout, a.compute_efficiency, a.memory_efficiency,
+                            a.step_overhead_ms / 1e3, expert_imbalance=a.expert_imbalance)
+    roof = RooflineCost(gpu(a.gpu), shape, a.compute_efficiency, a.memory_efficiency,
                         a.step_overhead_ms / 1e3, tensor_parallel=a.tensor_parallel)
     return profiled_cost(a.profiled, roof, a.block_size) if a.profiled is not None else roof
 

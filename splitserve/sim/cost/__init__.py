@@ -8,6 +8,10 @@ how fast KV moves between workers. Chosen by name (`make_cost`):
                (profiled.py)
     roofline   a GPU type's data sheet × a model shape, with stated efficiency factors
                (roofline.py)
+    parallel   the same for a worker cut into pipeline stages, tensor-parallel groups (within or
+               across nodes), data-parallel attention replicas and expert-parallel ranks, for
+               dense and latent-attention MoE shapes (parallel.py: the terms; comm.py: the
+               collectives' and the pipeline's formulas; mla_moe.py: DeepSeek-V3/R1's shape)
 
 Every model also gives the linear coefficients the workers report in `WorkerStats`, which
 admission and the autoscaler read: what a real worker's online fit would converge to.

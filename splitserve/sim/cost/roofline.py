@@ -17,6 +17,8 @@ the weights, the KV heads and the FLOPs, so both roofline terms divide by T; eve
 all-reduces of the step's activations (tokens × hidden, ring: 2 (T-1)/T of them over NVLink, plus
 `allreduce_latency_s` each). The KV pool is the T GPUs' together; a hand-over moves each rank's
 heads over its own NIC (T links in parallel). A model whose weights do not fit T GPUs is refused.
+Pipeline stages, data-parallel attention, experts and latent attention: parallel.py, which
+reduces to this model for one stage of a dense one.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class RooflineCost:
                 raise ConfigError(f"roofline {n} must be in (0, 1], got {getattr(self, n)}")
         if self.step_overhead_s < 0 or self.allreduce_latency_s < 0:
             raise ConfigError("roofline step_overhead_s and allreduce_latency_s must be >= 0")
+        if not isinstance(self.model, ModelShape):
+            raise ConfigError(f"{self.model.name} is not a dense GQA shape: the parallel roofline (parallel.py) "
+                              "models it")
         t = self.tensor_parallel
         if not isinstance(t, int) or isinstance(t, bool) or t < 1:
             raise ConfigError(f"roofline tensor_parallel must be an integer >= 1, got {t!r}")
