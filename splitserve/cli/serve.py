@@ -78,6 +78,7 @@ def deploy_options(args: argparse.Namespace, model: str) -> dict:
                  "kv_streaming_min_tokens": getattr(args, "kv_streaming_min_tokens", 2048)}
     tp = engine.pop("tensor_parallel_size", 1)  # on a cluster each pool has its own
     pools_tp = {f"{r}_tp": getattr(args, f"{r}_tp", None) or tp for r in ("prefill", "decode")}
+    pools_tp.update({f"{r}_pp": getattr(args, f"{r}_pp", None) or 1 for r in ("prefill", "decode")})
     return {"model": model, "engine": engine, **pools_tp, **streaming, **{k: getattr(args, k) for k in keys}}
 
 

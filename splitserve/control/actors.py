@@ -47,12 +47,12 @@ def actor_class(worker_cls: type):
     class Shell(worker_cls):
         def __init__(self, *args: Any, trace: TraceConfig | None = None, trace_as: tuple[str, str] = ("", ""),
                      **kwargs: Any) -> None:
-            from splitserve.control.tp_ranks import start_ray_group  # in the worker's process
+            from splitserve.control.tp_ranks import start_ray_ranks  # in the worker's process
 
             tracing.setup(trace, *trace_as)  # its spans: as its role, under its actor's name
             ip, node = _where()
-            # a tensor-parallel engine's other ranks: actors of this one's placement group
-            super().__init__(*args, host=ip, node_id=node, start_ranks=start_ray_group, **kwargs)
+            # a tensor- or pipeline-parallel engine's other ranks / stages: actors of this one's placement group
+            super().__init__(*args, host=ip, node_id=node, start_ranks=start_ray_ranks, **kwargs)
 
     Shell.__name__ = Shell.__qualname__ = f"{worker_cls.__name__}Actor"  # what Ray's logs and errors call it
     return ray.remote(Shell)
@@ -125,7 +125,12 @@ def worker_placement(cfg: DeployConfig, role: Role, transports: list[str], share
     if tp > 1 and 0 < share < 1:
         raise ConfigError(f"{role.value}_tp {tp}: each tensor-parallel rank needs a GPU of its own, and there are "
                           f"fewer GPUs than ranks")
-    overrides: dict[str, Any] = {"kv_shared_memory": "shm" in offered, "tensor_parallel_size": tp}
+    pp = cfg.pp(role.value)
+    if pp > 1 and 0 < share < 1:
+        raise ConfigError(f"{role.value}_pp {pp}: each pipeline stage needs a GPU of its own (one per rank), and "
+                          f"there are fewer GPUs than ranks")
+    overrides: dict[str, Any] = {"kv_shared_memory": "shm" in offered, "tensor_parallel_size": tp,
+                                 "pipeline_parallel_size": pp}
     if device.startswith("cuda:"):
         overrides["device"] = "cuda"
     engine = EngineConfig.from_dict({"model": cfg.model, **cfg.engine, **overrides})
@@ -139,6 +144,7 @@ class Spawned(NamedTuple):
     handle: Any  # the worker actor (rank 0)
     group: Any  # its placement group: removed with it
     bundles: list  # what the group asks of its node (for unplaced.diagnose)
+    one_node: bool = True  # STRICT_PACK; a pipeline-parallel worker's PACK group may span nodes
 
 
 def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float, name: str) -> Spawned:
@@ -148,13 +154,16 @@ def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float,
     when the app stops. Every worker is a
     placement group of one bundle per rank on one node (STRICT_PACK), the actor in bundle 0 —
     so whether Ray has placed it is known (`group.ready()`) before its model has loaded; a
-    tensor-parallel one starts the other ranks itself (control/tp_ranks.py)."""
+    tensor-parallel one starts the other ranks itself (control/tp_ranks.py). A pipeline-parallel
+    worker's group is one bundle per stage x TP rank, PACK (its stages may sit on different
+    nodes; STRICT_PACK would need them all on one)."""
     from ray.util.placement_group import placement_group
 
     p = worker_placement(cfg, wid.role, transports, share)
-    asked = bundles(p.engine.tensor_parallel_size, p.resources["num_cpus"], p.resources["num_gpus"],
+    pp = p.engine.pipeline_parallel_size
+    asked = bundles(p.engine.tensor_parallel_size * pp, p.resources["num_cpus"], p.resources["num_gpus"],
                     p.resources.get("resources", {}))
-    group = placement_group(asked, strategy="STRICT_PACK", name=name, lifetime="detached")
+    group = placement_group(asked, strategy="PACK" if pp > 1 else "STRICT_PACK", name=name, lifetime="detached")
     # the actor asks what bundle 0 holds
     opts = {**p.resources, "max_restarts": 0, "scheduling_strategy": placement(group, 0), "name": name,
             "namespace": cfg.namespace, "lifetime": "detached"}
@@ -163,7 +172,7 @@ def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float,
     try:
         actor = actor_class(worker_class(cfg, wid.role)).options(**opts)
         traced = {"trace": cfg.trace, "trace_as": (f"splitserve-{wid.role.value}", name)}
-        return Spawned(actor.remote(p.engine, p.transports, **role, **kv, **traced), group, asked)
+        return Spawned(actor.remote(p.engine, p.transports, **role, **kv, **traced), group, asked, pp == 1)
     except BaseException:  # no worker: no reservation either
         ray.util.remove_placement_group(group)
         raise

@@ -167,6 +167,9 @@ class Controller:
         if not isinstance(n, int) or not low <= n <= high:
             raise ConfigError(f"{role.value} pool size must be an integer in [{low}, {high}] (max_pool_size), "
                               f"got {n!r}")
+        if role is Role.PREFILL and n > 0 and self.cfg.decode_pp > 1:
+            raise ConfigError(f"decode_pp {self.cfg.decode_pp}: the prefill pool stays at 0 (the KV handoff into "
+                              f"pipeline stages is not built)")
         self.targets[role] = n
         self.errors.pop(role, None)  # new targets: try again
         self._reconcile()
@@ -316,7 +319,9 @@ class Controller:
         try:
             done, _ = await asyncio.wait({placed}, timeout=PLACEMENT_GRACE_S)
             if not done:
-                why = diagnose(wid.role, demand(spawned.bundles),
+                # a PACK group (pipeline stages) may span nodes: what one node must hold is bundle 0
+                need = demand(spawned.bundles if spawned.one_node else spawned.bundles[:1])
+                why = diagnose(wid.role, need,
                                [n["Resources"] for n in ray.nodes() if n.get("Alive")], ray.available_resources())
                 self._unplaced[wid] = why
                 log.warning("%s", why.message)

@@ -33,6 +33,11 @@ class DeployConfig:
     decode: int = 1
     prefill_tp: int = 1  # tensor-parallel ranks per prefill worker (one placement group, one node)
     decode_tp: int = 1
+    # pipeline stages per worker (each stage its TP ranks; one placement group, PACK: stages may sit
+    # on different nodes). Only decode workers of an aggregated app (prefill 0) for now: the KV
+    # handoff from or into pipeline stages is not built, so every other combination is refused.
+    prefill_pp: int = 1
+    decode_pp: int = 1
     prefill_resources: dict = dataclasses.field(default_factory=dict)  # extra Ray resources per worker
     decode_resources: dict = dataclasses.field(default_factory=dict)
     transport: str = "auto"
@@ -140,7 +145,7 @@ class DeployConfig:
         for name, low in (("prefill", 0), ("decode", 1), ("disagg_min_tokens", 0), ("kv_streaming_min_tokens", 0),
                           ("max_inflight", 1),
                           ("ingress_replicas", 1), ("migration_limit", 0), ("max_pool_size", 1),
-                          ("prefill_tp", 1), ("decode_tp", 1)):
+                          ("prefill_tp", 1), ("decode_tp", 1), ("prefill_pp", 1), ("decode_pp", 1)):
             integer(name, low)
         for pool in ("prefill", "decode"):
             if getattr(self, pool) > self.max_pool_size:
@@ -179,11 +184,30 @@ class DeployConfig:
         if ecfg.tensor_parallel_size > 1:
             raise ConfigError("tensor_parallel_size is set per pool on a cluster: prefill_tp and decode_tp "
                               "(serve --prefill-tp / --decode-tp)")
+        if ecfg.pipeline_parallel_size > 1:
+            raise ConfigError("pipeline_parallel_size is set per pool on a cluster: prefill_pp and decode_pp "
+                              "(serve --prefill-pp / --decode-pp)")
         for role in POOL_KEYS:
-            EngineConfig.from_dict({"model": self.model, **self.engine, "tensor_parallel_size": self.tp(role)})
+            EngineConfig.from_dict({"model": self.model, **self.engine, "tensor_parallel_size": self.tp(role),
+                                    "pipeline_parallel_size": self.pp(role)})
+        self._check_pp()
         if self.transport == "nixl" and self.prefill and max(self.prefill_tp, self.decode_tp) > 1:
             raise ConfigError("the KV handoff between tensor-parallel groups moves over shm or tcp (transport auto "
                               "picks them for such a pair), not nixl yet")
+
+    def _check_pp(self) -> None:
+        """Pipeline-parallel workers serve only as aggregated decode workers yet: what is not built
+        is refused here, before any actor starts, so nothing half-works."""
+        if self.prefill_pp > 1:
+            raise ConfigError(f"prefill_pp {self.prefill_pp}: prefill_pp > 1 is not supported yet: the KV handoff "
+                              f"from pipeline stages is not built")
+        if self.decode_pp == 1:
+            return
+        prefill_max = self.autoscale.prefill.max if self.autoscale is not None else 0
+        if self.prefill > 0 or prefill_max > 0:
+            raise ConfigError(f"decode_pp {self.decode_pp} needs prefill 0 (and an autoscale prefill max of 0): "
+                              f"the KV handoff into pipeline stages is not built, so pipeline-parallel decode "
+                              f"workers serve only the aggregated path")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "DeployConfig":
@@ -229,9 +253,13 @@ class DeployConfig:
         """Tensor-parallel ranks per worker of pool `role`."""
         return getattr(self, f"{role}_tp")
 
+    def pp(self, role: str) -> int:
+        """Pipeline stages per worker of pool `role`."""
+        return getattr(self, f"{role}_pp")
+
     def ranks(self, prefill: int, decode: int) -> int:
         """The processes (each a CPU, or a GPU) `prefill` and `decode` workers take."""
-        return prefill * self.prefill_tp + decode * self.decode_tp
+        return prefill * self.prefill_tp * self.prefill_pp + decode * self.decode_tp * self.decode_pp
 
 
 def _as_value(value: Any, key: str) -> Any:

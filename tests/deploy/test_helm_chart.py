@@ -168,6 +168,7 @@ def test_worker_groups_agree_with_the_args(rendered: Rendered) -> None:
         assert _ray_start_resources(g) == args[f"{role}_resources"] == {want["rayResource"]: 1}
         assert g["replicas"] == args[role] == want["replicas"]
         assert args[f"{role}_tp"] == want.get("tp", 1)  # ranks per worker, one GPU each on a GPU pool
+        assert args[f"{role}_pp"] == want.get("pp", 1)  # pipeline stages per worker
         assert (g["minReplicas"], g["maxReplicas"]) == (want["minReplicas"], want["maxReplicas"])
         pod = g["template"]["spec"]
         (container,) = pod["containers"]
@@ -531,6 +532,11 @@ REFUSED = [
     (Case("negative-gpus", sets=("prefill.gpus=-1",)), "prefill.gpus: Must be greater"),
     (Case("tp-without-its-gpus", ("values-gpu.yaml",), ("decode.tp=2",)), "decode.gpus (1) must equal decode.tp (2)"),
     (Case("tp-zero", sets=("prefill.tp=0",)), "prefill.tp: Must be greater"),
+    (Case("pp-without-its-gpus", ("values-gpu.yaml",), ("decode.pp=2", "prefill.replicas=0", "prefill.minReplicas=0")),
+     "decode.gpus (1) must equal decode.tp x decode.pp (1 x 2)"),
+    (Case("prefill-pp", sets=("prefill.pp=2",)), "prefill.pp > 1 is not supported yet"),
+    (Case("decode-pp-with-prefill", sets=("decode.pp=2",)), "decode.pp > 1 needs prefill.replicas 0"),
+    (Case("pp-zero", sets=("decode.pp=0",)), "decode.pp: Must be greater"),
     (Case("typo", sets=("prefill.gpu=1",)), "Additional property gpu is not allowed"),
     (Case("policy", sets=("serve.policy=fastest",)), "serve.policy"),
     (Case("device", sets=("serve.engine.device=tpu",)), "serve.engine.device"),

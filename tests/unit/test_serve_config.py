@@ -128,3 +128,43 @@ def test_max_tokens_default_flag_and_config_key_reach_the_app_config(tmp_path, t
         cfg(["serve", "--max-tokens-default", "0"])
     gen = {"max_new_tokens": 99, "do_sample": False}
     assert ModelConfig.from_hf(json.loads((tiny_checkpoint("llama") / "config.json").read_text()), gen).max_new_tokens == 99
+
+
+def test_pipeline_parallel_pools_are_checked_and_reach_the_engine_config(tiny_checkpoint):
+    """decode_pp / prefill_pp: integers >= 1; pipeline_parallel_size is set per pool on a cluster;
+    a PP decode worker serves only the aggregated path (prefill 0, autoscale prefill max 0) and
+    prefill_pp > 1 is refused: the KV handoff from / into pipeline stages is not built. The
+    pool's EngineConfig gets the stages, and the worker's placement group one bundle per
+    stage x TP rank."""
+    from splitserve.cli.serve import deploy_options
+    from splitserve.control.actors import worker_placement
+    from splitserve.control.deploy_config import DeployConfig
+    from splitserve.types import ConfigError, Role
+
+    model = str(tiny_checkpoint("llama"))
+    for bad, match in [({"decode_pp": 0}, "decode_pp must be an integer >= 1"),
+                       ({"prefill_pp": "x"}, "prefill_pp must be an integer >= 1"),
+                       ({"engine": {"pipeline_parallel_size": 2}}, "set per pool on a cluster: prefill_pp and decode_pp"),
+                       ({"prefill_pp": 2}, "prefill_pp > 1 is not supported yet: the KV handoff from pipeline "
+                                           "stages is not built"),
+                       ({"prefill_pp": 2, "prefill": 0}, "prefill_pp > 1 is not supported yet"),
+                       ({"decode_pp": 2}, "decode_pp 2 needs prefill 0"),
+                       ({"decode_pp": 2, "prefill": 0, "autoscale": {"prefill": {"min": 0, "max": 2}}},
+                        "autoscale prefill max of 0"),
+                       ({"decode_pp": 2, "prefill": 0, "host_kv_blocks": 8}, "host_kv_blocks is not supported")]:
+        with pytest.raises(ConfigError, match=match):
+            DeployConfig.from_options({"model": model, **bad})
+    cfg = DeployConfig.from_options({"model": model, "prefill": 0, "decode_pp": 2, "decode_tp": 2,
+                                     "engine": {"pipeline_micro_batches": 2}})
+    assert (cfg.decode_pp, cfg.prefill_pp, cfg.ranks(0, 3)) == (2, 1, 12)
+    p = worker_placement(cfg, Role.DECODE, ["shm", "tcp"], 0.0)
+    assert (p.engine.pipeline_parallel_size, p.engine.tensor_parallel_size, p.engine.pipeline_micro_batches) == (2, 2, 2)
+    with pytest.raises(ConfigError, match="each pipeline stage needs a GPU of its own"):
+        worker_placement(cfg, Role.DECODE, ["tcp"], 0.5)
+    auto = DeployConfig.from_options({"model": model, "prefill": 0, "decode_pp": 2,
+                                      "autoscale": {"prefill": {"min": 0, "max": 0}}})
+    assert auto.decode_pp == 2
+    flags = DeployConfig.from_options(deploy_options(parse(["serve", "--prefill", "0", "--decode-pp", "2"]), model))
+    assert (flags.prefill, flags.prefill_pp, flags.decode_pp) == (0, 1, 2)
+    with pytest.raises(ConfigError, match="prefill_pp > 1 is not supported yet"):
+        DeployConfig.from_options(deploy_options(parse(["serve", "--prefill-pp", "2"]), model))

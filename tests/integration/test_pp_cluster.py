@@ -1,0 +1,56 @@
+"""Pipeline-parallel decode workers on the local Ray cluster (the aggregated path: prefill 0):
+a worker of 2 stages is one placement group (PACK: its stages may sit on different nodes), the
+actor as stage 0 and stage 1 an actor it starts running the engine's stage main; the router and
+the Controller see one worker. Its greedy tokens equal the single engine's, `describe` shows the
+stage's place, and killing the stage process takes the worker down naming the stage and brings
+up a new one."""
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from splitserve.orchestrator import Cluster
+from tests.chaos.harness import params, prompts, reference
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return str(tiny_checkpoint("llama"))
+
+
+def test_a_pipeline_parallel_decode_worker_serves_exactly_and_is_replaced_when_a_stage_dies(ray_session, model):
+    ps, sps = prompts(12), params(12, False, 16)
+    ref = reference(model, ps, sps)
+    with Cluster.start(model=model, name="pp-decode", prefill=0, decode=1, decode_pp=2, num_kv_blocks=256) as c:
+        st = ray.get(c.controller.status.remote())
+        ready = [w for w in st.workers if w.state == "ready"]
+        assert [w.role for w in ready] == ["decode"] and len(ready[0].ranks) == 1, ready  # stage 1's place
+        info = ray.get(c.decodes[0].describe.remote())
+        assert len(info.ranks) == 1 and info.ranks[0].pid != info.pid
+        outs = c.generate([list(p) for p in ps], sps)
+        assert [tuple(o.outputs[0].token_ids) for o in outs] == ref
+        for s in c.check_invariants():
+            assert s["in_use"] == 0 and s["free"] + s["cached"] == s["total"], s
+
+        before = {w.id for w in ready}
+        os.kill(info.ranks[0].pid, signal.SIGKILL)  # stage 1, idle: found by the health probes
+        deadline = time.time() + 120
+        while True:
+            st = ray.get(c.controller.status.remote())
+            dead = [w for w in st.workers if w.id in before and w.state == "dead"]
+            fresh = [w for w in st.workers if w.id not in before and w.state == "ready"]
+            if dead and fresh:
+                break
+            assert time.time() < deadline, st.workers
+            time.sleep(0.5)
+        assert "pipeline stage 1 exited" in dead[0].reason, dead
+        assert len(fresh[0].ranks) == 1
+        removed = [g for g in ray.util.placement_group_table().values() if g["state"] == "REMOVED"]
+        assert removed, "the broken worker's placement group was not removed"
+        outs = c.generate([list(p) for p in ps[:4]], sps[:4])  # the new worker serves exactly too
+        assert [tuple(o.outputs[0].token_ids) for o in outs] == ref[:4]
