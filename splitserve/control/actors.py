@@ -129,11 +129,10 @@ def worker_placement(cfg: DeployConfig, role: Role, transports: list[str], share
     if pp > 1 and 0 < share < 1:
         raise ConfigError(f"{role.value}_pp {pp}: each pipeline stage needs a GPU of its own (one per rank), and "
                           f"there are fewer GPUs than ranks")
-    overrides: dict[str, Any] = {"kv_shared_memory": "shm" in offered, "tensor_parallel_size": tp,
-                                 "pipeline_parallel_size": pp}
+    overrides: dict[str, Any] = {"kv_shared_memory": "shm" in offered, "tensor_parallel_size": tp}
     if device.startswith("cuda:"):
         overrides["device"] = "cuda"
-    engine = EngineConfig.from_dict({"model": cfg.model, **cfg.engine, **overrides})
+    engine = EngineConfig.from_dict({"model": cfg.model, **cfg.pool_engine(role.value), **overrides})
     options = {"num_cpus": 1, "num_gpus": share}
     if cfg.resources(role.value):
         options["resources"] = cfg.resources(role.value)

@@ -180,16 +180,16 @@ class DeployConfig:
             object.__setattr__(self, "autoscale", self._autoscale_config())
         if not isinstance(self.engine, dict) or "model" in self.engine:
             raise ConfigError("engine: must be a mapping of engine settings (the model is set by model:)")
-        ecfg = EngineConfig.from_dict({"model": self.model, **self.engine})  # every engine key checked now
+        if not isinstance(self.engine.get("pipeline_parallel_size", 1), int) or \
+                self.engine.get("pipeline_parallel_size", 1) > 1:
+            raise ConfigError("pipeline_parallel_size is set per pool on a cluster: prefill_pp and decode_pp "
+                              "(serve --prefill-pp / --decode-pp)")
+        ecfg = EngineConfig.from_dict({"model": self.model, **self.pool_engine("decode")})  # every key checked now
         if ecfg.tensor_parallel_size > 1:
             raise ConfigError("tensor_parallel_size is set per pool on a cluster: prefill_tp and decode_tp "
                               "(serve --prefill-tp / --decode-tp)")
-        if ecfg.pipeline_parallel_size > 1:
-            raise ConfigError("pipeline_parallel_size is set per pool on a cluster: prefill_pp and decode_pp "
-                              "(serve --prefill-pp / --decode-pp)")
         for role in POOL_KEYS:
-            EngineConfig.from_dict({"model": self.model, **self.engine, "tensor_parallel_size": self.tp(role),
-                                    "pipeline_parallel_size": self.pp(role)})
+            EngineConfig.from_dict({"model": self.model, **self.pool_engine(role), "tensor_parallel_size": self.tp(role)})
         self._check_pp()
         if self.transport == "nixl" and self.prefill and max(self.prefill_tp, self.decode_tp) > 1:
             raise ConfigError("the KV handoff between tensor-parallel groups moves over shm or tcp (transport auto "
@@ -256,6 +256,14 @@ class DeployConfig:
     def pp(self, role: str) -> int:
         """Pipeline stages per worker of pool `role`."""
         return getattr(self, f"{role}_pp")
+
+    def pool_engine(self, role: str) -> dict:
+        """The engine settings of pool `role`'s workers (tensor_parallel_size aside): its stages;
+        pipeline_micro_batches applies to pools with stages only."""
+        engine = {**self.engine, "pipeline_parallel_size": self.pp(role)}
+        if self.pp(role) == 1:
+            engine.pop("pipeline_micro_batches", None)
+        return engine
 
     def ranks(self, prefill: int, decode: int) -> int:
         """The processes (each a CPU, or a GPU) `prefill` and `decode` workers take."""

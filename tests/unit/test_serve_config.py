@@ -159,8 +159,10 @@ def test_pipeline_parallel_pools_are_checked_and_reach_the_engine_config(tiny_ch
     assert (cfg.decode_pp, cfg.prefill_pp, cfg.ranks(0, 3)) == (2, 1, 12)
     p = worker_placement(cfg, Role.DECODE, ["shm", "tcp"], 0.0)
     assert (p.engine.pipeline_parallel_size, p.engine.tensor_parallel_size, p.engine.pipeline_micro_batches) == (2, 2, 2)
+    pp_only = DeployConfig.from_options({"model": model, "prefill": 0, "decode_pp": 2})
     with pytest.raises(ConfigError, match="each pipeline stage needs a GPU of its own"):
-        worker_placement(cfg, Role.DECODE, ["tcp"], 0.5)
+        worker_placement(pp_only, Role.DECODE, ["tcp"], 0.5)
+    assert worker_placement(cfg, Role.PREFILL, ["tcp"], 0.0).engine.pipeline_micro_batches == 1  # no stages there
     auto = DeployConfig.from_options({"model": model, "prefill": 0, "decode_pp": 2,
                                       "autoscale": {"prefill": {"min": 0, "max": 0}}})
     assert auto.decode_pp == 2
