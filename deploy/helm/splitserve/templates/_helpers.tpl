@@ -96,17 +96,17 @@ object, quoted and escaped for the shell KubeRay hands it to, e.g. "{\"prefill_n
 {{- end -}}
 {{- $tp := int ($g.tp | default 1) -}}
 {{- $pp := int ($g.pp | default 1) -}}
-{{- if and (gt (int $g.gpus) 0) (eq $pp 1) (ne (int $g.gpus) $tp) -}}
-{{- fail (printf "%s.gpus (%d) must equal %s.tp (%d): one worker per pod, one GPU per tensor-parallel rank" $role (int $g.gpus) $role $tp) -}}
-{{- end -}}
-{{- if and (gt (int $g.gpus) 0) (gt $pp 1) (ne (int $g.gpus) (mul $tp $pp)) -}}
-{{- fail (printf "%s.gpus (%d) must equal %s.tp x %s.pp (%d x %d): one worker per pod, one GPU per rank of each stage" $role (int $g.gpus) $role $role $tp $pp) -}}
-{{- end -}}
 {{- if and (eq $role "prefill") (gt $pp 1) -}}
 {{- fail "prefill.pp > 1 is not supported yet: the KV handoff from pipeline stages is not built" -}}
 {{- end -}}
 {{- if and (eq $role "decode") (gt $pp 1) (or (gt (int $v.prefill.replicas) 0) $v.autoscale.enabled) -}}
 {{- fail "decode.pp > 1 needs prefill.replicas 0 and autoscale.enabled false: the KV handoff into pipeline stages is not built" -}}
+{{- end -}}
+{{- if and (gt (int $g.gpus) 0) (eq $pp 1) (ne (int $g.gpus) $tp) -}}
+{{- fail (printf "%s.gpus (%d) must equal %s.tp (%d): one worker per pod, one GPU per tensor-parallel rank" $role (int $g.gpus) $role $tp) -}}
+{{- end -}}
+{{- if and (gt (int $g.gpus) 0) (gt $pp 1) (ne (int $g.gpus) (mul $tp $pp)) -}}
+{{- fail (printf "%s.gpus (%d) must equal %s.tp x %s.pp (%d x %d): one worker per pod, one GPU per rank of each stage" $role (int $g.gpus) $role $role $tp $pp) -}}
 {{- end -}}
 {{- if hasKey ($g.rayStartParams | default dict) "resources" -}}
 {{- fail (printf "%s.rayStartParams.resources is the chart's (from %s.rayResource)" $role $role) -}}
