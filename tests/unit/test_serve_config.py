@@ -130,7 +130,7 @@ def test_max_tokens_default_flag_and_config_key_reach_the_app_config(tmp_path, t
     assert ModelConfig.from_hf(json.loads((tiny_checkpoint("llama") / "config.json").read_text()), gen).max_new_tokens == 99
 
 
-def test_pipeline_parallel_pools_are_checked_and_reach_the_engine_config(tiny_checkpoint):
+def test_pipeline_parallel_pools_are_checked_and_reach_the_engine_config(tmp_path, tiny_checkpoint):
     """decode_pp / prefill_pp: integers >= 1; pipeline_parallel_size is set per pool on a cluster;
     a PP decode worker serves only the aggregated path (prefill 0, autoscale prefill max 0) and
     prefill_pp > 1 is refused: the KV handoff from / into pipeline stages is not built. The
@@ -170,3 +170,7 @@ def test_pipeline_parallel_pools_are_checked_and_reach_the_engine_config(tiny_ch
     assert (flags.prefill, flags.prefill_pp, flags.decode_pp) == (0, 1, 2)
     with pytest.raises(ConfigError, match="prefill_pp > 1 is not supported yet"):
         DeployConfig.from_options(deploy_options(parse(["serve", "--prefill-pp", "2"]), model))
+    f = tmp_path / "serve.yaml"
+    f.write_text("prefill: 0\ndecode_pp: 2\n")
+    file = DeployConfig.from_options(deploy_options(parse(["serve", "--config", str(f)]), model))
+    assert (file.prefill, file.decode_pp) == (0, 2)
