@@ -5,24 +5,13 @@ forced. A differing token is accepted only where the reference's top-2 logit mar
 
 import pytest
 import torch
+from greedy_parity import assert_greedy_equal, drained, hf_greedy, make_prompts  # noqa: F401  (re-exported)
 
 from splitserve import LLM, SamplingParams
 
 SHAPES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
           "qwen3_yarn", "deepseek_v3_yarn"]
 MAX_NEW = 16
-TIE_MARGIN = 1e-4
-
-
-def make_prompts(seed: int, vocab: int = 384) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(3, vocab, (40,), generator=g).tolist()
-    lengths = [1, 2, 7, 15, 16, 17, 31, 33, 48, 64, 80, 97, 5, 23, 50, 70]
-    prompts = []
-    for i, n in enumerate(lengths):
-        tail = torch.randint(3, vocab, (n,), generator=g).tolist()
-        prompts.append(prefix + tail if i % 3 == 0 else tail)  # a third share a 40-token prefix
-    return prompts
 
 
 @pytest.fixture(scope="module")
@@ -36,29 +25,10 @@ def reference(tiny_checkpoint):
         if shape not in cache:
             hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(shape), dtype=torch.float32).eval()
             prompts = make_prompts(seed=len(shape))
-            refs = []
-            for p in prompts:
-                ids = torch.tensor([p])
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=MAX_NEW, pad_token_id=0)
-                refs.append(out[0, len(p):].tolist())
-            cache[shape] = (hf, prompts, refs)
+            cache[shape] = (hf, prompts, hf_greedy(hf, prompts, MAX_NEW))
         return cache[shape]
 
     return get
-
-
-def assert_greedy_equal(hf, prompt, ours, ref):
-    if ours == ref:
-        return
-    i = next((k for k, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1]
-    top = logits.topk(2).values
-    margin = float(top[0] - top[1])
-    assert margin < TIE_MARGIN, (
-        f"token {i} differs (ours {ours[i:i+3]}, reference {ref[i:i+3]}) and the reference's top-2 "
-        f"margin there is {margin:.3g}, not a tie")
 
 
 def run_and_compare(llm, reference, shape):
@@ -68,14 +38,6 @@ def run_and_compare(llm, reference, shape):
     for p, o, r in zip(prompts, outs, refs):
         assert_greedy_equal(hf, p, list(o.outputs[0].token_ids), r)
     return outs
-
-
-def drained(llm):
-    eng = llm.engine
-    eng.check_invariants()
-    assert not eng.has_unfinished()
-    assert eng.pool.num_in_use == 0
-    assert eng.pool.num_free + eng.pool.num_cached == eng.pool.num_blocks
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -24,6 +24,7 @@ from splitserve.engine.kv_cache import fp8 as kv_fp8
 from splitserve.engine.kv_cache.tensors import KVCacheTensors
 from splitserve.types import ConfigError, Request
 from tests.fakes.transports import CorruptScaleLanding
+from tests.unit.test_decode_lifecycle import Local
 
 MAX_NEW = 12
 
@@ -136,17 +137,6 @@ def test_tensor_parallel_ranks_hold_their_heads_rows_and_scales(hf_fp8_of, tiny_
         generate_and_compare(llm, hf_fp8_of("llama"))
         assert llm.engine.stats().prefix_hit_tokens_total > 0
         drained(llm)
-
-
-class Local:
-    """An in-process worker as the decode side calls its prefill peer: `peer.ack.remote(x)`."""
-
-    def __init__(self, obj) -> None:
-        self._obj = obj
-
-    def __getattr__(self, name):
-        fn = getattr(self._obj, name)
-        return type("Method", (), {"remote": staticmethod(lambda *a: asyncio.ensure_future(fn(*a)))})
 
 
 PROMPTS = [tuple(range(5, 5 + n)) for n in (9, 40, 150)]
