@@ -35,7 +35,7 @@ import torch
 
 from splitserve.engine.model_runner import FlatStep, ModelRunner, StepResult
 from splitserve.engine.parallel.micro_batches import split
-from splitserve.engine.parallel.rank_calls import RankCall, RankFailure
+from splitserve.engine.parallel.rank_calls import RankCall, answer, call_group
 from splitserve.engine.parallel.stages import Stage
 from splitserve.engine.scheduler import SchedulerOutput
 
@@ -152,7 +152,7 @@ def follow_stage(engine: "Engine") -> int:
     steps = 0
     while (step := engine.pp.broadcast(None)) is not None:
         if isinstance(step, RankCall):
-            engine.pp.gather(_answer(engine, step))
+            engine.pp.gather(answer(engine, step, engine.pp))
             continue
         engine.runner.run_stage(step)
         steps += 1
@@ -162,20 +162,7 @@ def follow_stage(engine: "Engine") -> int:
 def on_all_stages(engine: "Engine", fn: Callable[..., Any], *args: Any) -> list:
     """fn(engine, *args) on every stage's engine (stage 0's last), between steps; the answers in
     stage order. `fn`: a module-level function (it is pickled)."""
-    call = RankCall(fn, args)
-    engine.pp.broadcast(call)
-    answers = engine.pp.gather(_answer(engine, call))
-    for a in answers:
-        if isinstance(a, RankFailure):
-            raise a.error
-    return answers
-
-
-def _answer(engine: "Engine", call: RankCall) -> Any:
-    try:
-        return call.fn(engine, *call.args)
-    except Exception as e:  # the gather must complete on every stage
-        return RankFailure(engine.pp.rank, e)
+    return call_group(engine, engine.pp, RankCall(fn, args))
 
 
 def agree(pp: "PipeGroup", value: Any, combine: Callable[[list], Any]) -> Any:

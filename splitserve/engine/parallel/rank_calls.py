@@ -30,17 +30,25 @@ def on_all_ranks(engine: "Engine", fn: Callable[..., Any], *args: Any) -> list:
     """fn(engine, *args) on every rank (rank 0 last sends it); the answers in rank order."""
     if getattr(engine, "pp", None) is not None:  # its processes wait on the pipeline's broadcast, not this one's
         raise RuntimeError("a pipeline-parallel engine runs rank calls on all its processes: on_all_stages")
-    if engine.tp.size > 1:
-        engine.tp.broadcast(RankCall(fn, args))
-    answers = engine.tp.gather(answer(engine, RankCall(fn, args)))
+    return call_group(engine, engine.tp, RankCall(fn, args), broadcast=engine.tp.size > 1)
+
+
+def call_group(engine: "Engine", group, call: RankCall, broadcast: bool = True) -> list:
+    """`call` on every process of `group` (a TP group, or a pipeline's stages): sent to the
+    others, answered here too, the answers gathered in rank order; a failure anywhere raised."""
+    if broadcast:
+        group.broadcast(call)
+    answers = group.gather(answer(engine, call, group))
     for a in answers:
         if isinstance(a, RankFailure):
             raise a.error
     return answers
 
 
-def answer(engine: "Engine", call: RankCall) -> Any:
+def answer(engine: "Engine", call: RankCall, group=None) -> Any:
+    """`call` run here; a failure is answered, not raised: the gather must complete on every
+    process. `group`: whose rank names the failure (the engine's TP group by default)."""
     try:
         return call.fn(engine, *call.args)
-    except Exception as e:  # the gather must complete on every rank
-        return RankFailure(engine.tp.rank, e)
+    except Exception as e:
+        return RankFailure((group or engine.tp).rank, e)
