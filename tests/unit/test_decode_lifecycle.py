@@ -761,3 +761,24 @@ def test_a_staging_with_no_room_is_freed_when_nobody_claims_it(chunked, monkeypa
 
     asyncio.run(go())
     assert not dec.staged and not dec.handoffs
+
+
+def test_a_stage_that_arrives_after_its_drop_reserves_nothing(chunked, tiny_checkpoint):
+    """The prefill failed: the orchestrator dropped the staging and placed the request again,
+    aggregated, on this same worker — and Ray delivered the first attempt's stage() last (it
+    orders neither call). That stage() returns at once: it reserves no blocks under the id,
+    so the engine admits the aggregated request (it refused it as "already running" before)."""
+    pre, dec = chunked
+    req = Request("stage-after-drop", LONG, SP)
+
+    async def go():
+        await dec.drop_staging(req.request_id)  # before the stage() it drops
+        chunks = dec.generate(req)  # placed again without a prefill worker
+        first = await chunks.__anext__()
+        await asyncio.wait_for(dec.stage(req, Local(pre)), 1)  # the late one: claim_s is 30 s
+        assert req.request_id not in dec.staged and req.request_id not in dec.handoffs
+        rest = await collect(chunks)
+        await no_leaks(pre, dec)
+        return [t for c in (first, *rest) for t in c.token_ids]
+
+    assert asyncio.run(go()) == long_reference(tiny_checkpoint)[:SP.max_tokens]

@@ -59,6 +59,9 @@ class DecodeWorker(KVWorker):
         self._acks: dict[str, asyncio.Task] = {}  # acknowledgements not waited for: until the request ends
         self.handoff_outcomes: collections.Counter[HandoffState] = collections.Counter()
         self._early_aborts: collections.OrderedDict[str, bool] = collections.OrderedDict()
+        # Ids whose staging was dropped (or which run here unstaged): a stage() of theirs that Ray
+        # delivers late must not reserve blocks under an id the engine is about to admit.
+        self._unstaged: collections.OrderedDict[str, bool] = collections.OrderedDict()
         self.callers = Callers(self.abort)  # the ingress replicas streaming from here, watched
 
     async def generate(self, req: Request, handoff: KVHandoff | None = None, prefill: Any = None,
@@ -141,13 +144,14 @@ class DecodeWorker(KVWorker):
         """Start landing a streamed handoff while its prompt is being computed (the
         orchestrator calls it with the prefill). Returns when the stream has ended here."""
         rid = req.request_id
-        if rid in self.handoffs or self._early_aborts.get(rid):
-            return  # generate() got here first, or the request is over already
+        if rid in self.handoffs or self._early_aborts.get(rid) or rid in self._unstaged or self.loop.has(rid):
+            return  # generate() got here first, its staging was dropped, or the request is over already
         await streamed.stage(self, req, prefill, tuple(outputs), self.claim_s)
 
     async def drop_staging(self, request_id: str) -> None:
         """The orchestrator will not claim this staging (its prefill failed, or the request ended
         there): it stops, and gives its blocks back once no transfer writes them."""
+        _remember(self._unstaged, request_id)
         st = self.staged.get(request_id)
         if st is not None and not st.claimed:
             st.ho.request_abort()
@@ -427,9 +431,7 @@ class DecodeWorker(KVWorker):
         elif self.loop.has(request_id):
             await self.loop.abort(request_id)
         else:
-            self._early_aborts[request_id] = True
-            while len(self._early_aborts) > 4096:  # bounded: most belong to requests long finished
-                self._early_aborts.popitem(last=False)
+            _remember(self._early_aborts, request_id)
 
     async def check_invariants(self) -> dict:
         counts = await self.loop.call(self.engine.block_counts)
@@ -437,6 +439,12 @@ class DecodeWorker(KVWorker):
                 "prefix_blocks_kept": self.prefix_blocks_kept,
                 "transfer_failures": dict(self.transfer_failures),
                 "transfers_by_transport": dict(self.transfers_by_transport)}
+
+
+def _remember(ids: collections.OrderedDict, request_id: str) -> None:
+    ids[request_id] = True
+    while len(ids) > 4096:  # bounded: most belong to requests long finished
+        ids.popitem(last=False)
 
 
 async def _stopped(transport, handle, request_id: str) -> None:
