@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -185,17 +186,22 @@ class EngineLoop:
             except Exception as e:  # deliver, don't die: every waiter learns what happened
                 failures += 1
                 group = _process_group(self.engine)
+                why = None
                 if group is not None:
                     # a rank or stage failed mid-step: the others wait in a collective of that
                     # step, so the next step's would meet theirs out of order — done at once
-                    self.failure = f"a step of its {group} group failed with {type(e).__name__}"
+                    why = f"a step of its {group} group failed with {type(e).__name__}"
                 elif failures >= self.max_step_failures:
-                    self.failure = f"{failures} engine steps in a row failed, the last with {type(e).__name__}"
-                if self.failure is not None:
-                    e = EngineFailed(f"this engine has stopped: {self.failure}")
+                    why = f"{failures} engine steps in a row failed, the last with {type(e).__name__}"
+                if why is not None:
+                    e = EngineFailed(f"this engine has stopped: {why}")
                 for rid, q in list(self._queues.items()):
-                    if self.failure is not None or not self.engine.is_pulling(rid):  # a pull was not in that step
+                    if why is not None or not self.engine.is_pulling(rid):  # a pull was not in that step
                         q.put_nowait(e)
+                if why is not None:
+                    self.failure = why
+                if group is not None:  # then the reason names the member that exited, once that shows
+                    self.failure = await self._member_lost(why)
                 await asyncio.sleep(0.01 * 2 ** failures)
                 continue
             for rid, e in failed:
@@ -214,6 +220,20 @@ class EngineLoop:
         for q in list(self._queues.values()):
             if q.empty():
                 q.put_nowait(stopped)
+
+    async def _member_lost(self, why: str, wait_s: float = 2.0) -> str:
+        """`why`, with the rank or stage that exited when one did: a peer's death reaches this
+        process's collective before its launcher reports the process gone."""
+        ranks = getattr(self.engine, "ranks", None)
+        deadline = time.monotonic() + wait_s
+        while ranks is not None:
+            lost = ranks.lost()
+            if lost is not None:
+                return f"{why}: {lost}"
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        return why
 
     def close(self) -> None:
         if self._task is not None:
