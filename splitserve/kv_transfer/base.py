@@ -111,6 +111,10 @@ class KVHandoff:
     # a streamed handoff: its leading blocks were published as `StreamPiece`s, each checked by
     # its own checksum as it landed; `checksum` covers block_ids[streamed:] only
     streamed: int = 0
+    # a pipeline-parallel source (or reader): every source stage's endpoints, global layers and
+    # per-layer checksums (stage_slices.StageSource; a single source is one stage of every layer);
+    # each reader stage pulls its layers from them. `checksum` is 0 then, as in a sliced handoff
+    stages: tuple = ()
 
     def piece(self, first: int, count: int, checksum: int) -> "KVHandoff":
         """This handoff narrowed to block_ids[first:first + count] (a streamed piece, or the

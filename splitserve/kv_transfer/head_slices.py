@@ -28,7 +28,7 @@ from splitserve.kv_transfer.regions import block_runs, dtype_name, tensor_checks
 from splitserve.kv_transfer.shm import PeerMaps
 
 SLICED_TRANSPORTS = ("shm", "tcp")  # nixl moves whole blocks of one registered cache only, so far
-_MAPS = PeerMaps(16)
+PEER_MAPS = PeerMaps(16)  # shared with stage_slices.py: one process's maps of its peers' caches
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def _check_geometry(src: KVLayout, storage: torch.Tensor, h: KVHandoff, sl) -> N
         raise TransferError("header", f"source block ids {bad[:4]} outside 0..{src.num_blocks - 1}")
 
 
-def _cache_view(data: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+def cache_view(data: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """A byte tensor as [L, 2, blocks, block_size, heads, head_dim * element_size]."""
     return data[: layout.storage_bytes].view(layout.num_layers, 2, layout.num_blocks, layout.block_size,
                                              layout.num_kv_heads, layout.head_dim * layout.element_size)
@@ -100,7 +100,7 @@ def _cache_view(data: torch.Tensor, layout: KVLayout) -> torch.Tensor:
 
 def _copy_shm(ep: TransportEndpoint, src_blocks: Sequence[int], storage: torch.Tensor, dst_blocks: Sequence[int],
               sl) -> int:
-    source = _cache_view(_MAPS.get(ep.address, ep.layout.storage_bytes), ep.layout)
+    source = cache_view(PEER_MAPS.get(ep.address, ep.layout.storage_bytes), ep.layout)
     dst = storage.view(torch.uint8)  # [..., head_dim * element_size]: the same shape as `source`
     sh, dh = slice(sl.src_heads.start, sl.src_heads.stop), slice(sl.dst_heads.start, sl.dst_heads.stop)
     moved = 0
@@ -123,7 +123,7 @@ def _copy_tcp(h: KVHandoff, ep: TransportEndpoint, storage: torch.Tensor, dst_bl
     t = TcpTransport(secret=secret)
     try:
         t.register(staging, local, "", serve=False)
-        status = wait_transfer(t, t.read(_from(h, ep), range(n)))
+        status = wait_transfer(t, t.read(from_endpoint(h, ep), range(n)))
         if status.reason is not None:
             raise status.reason
     finally:
@@ -135,7 +135,7 @@ def _copy_tcp(h: KVHandoff, ep: TransportEndpoint, storage: torch.Tensor, dst_bl
     return staging.numel() * staging.element_size()
 
 
-def _from(h: KVHandoff, ep: TransportEndpoint) -> KVHandoff:
+def from_endpoint(h: KVHandoff, ep: TransportEndpoint) -> KVHandoff:
     import dataclasses
 
     return dataclasses.replace(h, endpoint=ep)

@@ -19,9 +19,10 @@ from splitserve.worker.engine_loop import EngineLoop
 from splitserve.kv_transfer import make_transport
 from splitserve.kv_transfer.base import TransportEndpoint
 from splitserve.worker.kv_layout import layout_of
-from splitserve.types import WorkerLoad, WorkerStats
+from splitserve.types import ConfigError, WorkerLoad, WorkerStats
 from splitserve.engine.parallel.rank_calls import on_all_ranks
-from splitserve.worker import rank_kv
+from splitserve.engine.parallel.pipeline import on_all_stages
+from splitserve.worker import rank_kv, stage_kv
 from splitserve.worker.info import WorkerInfo
 from splitserve.worker.kv_events import RouterOutboxes, Snapshot
 
@@ -32,6 +33,9 @@ class KVWorker:
     def __init__(self, config: EngineConfig, transports: Sequence[str], transport_options: dict | None = None,
                  host: str | None = None, node_id: str = "", start_ranks=None) -> None:
         # start_ranks: how a tensor-parallel engine starts its other ranks (engine/parallel/launch.py)
+        if self.serves_kv and config.pipeline_parallel_size > 1 and config.tensor_parallel_size > 1:
+            raise ConfigError("a pipeline-parallel worker of tensor-parallel stages does not hand its KV off: the "
+                              "handoff by stage moves whole layers of one-rank stages (PP x TP is not built for it)")
         self.loop = EngineLoop.start(config, start_ranks=start_ranks)
         self.engine = self.loop.engine
         self.layout = layout_of(self.engine)
@@ -49,7 +53,12 @@ class KVWorker:
         # every rank's endpoints, rank 0's first (a tensor-parallel prefill worker's other ranks
         # serve their own caches: the KV heads they hold)
         self.rank_endpoints = (tuple(self.endpoints.values()),)
-        if self.serves_kv and self.engine.tp.size > 1:
+        # likewise every pipeline stage's, stage 0's first (its other stages serve their layers)
+        self.stage_endpoints = (tuple(self.endpoints.values()),)
+        if self.serves_kv and self.engine.pp is not None:
+            others = on_all_stages(self.engine, stage_kv.serve_kv, list(transports), options, self.host)
+            self.stage_endpoints += tuple(others[1:])
+        elif self.serves_kv and self.engine.tp.size > 1:
             others = on_all_ranks(self.engine, rank_kv.serve_kv, list(transports), options, self.host)
             self.rank_endpoints += tuple(others[1:])
 

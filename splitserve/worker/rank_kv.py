@@ -13,7 +13,7 @@ from splitserve.kv_transfer.head_slices import SLICED_TRANSPORTS, head_checksums
 from splitserve.worker.kv_layout import layout_of
 
 
-def _own(engine) -> dict:
+def own_transports(engine) -> dict:
     """The transports this rank serves its cache through (none on rank 0: the worker's are)."""
     if not hasattr(engine, "rank_transports"):
         engine.rank_transports = {}
@@ -25,7 +25,7 @@ def serve_kv(engine, kinds: Sequence[str], options: dict, host: str):
     """Ranks 1..T-1: serve this rank's cache; its endpoints (None on rank 0)."""
     if engine.tp.rank == 0:
         return None
-    own, layout = _own(engine), layout_of(engine)
+    own, layout = own_transports(engine), layout_of(engine)
     for kind in kinds:
         if kind in SLICED_TRANSPORTS and kind not in own:
             own[kind] = make_transport(kind, **options.get(kind, {}))
@@ -33,17 +33,17 @@ def serve_kv(engine, kinds: Sequence[str], options: dict, host: str):
 
 
 def allow(engine, token: bytes, blocks: Sequence[int]) -> None:
-    for t in _own(engine).values():
+    for t in own_transports(engine).values():
         t.allow(token, blocks)
 
 
 def revoke(engine, token: bytes) -> None:
-    for t in _own(engine).values():
+    for t in own_transports(engine).values():
         t.revoke(token)
 
 
 def granted(engine) -> int:
-    return max((t.granted() for t in _own(engine).values()), default=0)
+    return max((t.granted() for t in own_transports(engine).values()), default=0)
 
 
 def checksums(engine, blocks: Sequence[int]) -> tuple[int, ...]:
@@ -57,5 +57,5 @@ def pull(engine, handoff, plan, dst_blocks: Sequence[int], kind: str, secret: st
 
 
 def close(engine) -> None:
-    for t in _own(engine).values():
+    for t in own_transports(engine).values():
         t.close()

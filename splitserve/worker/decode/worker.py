@@ -29,8 +29,9 @@ from splitserve.kv_transfer.base import KVHandoff, TransferError, TransferState
 from splitserve.kv_transfer.head_slices import sliced_kind
 from splitserve.kv_transfer.verify import check_header, verify_landed
 from splitserve.engine.parallel import kv_slices
+from splitserve.engine.parallel.pipeline import on_all_stages
 from splitserve.engine.parallel.rank_calls import on_all_ranks
-from splitserve.worker import rank_kv, spans
+from splitserve.worker import rank_kv, spans, stage_kv
 from splitserve.types import ConfigError, FinishReason, PhaseTimes, Request, TokenChunk
 from splitserve.worker.kv_worker import KVWorker
 
@@ -95,8 +96,8 @@ class DecodeWorker(KVWorker):
                 return
             phases, emitted = None, 0
             if handoff is not None:
-                moved = (len(handoff.block_ids) - self._kept.pop(rid, 0)) * self.layout.num_layers * 2 \
-                    * self.layout.block_bytes
+                moved = (len(handoff.block_ids) - self._kept.pop(rid, 0)) * self.engine.model_config.num_layers \
+                    * 2 * self.layout.block_bytes
                 exposed = time.time() - handoff.computed_at if handoff.computed_at else None
                 phases = PhaseTimes(transfer_s=time.monotonic() - started, transfer_bytes=moved,
                                     exposed_transfer_s=exposed, transport=handoff.endpoint.transport)
@@ -144,6 +145,8 @@ class DecodeWorker(KVWorker):
         """Start landing a streamed handoff while its prompt is being computed (the
         orchestrator calls it with the prefill). Returns when the stream has ended here."""
         rid = req.request_id
+        if self.engine.pp is not None:  # its stages land whole handoffs only (the pieces' layers are stage 0's)
+            return
         if rid in self.handoffs or self._early_aborts.get(rid) or rid in self._unstaged or self.loop.has(rid):
             return  # generate() got here first, its staging was dropped, or the request is over already
         await streamed.stage(self, req, prefill, tuple(outputs), self.claim_s)
@@ -330,15 +333,23 @@ class DecodeWorker(KVWorker):
     async def _pull(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
         """Read, then settle the lease, then verify. Raises TransferError; never leaves a
         transfer writing into blocks the engine may hand to someone else."""
-        sliced = bool(h.ranks)  # a tensor-parallel source or reader
+        staged = bool(h.stages)  # a pipeline-parallel source or reader
+        sliced = bool(h.ranks) and not staged  # a tensor-parallel source or reader
         try:
-            check_header(h, self.layout, heads_may_differ=sliced)
-            if sliced:  # each rank here pulls its KV heads from the source ranks holding them, and checks them
+            if staged:  # each stage here pulls its layers from the source stages holding them, and checks them
+                check_header(h, self._whole_layout)
+                await self._read_staged(h, dst, prefill, ho)
+            elif self.engine.pp is not None:
+                raise TransferError("header", "this decode worker is pipeline-parallel: it reads handoffs that carry "
+                                              "every source stage's layers only")
+            elif sliced:  # each rank here pulls its KV heads from the source ranks holding them, and checks them
+                check_header(h, self.layout, heads_may_differ=True)
                 await self._read_sliced(h, dst, prefill, ho)
             elif self.engine.tp.size > 1:
                 raise TransferError("header", "this decode worker is tensor-parallel: it reads handoffs that "
                                               "carry every source rank's part only")
             else:
+                check_header(h, self.layout)
                 kind = h.endpoint.transport
                 self.transfers_by_transport[kind] = self.transfers_by_transport.get(kind, 0) + 1
                 await self._read(h, dst, prefill, ho)
@@ -347,8 +358,8 @@ class DecodeWorker(KVWorker):
         if not live:
             raise TransferError("lease_expired", f"lease {h.lease_id} lapsed before the read was acknowledged")
         ho.move(S.VERIFYING)
-        if sliced:
-            return  # every head was checked as it landed
+        if sliced or staged:
+            return  # every head (layer) was checked as it landed
         # Off the engine thread: running decodes keep stepping while a long prompt's KV is
         # checked. Nothing writes these blocks meanwhile (they join the batch only once READY);
         # an abort now frees them, and then the verdict is never used.
@@ -373,6 +384,33 @@ class DecodeWorker(KVWorker):
                 await _uncancelled(asyncio.to_thread(rank_kv.pull, e, h, plan, dst, kind, self.kv_secret))
             else:  # on the engine thread: whatever frees the blocks runs there after it
                 await self.loop.call(on_all_ranks, e, rank_kv.pull, h, plan, dst, kind, self.kv_secret)
+        finally:
+            renewing.cancel()
+        if ho.abort_requested:
+            raise TransferError("aborted", "the request was aborted during the transfer")
+
+    @property
+    def _whole_layout(self):
+        """This worker's layout as the whole model's (a stage's cache holds only its layers)."""
+        return dataclasses.replace(self.layout, num_layers=self.engine.model_config.num_layers)
+
+    async def _read_staged(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
+        """The pull by stage: each stage here (one engine: itself) takes its layers from the
+        source stages holding them; one engine in a thread, stages on the engine thread (every
+        stage pulls at once; the decode steps wait meanwhile). The lease is renewed meanwhile;
+        an abort is seen once no stage writes the blocks any more."""
+        e = self.engine
+        if e.tp.size > 1:
+            raise TransferError("header", "a tensor-parallel decode worker reads no handoff by stage: the layers of "
+                                          "pipeline stages cut by heads are not built")
+        kind = sliced_kind(h.endpoint.transport)
+        self.transfers_by_transport[kind] = self.transfers_by_transport.get(kind, 0) + 1
+        renewing = asyncio.ensure_future(self._renew(h, prefill))
+        try:
+            if e.pp is None:  # to its end even if cancelled: the blocks it writes are freed only after it
+                await _uncancelled(asyncio.to_thread(stage_kv.pull, e, h, dst, kind, self.kv_secret))
+            else:  # on the engine thread: whatever frees the blocks runs there after it
+                await self.loop.call(on_all_stages, e, stage_kv.pull, h, dst, kind, self.kv_secret)
         finally:
             renewing.cancel()
         if ho.abort_requested:

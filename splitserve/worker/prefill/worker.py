@@ -21,9 +21,11 @@ from splitserve.config import EngineConfig
 from splitserve.worker.kv_worker import KVWorker
 from splitserve.kv_transfer.base import KVHandoff, StreamUpdate, TransferHeader, TransportEndpoint
 from splitserve.kv_transfer.head_slices import RankSource
+from splitserve.engine.parallel.pipeline import on_all_stages
 from splitserve.engine.parallel.rank_calls import on_all_ranks
 from splitserve.engine.parallel.shard import Shard
-from splitserve.worker import rank_kv, spans
+from splitserve.kv_transfer.stage_slices import StageSource
+from splitserve.worker import rank_kv, spans, stage_kv
 from splitserve.kv_transfer.regions import kv_checksum
 from splitserve.worker.prefill.leases import LeaseTable
 from splitserve.worker.prefill.stream import KVStream
@@ -44,9 +46,12 @@ class PrefillWorker(KVWorker):
 
     def __init__(self, config: EngineConfig, transports: Sequence[str], lease_s: float = 30.0,
                  host: str | None = None, transport_options: dict | None = None, node_id: str = "",
-                 start_ranks=None) -> None:
+                 start_ranks=None, reader_stages: int = 1) -> None:
         # Every transport this worker offers; the router picks one per handoff (by locality).
         super().__init__(config, transports, transport_options, host, node_id, start_ranks)
+        # The pipeline stages of the decode workers reading its handoffs (the app's decode_pp): a
+        # reader of several processes may be a TP group or stages, which its count cannot tell.
+        self.reader_stages = reader_stages
         self.leases = LeaseTable(lease_s)
         self._reaper: asyncio.Task | None = None
         self._prefilling: set[str] = set()  # prefill() calls in progress
@@ -73,11 +78,14 @@ class PrefillWorker(KVWorker):
         tensor-parallel size of the decode worker that reads the handoff (more than 1, or more
         than one rank here: the handoff carries every rank's part, head_slices.RankSource).
         `stream`: publish the prompt's blocks as they are computed (`kv_stream`), where the
-        handoff is one rank's to one rank."""
+        handoff is one rank's to one rank (not by stage: a pipeline-parallel source or reader).
+        A pipeline-parallel worker, or one whose readers are (`reader_stages`), hands off by
+        stage (stage_slices.StageSource per stage)."""
         endpoint = self.endpoint(transport)
         self._ensure_reaper()
         self._prefilling.add(req.request_id)
-        st = self._open_stream(req, endpoint, outputs) if stream and reader_ranks == 1 and self.engine.tp.size == 1 else None
+        one_to_one = reader_ranks == 1 and self.engine.tp.size == 1 and not self._by_stage
+        st = self._open_stream(req, endpoint, outputs) if stream and one_to_one else None
         span = spans.prefill(req, endpoint.transport, st is not None)
         try:
             result = await self._prefill(req, endpoint, tuple(outputs), reader_ranks, st)
@@ -203,11 +211,13 @@ class PrefillWorker(KVWorker):
     async def _handoff(self, req: Request, chunk: TokenChunk, endpoint: TransportEndpoint,
                        reader_ranks: int, computed_at: float, st: KVStream | None = None) -> KVHandoff:
         blocks = chunk.kv_blocks
-        checksum, ranks, streamed = 0, (), 0
+        checksum, ranks, stages, streamed = 0, (), (), 0
         lease = self.leases.get(st.lease_id) if st is not None else None
         if lease is not None:  # its reader gets a whole term from here, as for a fresh lease: the
             self.leases.renew(lease.lease_id)  # stream's renewals stopped when its last piece was read
             streamed, checksum = await self._last_piece(st, tuple(blocks))
+        elif self._by_stage:  # every stage's layers checksummed, layer by layer
+            stages = await self._stage_sources(blocks)
         elif reader_ranks > 1 or self.engine.tp.size > 1:  # sliced: every rank's heads checksummed instead
             ranks = await self._rank_sources(blocks)
         else:  # off the engine thread (prefills keep running): detached blocks are written by no one
@@ -220,20 +230,20 @@ class PrefillWorker(KVWorker):
             t.allow(lease.token, blocks)
         if st is not None:
             st.close()  # no more pieces: the reader reads the rest with the handoff
-        if self.engine.tp.size > 1:  # and those of the other ranks' caches
+        if self._others is not None:  # and those of the other ranks' (or stages') caches
             try:
-                await self.loop.call(on_all_ranks, self.engine, rank_kv.allow, lease.token, blocks)
+                await self.loop.call(self._others, self.engine, rank_kv.allow, lease.token, blocks)
             except BaseException:  # cancelled or failed: no reader gets this lease (the caller frees the blocks)
                 self.leases.settle(lease.lease_id)
                 for t in self.transports.values():
                     t.revoke(lease.token)
                 raise
         header = TransferHeader(req.request_id, self.layout.model_fingerprint, self.layout.dtype,
-                                self.layout.block_size, self.layout.num_layers, len(blocks), lease.epoch)
+                                self.layout.block_size, self.num_layers, len(blocks), lease.epoch)
         return KVHandoff(req.request_id, chunk.token_ids[0], chunk.logprobs[0] if chunk.logprobs else None,
                          chunk.num_prompt_tokens, chunk.num_cached_tokens, tuple(blocks), endpoint,
                          lease.lease_id, lease.expires_at, header, checksum, lease.token, ranks, computed_at,
-                         streamed)
+                         streamed, stages)
 
     async def _last_piece(self, st: KVStream, blocks: tuple[int, ...]) -> tuple[int, int]:
         """The stream's end: (how many leading blocks the handoff says streamed, the checksum
@@ -256,6 +266,34 @@ class PrefillWorker(KVWorker):
             sums = await self.loop.call(on_all_ranks, e, rank_kv.checksums, blocks)
         heads = [Shard.of(e.model_config, r, size, e.config.expert_parallel).kv_heads for r in range(size)]
         return tuple(RankSource(r, heads[r], self.rank_endpoints[r], sums[r]) for r in range(size))
+
+    @property
+    def _by_stage(self) -> bool:
+        """Whether handoffs go by stage: this worker or its readers are pipeline-parallel."""
+        return self.engine.pp is not None or self.reader_stages > 1
+
+    @property
+    def num_layers(self) -> int:
+        """The model's layers (a stage's cache, `layout`, holds only its own)."""
+        return self.engine.model_config.num_layers
+
+    @property
+    def _others(self):
+        """How a call reaches the other processes' caches: on_all_stages (pipeline-parallel),
+        on_all_ranks (tensor-parallel), or None (one process)."""
+        if self.engine.pp is not None:
+            return on_all_stages
+        return on_all_ranks if self.engine.tp.size > 1 else None
+
+    async def _stage_sources(self, blocks) -> tuple[StageSource, ...]:
+        """Every stage's part of the handoff: its endpoints, its layers, a checksum per layer (on
+        the engine thread: the other stages take theirs between steps; one stage: off it)."""
+        e = self.engine
+        if e.pp is None:
+            parts = [await asyncio.to_thread(stage_kv.checksums, e, blocks)]
+        else:
+            parts = await self.loop.call(on_all_stages, e, stage_kv.checksums, blocks)
+        return tuple(StageSource(s, layers, self.stage_endpoints[s], sums) for s, (layers, sums) in enumerate(parts))
 
     async def ack(self, lease_id: str) -> bool:
         """The reader is done. True if the lease was live (its copy is good); the blocks are freed
@@ -324,8 +362,8 @@ class PrefillWorker(KVWorker):
     def _free(self, request_id: str, token: bytes) -> None:
         """On the engine thread: the other ranks' transports forget the token (rank 0's did
         already), then the blocks are free."""
-        if self.engine.tp.size > 1:
-            on_all_ranks(self.engine, rank_kv.revoke, token)
+        if self._others is not None:
+            self._others(self.engine, rank_kv.revoke, token)
         self.engine.release_detached(request_id)
 
     async def check_invariants(self) -> dict:
@@ -342,10 +380,10 @@ class PrefillWorker(KVWorker):
                 raise AssertionError(f"streams with neither a prefill nor a lease: {sorted(stray)}")
             return self.engine.block_counts()
 
-        def check_rank_grants() -> None:  # the other ranks forget an acknowledged lease's token as its blocks are freed
-            if self.engine.tp.size == 1:
+        def check_rank_grants() -> None:  # the other ranks (stages) forget an acknowledged lease's token as its blocks are freed
+            if self._others is None:
                 return
-            over = max(on_all_ranks(self.engine, rank_kv.granted)) - len(self.leases) - len(self._releasing)
+            over = max(self._others(self.engine, rank_kv.granted)) - len(self.leases) - len(self._releasing)
             if over > 0:
                 raise AssertionError(f"{over} lease tokens more than there are leases can read a rank's KV")
 
