@@ -24,7 +24,7 @@ from splitserve.worker.decode.handoff import HandoffState
 from splitserve.worker.decode.worker import DecodeWorker
 from splitserve.worker.prefill.worker import PrefillWorker
 from tests.fakes.stages import corrupt_last_stage, corrupt_layer
-from tests.greedy_parity import assert_greedy_equal, hf_greedy
+from tests.greedy_parity import assert_greedy_equal, hf_greedy, make_prompts
 from tests.unit.test_decode_lifecycle import Local, collect
 from tests.unit.test_engine_parity import MAX_NEW, reference  # noqa: F401  (a fixture)
 
@@ -182,3 +182,32 @@ def test_a_pp_prefill_worker_of_tensor_parallel_stages_is_refused(tiny_checkpoin
                        tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="PP x TP"):
         PrefillWorker(cfg, ["tcp"])
+
+
+@pytest.mark.parametrize("pair", ["pp_pre->dec"], indirect=True)
+def test_pp_prefill_preempted_under_held_leases_hands_off_exactly(pair, reference):
+    """Four handoffs left unlanded hold 56 of the PP prefill worker's 64 blocks under their
+    leases; three more prompts prefilled at once, 32 tokens a step, run out of blocks as they
+    grow and are preempted (recomputed once a landing frees blocks). Every one of the seven,
+    landed, gives Hugging Face's tokens; nothing is held afterwards."""
+    pre, dec, _ = pair
+    hf = reference("llama")[0]
+    prompts = make_prompts(seed=99, lengths=(200,) * 4 + (50, 50, 50))  # 0, 3 and 6 get 40 tokens more
+    refs = hf_greedy(hf, prompts, MAX_NEW)
+    preempted = pre.engine.stats().num_preempted_total
+
+    async def land(i, r):
+        req = Request(f"held-{i}", list(prompts[i]), SP)
+        chunks = await collect(dec.generate(req, r.handoff, Local(pre)))
+        return [r.handoff.first_token] + [t for c in chunks for t in c.token_ids]
+
+    async def go():
+        held = [await pre.prefill(Request(f"held-{i}", list(prompts[i]), SP), "tcp") for i in range(4)]
+        rest = await asyncio.gather(*(pd(pre, dec, f"squeezed-{i}", prompts[i], "tcp") for i in range(4, 7)))
+        first = [await land(i, r) for i, r in enumerate(held)]
+        await no_leaks(pre, dec)
+        return first + [got for got, _ in rest]
+
+    for p, got, want in zip(prompts, asyncio.run(go()), refs):
+        assert_greedy_equal(hf, p, got, want)
+    assert pre.engine.stats().num_preempted_total > preempted, "the pool was meant to be too small for the three"
