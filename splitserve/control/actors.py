@@ -143,7 +143,7 @@ class Spawned(NamedTuple):
     handle: Any  # the worker actor (rank 0)
     group: Any  # its placement group: removed with it
     bundles: list  # what the group asks of its node (for unplaced.diagnose)
-    one_node: bool = True  # STRICT_PACK; a pipeline-parallel worker's PACK group may span nodes
+    one_node: bool = True  # STRICT_PACK; a pipeline-parallel worker's group may span nodes (PACK, STRICT_SPREAD)
 
 
 def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float, name: str) -> Spawned:
@@ -155,19 +155,24 @@ def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float,
     so whether Ray has placed it is known (`group.ready()`) before its model has loaded; a
     tensor-parallel one starts the other ranks itself (control/tp_ranks.py). A pipeline-parallel
     worker's group is one bundle per stage x TP rank, PACK (its stages may sit on different
-    nodes; STRICT_PACK would need them all on one)."""
+    nodes; STRICT_PACK would need them all on one), or with `pp_placement` spread STRICT_SPREAD
+    (each stage, one process, on a node of its own: deploy_config refuses it for stages of
+    several ranks). Only bundle 0 asks the pool's resource, so the other stages may land on any
+    node with a CPU (or GPU) free."""
     from ray.util.placement_group import placement_group
 
     p = worker_placement(cfg, wid.role, transports, share)
     pp = p.engine.pipeline_parallel_size
     asked = bundles(p.engine.tensor_parallel_size * pp, p.resources["num_cpus"], p.resources["num_gpus"],
                     p.resources.get("resources", {}))
-    group = placement_group(asked, strategy="PACK" if pp > 1 else "STRICT_PACK", name=name, lifetime="detached")
+    group = placement_group(asked, strategy=_strategy(cfg, pp), name=name, lifetime="detached")
     # the actor asks what bundle 0 holds
     opts = {**p.resources, "max_restarts": 0, "scheduling_strategy": placement(group, 0), "name": name,
             "namespace": cfg.namespace, "lifetime": "detached"}
     kv = {"transport_options": {"tcp": {"secret": cfg.kv_secret}}}  # the app's KV secret: readers prove it
     role = {"lease_s": cfg.lease_s} if wid.role is Role.PREFILL else {"on_transfer_failure": cfg.on_transfer_failure}
+    if wid.role is Role.PREFILL and cfg.decode_pp > 1:  # its readers' stages: it hands off by stage
+        role["reader_stages"] = cfg.decode_pp
     try:
         actor = actor_class(worker_class(cfg, wid.role)).options(**opts)
         traced = {"trace": cfg.trace, "trace_as": (f"splitserve-{wid.role.value}", name)}
@@ -175,6 +180,12 @@ def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float,
     except BaseException:  # no worker: no reservation either
         ray.util.remove_placement_group(group)
         raise
+
+
+def _strategy(cfg: DeployConfig, pp: int) -> str:
+    if pp == 1:
+        return "STRICT_PACK"
+    return "STRICT_SPREAD" if cfg.pp_placement == "spread" else "PACK"
 
 
 __all__ = ["actor_class", "worker_class", "spawn", "Spawned", "worker_placement", "gpu_share", "resolve_transports"]

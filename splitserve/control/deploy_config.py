@@ -16,6 +16,7 @@ from splitserve.tracing import TraceConfig
 from splitserve.types import ConfigError
 
 POOL_KEYS = ("prefill", "decode")
+PP_PLACEMENTS = ("pack", "spread")
 TRANSPORTS = ("auto",) + KV_TRANSPORTS
 ENGINE_FLAG_KEYS = ("dtype", "kv_cache_dtype", "device", "attention_backend", "kv_cache_memory_gib",
                     "gpu_memory_utilization", "host_kv_blocks", "tensor_parallel_size")
@@ -33,11 +34,16 @@ class DeployConfig:
     decode: int = 1
     prefill_tp: int = 1  # tensor-parallel ranks per prefill worker (one placement group, one node)
     decode_tp: int = 1
-    # pipeline stages per worker (each stage its TP ranks; one placement group, PACK: stages may sit
-    # on different nodes). Only decode workers of an aggregated app (prefill 0) for now: the KV
-    # handoff from or into pipeline stages is not built, so every other combination is refused.
+    # pipeline stages per worker (each stage its TP ranks; one placement group). Beside a prefill
+    # pool the KV moves by stage (kv_transfer/stage_slices.py) between one-rank stages: PP and TP
+    # mix only in aggregated apps (prefill 0).
     prefill_pp: int = 1
     decode_pp: int = 1
+    # where a pipeline-parallel worker's stages sit: "pack" (Ray's PACK: on as few nodes as fit,
+    # so activations stay on a node where they can) or "spread" (STRICT_SPREAD: every stage on a
+    # node of its own — the memory of several nodes for one model; only for one-rank stages, as
+    # one placement group cannot pack a stage's TP ranks on a node and spread the stages)
+    pp_placement: str = "pack"
     prefill_resources: dict = dataclasses.field(default_factory=dict)  # extra Ray resources per worker
     decode_resources: dict = dataclasses.field(default_factory=dict)
     transport: str = "auto"
@@ -196,18 +202,31 @@ class DeployConfig:
                               "picks them for such a pair), not nixl yet")
 
     def _check_pp(self) -> None:
-        """Pipeline-parallel workers serve only as aggregated decode workers yet: what is not built
-        is refused here, before any actor starts, so nothing half-works."""
-        if self.prefill_pp > 1:
-            raise ConfigError(f"prefill_pp {self.prefill_pp}: prefill_pp > 1 is not supported yet: the KV handoff "
-                              f"from pipeline stages is not built")
-        if self.decode_pp == 1:
-            return
+        """What pipeline-parallel workers cannot do yet is refused here, before any actor starts,
+        so nothing half-works: the KV handoff by stage moves whole layers between one-rank
+        stages (or single workers), so beside a prefill pool no tensor-parallel group may meet a
+        pipeline-parallel worker, and it moves over shm or tcp."""
+        if self.pp_placement not in PP_PLACEMENTS:
+            raise ConfigError(f"pp_placement must be one of {', '.join(PP_PLACEMENTS)}, got {self.pp_placement!r}")
+        for role in POOL_KEYS:
+            if self.pp_placement == "spread" and self.pp(role) > 1 and self.tp(role) > 1:
+                raise ConfigError(f"pp_placement spread puts each of a worker's processes on a node of its own: "
+                                  f"{role}_pp {self.pp(role)} with {role}_tp {self.tp(role)} would spread each "
+                                  f"stage's tensor-parallel ranks too; use pp_placement pack")
+        staged = [role for role in POOL_KEYS if self.pp(role) > 1]
         prefill_max = self.autoscale.prefill.max if self.autoscale is not None else 0
-        if self.prefill > 0 or prefill_max > 0:
-            raise ConfigError(f"decode_pp {self.decode_pp} needs prefill 0 (and an autoscale prefill max of 0): "
-                              f"the KV handoff into pipeline stages is not built, so pipeline-parallel decode "
-                              f"workers serve only the aggregated path")
+        if not staged or (self.prefill == 0 and prefill_max == 0):
+            return  # no handoff (aggregated): PP x TP decode workers serve as they are
+        role = staged[0]
+        grouped = [r for r in POOL_KEYS if self.tp(r) > 1]
+        if grouped:
+            raise ConfigError(f"{role}_pp {self.pp(role)} with {grouped[0]}_tp {self.tp(grouped[0])} beside a prefill "
+                              f"pool: the KV handoff by pipeline stage moves whole layers between one-rank stages; "
+                              f"a tensor-parallel group on either side of it is not built (PP x TP serves "
+                              f"aggregated apps only, prefill 0)")
+        if self.transport == "nixl":
+            raise ConfigError(f"{role}_pp {self.pp(role)}: the KV handoff by pipeline stage moves over shm or tcp "
+                              f"(transport auto picks them for such a pair), not nixl yet")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "DeployConfig":

@@ -14,7 +14,8 @@ KV heads: both sides are one tensor-parallel rank per stage (a stage of several 
 need the layers cut by heads too, head_slices.py's job; not built). `shm` copies exactly those
 layers from the source stage's mapped file; `tcp` reads them (a transport's layer range) into a
 staging buffer of that stage's geometry and the handoff's block count, from which they are
-copied into place. Every layer is checked as it lands."""
+copied into place (a stage placed on another node than stage 0 is read over tcp even where the
+pair shares memory). Every layer is checked as it lands."""
 
 from __future__ import annotations
 
@@ -90,14 +91,22 @@ def pull_layers(h: KVHandoff, dst: range, storage: torch.Tensor, dst_blocks: Seq
     moved = 0
     for sl in plan([s.layers for s in h.stages], dst):
         src = h.stages[sl.src_stage]
-        ep = src.endpoint(kind)
+        ep = src.endpoint(_kind_for(h, src, kind))
         _check_geometry(ep.layout, storage, h, src)
-        if kind == "shm":
+        if ep.transport == "shm":
             moved += _copy_shm(ep, h.block_ids, storage, dst_blocks, sl)
         else:
             moved += _copy_tcp(h, ep, storage, dst_blocks, sl, secret)
         _verify(storage, dst_blocks, src, sl)
     return moved
+
+
+def _kind_for(h: KVHandoff, src: StageSource, kind: str) -> str:
+    """The pair's transport, except that shm (chosen because the handoff's endpoint, stage 0's,
+    shares the reader's host) reaches no stage placed on another node: tcp does."""
+    if kind == "shm" and any(e.transport == "shm" and e.host != h.endpoint.host for e in src.endpoints):
+        return "tcp"
+    return kind
 
 
 def _check_geometry(src: KVLayout, storage: torch.Tensor, h: KVHandoff, stage: StageSource) -> None:

@@ -56,11 +56,17 @@ class KVWorker:
         # likewise every pipeline stage's, stage 0's first (its other stages serve their layers)
         self.stage_endpoints = (tuple(self.endpoints.values()),)
         if self.serves_kv and self.engine.pp is not None:
-            others = on_all_stages(self.engine, stage_kv.serve_kv, list(transports), options, self.host)
+            others = on_all_stages(self.engine, stage_kv.serve_kv, list(transports), options, self._process_hosts())
             self.stage_endpoints += tuple(others[1:])
         elif self.serves_kv and self.engine.tp.size > 1:
             others = on_all_ranks(self.engine, rank_kv.serve_kv, list(transports), options, self.host)
             self.rank_endpoints += tuple(others[1:])
+
+    def _process_hosts(self) -> tuple[str, ...]:
+        """Where each of this engine's processes serves its cache: this worker's host, or for a
+        process on another node (a pipeline stage placed apart), that node's IP."""
+        places = self.engine.ranks.places() if self.engine.ranks is not None else ()
+        return (self.host, *(self.host if p.node_id == self.node_id else p.node_ip for p in places))
 
     def describe(self) -> WorkerInfo:
         ranks = self.engine.ranks.places() if self.engine.ranks is not None else ()

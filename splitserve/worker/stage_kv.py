@@ -23,10 +23,15 @@ def layers_of(engine) -> range:
     return engine.stage.layers if getattr(engine, "stage", None) is not None else range(engine.kv.storage.shape[0])
 
 
-def serve_kv(engine, kinds: Sequence[str], options: dict, host: str):
-    """Stages 1..S-1: serve this stage's cache; its endpoints (None on stage 0)."""
+def serve_kv(engine, kinds: Sequence[str], options: dict, hosts: Sequence[str]):
+    """Stages 1..S-1: serve this stage's cache; its endpoints (None on stage 0). `hosts`: each
+    process's, stage 0's first; a stage on a node of its own listens there (its readers reach
+    it over tcp, stage_slices._kind_for)."""
     if engine.stage.first:
         return None
+    host = hosts[engine.pp.rank]
+    if host != hosts[0]:
+        options = {**options, "tcp": {**options.get("tcp", {}), "bind_host": host}}
     own, layout = own_transports(engine), layout_of(engine)
     for kind in kinds:
         if kind in SLICED_TRANSPORTS and kind not in own:

@@ -1,9 +1,11 @@
-"""Pipeline-parallel decode workers on the local Ray cluster (the aggregated path: prefill 0):
-a worker of 2 stages is one placement group (PACK: its stages may sit on different nodes), the
-actor as stage 0 and stage 1 an actor it starts running the engine's stage main; the router and
-the Controller see one worker. Its greedy tokens equal the single engine's, `describe` shows the
-stage's place, and killing the stage process takes the worker down naming the stage and brings
-up a new one."""
+"""Pipeline-parallel workers on the local Ray cluster. A decode worker of 2 stages on the
+aggregated path (prefill 0) is one placement group (PACK: its stages may sit on different
+nodes), the actor as stage 0 and stage 1 an actor it starts running the engine's stage main; the
+router and the Controller see one worker. Its greedy tokens equal the single engine's,
+`describe` shows the stage's place, and killing the stage process takes the worker down naming
+the stage and brings up a new one. A prefill worker of 2 stages spread over two nodes
+(pp_placement spread: STRICT_SPREAD) hands its KV off by stage to a single decode worker: each
+stage serves its own layer from its own node, the decode worker pulls and checks both."""
 
 import os
 import signal
@@ -15,6 +17,7 @@ import ray
 from splitserve.orchestrator import Cluster
 from splitserve.router.policy import NoCapacity
 from tests.chaos.harness import params, prompts, reference
+from tests.conftest import PREFILL_IP
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,3 +64,43 @@ def test_a_pipeline_parallel_decode_worker_serves_exactly_and_is_replaced_when_a
                 assert time.time() < deadline, "the router never saw the new worker"
                 time.sleep(0.5)
         assert [tuple(o.outputs[0].token_ids) for o in outs] == ref[:4]
+
+
+def test_a_pp_prefill_worker_spread_over_two_nodes_hands_off_by_stage_exactly(ray_session, model):
+    ps, sps = prompts(12), params(12, False, 10)
+    ref = reference(model, ps, sps)
+    with Cluster.start(model=model, name="pp-prefill-spread", prefill=1, decode=1, prefill_pp=2, pp_placement="spread",
+                       disagg_min_tokens=0, num_kv_blocks=256, prefill_resources={"prefill_node": 1},
+                       decode_resources={"decode_node": 1}) as c:
+        ready = [w for w in ray.get(c.controller.status.remote()).workers if w.state == "ready"]
+        assert sorted(w.role for w in ready) == ["decode", "prefill"], ready
+        prefill = next(w for w in ready if w.role == "prefill")
+        assert prefill.ranks[0] == PREFILL_IP and len(set(prefill.ranks)) == 2, prefill  # one stage a node
+        outs = c.generate([list(p) for p in ps], sps)
+        assert [tuple(o.outputs[0].token_ids) for o in outs] == ref
+        assert all(t.prefill_done_to_first_token_s is not None for t in c.timings)  # every one handed over
+        counts = c.check_invariants()
+        decode = counts[-1]
+        assert decode["transfer_failures"] == {} and decode["transfers_by_transport"] == {"tcp": 12}, decode
+        for s in counts:  # both sides drained: no block, lease or grant left (on either stage)
+            assert s["in_use"] == 0 and s["free"] + s["cached"] == s["total"], s
+            assert s.get("leases", 0) == 0 and s.get("grants", 0) == 0 and s.get("handoffs", 0) == 0, s
+
+
+def test_a_pp_decode_worker_beside_a_prefill_pool_lands_each_stage_exactly(ray_session, model):
+    """decode_pp 2 with a (single) prefill worker, all on the head node: the prefill worker,
+    told its readers' stages, hands off by stage; each decode stage pulls its layer over shm
+    between steps and checks it. Tokens equal the single engine's; nothing held."""
+    ps, sps = prompts(12, seed=12), params(12, False, 10)
+    ref = reference(model, ps, sps)
+    with Cluster.start(model=model, name="pp-decode-pd", prefill=1, decode=1, decode_pp=2, disagg_min_tokens=0,
+                       num_kv_blocks=256, prefill_resources={"head_node": 1}, decode_resources={"head_node": 1}) as c:
+        outs = c.generate([list(p) for p in ps], sps)
+        assert [tuple(o.outputs[0].token_ids) for o in outs] == ref
+        assert all(t.prefill_done_to_first_token_s is not None for t in c.timings)  # every one handed over
+        counts = c.check_invariants()
+        decode = counts[-1]
+        assert decode["transfer_failures"] == {} and decode["transfers_by_transport"] == {"shm": 12}, decode
+        for s in counts:
+            assert s["in_use"] == 0 and s["free"] + s["cached"] == s["total"], s
+            assert s.get("leases", 0) == 0 and s.get("grants", 0) == 0 and s.get("handoffs", 0) == 0, s

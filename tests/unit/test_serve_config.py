@@ -132,8 +132,8 @@ def test_max_tokens_default_flag_and_config_key_reach_the_app_config(tmp_path, t
 
 def test_pipeline_parallel_pools_are_checked_and_reach_the_engine_config(tmp_path, tiny_checkpoint):
     """decode_pp / prefill_pp: integers >= 1; pipeline_parallel_size is set per pool on a cluster;
-    a PP decode worker serves only the aggregated path (prefill 0, autoscale prefill max 0) and
-    prefill_pp > 1 is refused: the KV handoff from / into pipeline stages is not built. The
+    beside a prefill pool (the KV handed off by stage) no TP group meets a PP worker and nixl is
+    refused; pp_placement is pack or spread, and spread refuses stages of several ranks. The
     pool's EngineConfig gets the stages, and the worker's placement group one bundle per
     stage x TP rank."""
     from splitserve.cli.serve import deploy_options
@@ -145,12 +145,16 @@ def test_pipeline_parallel_pools_are_checked_and_reach_the_engine_config(tmp_pat
     for bad, match in [({"decode_pp": 0}, "decode_pp must be an integer >= 1"),
                        ({"prefill_pp": "x"}, "prefill_pp must be an integer >= 1"),
                        ({"engine": {"pipeline_parallel_size": 2}}, "set per pool on a cluster: prefill_pp and decode_pp"),
-                       ({"prefill_pp": 2}, "prefill_pp > 1 is not supported yet: the KV handoff from pipeline "
-                                           "stages is not built"),
-                       ({"prefill_pp": 2, "prefill": 0}, "prefill_pp > 1 is not supported yet"),
-                       ({"decode_pp": 2}, "decode_pp 2 needs prefill 0"),
-                       ({"decode_pp": 2, "prefill": 0, "autoscale": {"prefill": {"min": 0, "max": 2}}},
-                        "autoscale prefill max of 0"),
+                       ({"prefill_pp": 2, "decode_tp": 2}, "prefill_pp 2 with decode_tp 2 beside a prefill pool: "
+                                                            "the KV handoff by pipeline stage"),
+                       ({"decode_pp": 2, "decode_tp": 2}, "decode_pp 2 with decode_tp 2 beside a prefill pool"),
+                       ({"decode_pp": 2, "prefill_tp": 2}, "decode_pp 2 with prefill_tp 2 beside a prefill pool"),
+                       ({"decode_pp": 2, "decode_tp": 2, "prefill": 0,
+                         "autoscale": {"prefill": {"min": 0, "max": 2}}}, "beside a prefill pool"),
+                       ({"prefill_pp": 2, "transport": "nixl"}, "moves over shm or tcp"),
+                       ({"pp_placement": "far"}, "pp_placement must be one of pack, spread"),
+                       ({"decode_pp": 2, "decode_tp": 2, "prefill": 0, "pp_placement": "spread"},
+                        "would spread each stage's tensor-parallel ranks too"),
                        ({"decode_pp": 2, "prefill": 0, "host_kv_blocks": 8}, "host_kv_blocks is not supported")]:
         with pytest.raises(ConfigError, match=match):
             DeployConfig.from_options({"model": model, **bad})
@@ -168,8 +172,10 @@ def test_pipeline_parallel_pools_are_checked_and_reach_the_engine_config(tmp_pat
     assert auto.decode_pp == 2
     flags = DeployConfig.from_options(deploy_options(parse(["serve", "--prefill", "0", "--decode-pp", "2"]), model))
     assert (flags.prefill, flags.prefill_pp, flags.decode_pp) == (0, 1, 2)
-    with pytest.raises(ConfigError, match="prefill_pp > 1 is not supported yet"):
-        DeployConfig.from_options(deploy_options(parse(["serve", "--prefill-pp", "2"]), model))
+    staged = DeployConfig.from_options(deploy_options(parse(["serve", "--prefill-pp", "2", "--decode-pp", "2"]), model))
+    assert (staged.prefill, staged.prefill_pp, staged.decode_pp, staged.pp_placement) == (1, 2, 2, "pack")
+    spread = DeployConfig.from_options({"model": model, "prefill_pp": 2, "pp_placement": "spread"})
+    assert worker_placement(spread, Role.PREFILL, ["tcp"], 0.0).engine.pipeline_parallel_size == 2
     f = tmp_path / "serve.yaml"
     f.write_text("prefill: 0\ndecode_pp: 2\n")
     file = DeployConfig.from_options(deploy_options(parse(["serve", "--config", str(f)]), model))
