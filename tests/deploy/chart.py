@@ -148,6 +148,8 @@ def _matrix() -> list[Case]:
     cases.append(Case("gpu-hostpath", ("values-gpu.yaml",),
                       ("model.pvc.claimName=", "model.hostPath=/var/lib/models", "model.subPath=llama/8b")))
     cases.append(Case("gpu-tp2-prefill", ("values-gpu.yaml",), ("prefill.tp=2", "prefill.gpus=2")))
+    cases.append(Case("gpu-pp2-prefill-pd", ("values-gpu.yaml",), ("prefill.pp=2", "prefill.gpus=2", "decode.pp=2",
+                                                                   "decode.gpus=2")))
     cases.append(Case("gpu-pp2-decode-aggregated", ("values-gpu.yaml",),
                       ("decode.pp=2", "decode.gpus=2", "prefill.replicas=0", "prefill.minReplicas=0", "autoscale.enabled=false")))
     cases.append(Case("gpu-gcs-fault-tolerance", ("values-gpu.yaml",),

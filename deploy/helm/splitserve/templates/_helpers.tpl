@@ -96,11 +96,14 @@ object, quoted and escaped for the shell KubeRay hands it to, e.g. "{\"prefill_n
 {{- end -}}
 {{- $tp := int ($g.tp | default 1) -}}
 {{- $pp := int ($g.pp | default 1) -}}
-{{- if and (eq $role "prefill") (gt $pp 1) -}}
-{{- fail "prefill.pp > 1 is not supported yet: the KV handoff from pipeline stages is not built" -}}
+{{- /* beside a prefill pool the KV moves by pipeline stage: whole layers between one-rank stages, over shm or tcp */ -}}
+{{- $pd := or (gt (int $v.prefill.replicas) 0) $v.autoscale.enabled -}}
+{{- $grouped := or (gt (int ($v.prefill.tp | default 1)) 1) (gt (int ($v.decode.tp | default 1)) 1) -}}
+{{- if and (gt $pp 1) $pd $grouped -}}
+{{- fail (printf "%s.pp > 1 beside a prefill pool needs prefill.tp and decode.tp 1: the KV handoff by pipeline stage moves whole layers between one-rank stages (PP x TP serves with prefill.replicas 0 and autoscale.enabled false)" $role) -}}
 {{- end -}}
-{{- if and (eq $role "decode") (gt $pp 1) (or (gt (int $v.prefill.replicas) 0) $v.autoscale.enabled) -}}
-{{- fail "decode.pp > 1 needs prefill.replicas 0 and autoscale.enabled false: the KV handoff into pipeline stages is not built" -}}
+{{- if and (gt $pp 1) $pd (eq $v.serve.transport "nixl") -}}
+{{- fail (printf "%s.pp > 1: the KV handoff by pipeline stage moves over shm or tcp (serve.transport auto), not nixl yet" $role) -}}
 {{- end -}}
 {{- if and (gt (int $g.gpus) 0) (eq $pp 1) (ne (int $g.gpus) $tp) -}}
 {{- fail (printf "%s.gpus (%d) must equal %s.tp (%d): one worker per pod, one GPU per tensor-parallel rank" $role (int $g.gpus) $role $tp) -}}
