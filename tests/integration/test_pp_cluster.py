@@ -87,14 +87,17 @@ def test_a_pp_prefill_worker_spread_over_two_nodes_hands_off_by_stage_exactly(ra
             assert s.get("leases", 0) == 0 and s.get("grants", 0) == 0 and s.get("handoffs", 0) == 0, s
 
 
-def test_a_pp_decode_worker_beside_a_prefill_pool_lands_each_stage_exactly(ray_session, model):
-    """decode_pp 2 with a (single) prefill worker, all on the head node: the prefill worker,
-    told its readers' stages, hands off by stage; each decode stage pulls its layer over shm
-    between steps and checks it. Tokens equal the single engine's; nothing held."""
+@pytest.mark.parametrize("prefill_pp", [1, 2])
+def test_a_pp_decode_worker_beside_a_prefill_pool_lands_each_stage_exactly(ray_session, model, prefill_pp):
+    """decode_pp 2 with a single prefill worker (told its readers' stages), or one of 2 stages
+    too, all on the head node: the handoff goes by stage; each decode stage pulls its layer
+    over shm between steps, from the source stage holding it, and checks it. Tokens equal the
+    single engine's; nothing held on any stage."""
     ps, sps = prompts(12, seed=12), params(12, False, 10)
     ref = reference(model, ps, sps)
-    with Cluster.start(model=model, name="pp-decode-pd", prefill=1, decode=1, decode_pp=2, disagg_min_tokens=0,
-                       num_kv_blocks=256, prefill_resources={"head_node": 1}, decode_resources={"head_node": 1}) as c:
+    with Cluster.start(model=model, name=f"pp-decode-pd-{prefill_pp}", prefill=1, decode=1, prefill_pp=prefill_pp,
+                       decode_pp=2, disagg_min_tokens=0, num_kv_blocks=256, prefill_resources={"head_node": 1},
+                       decode_resources={"head_node": 1}) as c:
         outs = c.generate([list(p) for p in ps], sps)
         assert [tuple(o.outputs[0].token_ids) for o in outs] == ref
         assert all(t.prefill_done_to_first_token_s is not None for t in c.timings)  # every one handed over
