@@ -3,8 +3,9 @@ decode workers in this process, pipeline-parallel ones with a local process for 
 (the tiny model's two layers: one a stage). Each source stage serves its own layer over tcp and
 shm, the handoff carries every stage's endpoints and per-layer checksums under one lease, and
 the destination — one engine, or each of its stages — pulls the layers it holds and checks them.
-PP2 → TP1, TP1 → PP2 and PP2 → PP2 give Hugging Face's greedy tokens (tie rule as in
-test_engine_parity), chunked on the PP prefill side (32 tokens a step), with prefix hits on
+PP2 → TP1 and TP1 → PP2 give Hugging Face's greedy tokens (tie rule as in test_engine_parity;
+PP2 → PP2 runs on Ray, tests/integration/test_pp_cluster.py: a process holds one
+torch.distributed group, so one pipeline-parallel engine at a time here), chunked on the PP prefill side (32 tokens a step), with prefix hits on
 the prefill side (a second pass) and on the decode side (a request computed there after the
 handoff finds the pulled blocks in its prefix cache), and for a migrated request; a stage's
 layer corrupted after its checksum is caught (recompute, same tokens). Afterwards nothing is

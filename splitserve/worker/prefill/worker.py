@@ -380,7 +380,7 @@ class PrefillWorker(KVWorker):
                 raise AssertionError(f"streams with neither a prefill nor a lease: {sorted(stray)}")
             return self.engine.block_counts()
 
-        def check_rank_grants() -> None:  # the other ranks (stages) forget an acknowledged lease's token as its blocks are freed
+        def check_rank_grants() -> None:  # other ranks (stages) forget an acked lease's token as its blocks are freed
             if self._others is None:
                 return
             over = max(self._others(self.engine, rank_kv.granted)) - len(self.leases) - len(self._releasing)
