@@ -187,28 +187,38 @@ def test_a_pp_prefill_worker_of_tensor_parallel_stages_is_refused(tiny_checkpoin
 
 @pytest.mark.parametrize("pair", ["pp_pre->dec"], indirect=True)
 def test_pp_prefill_preempted_under_held_leases_hands_off_exactly(pair, reference):
-    """Four handoffs left unlanded hold 56 of the PP prefill worker's 64 blocks under their
-    leases; three more prompts prefilled at once, 32 tokens a step, run out of blocks as they
-    grow and are preempted (recomputed once a landing frees blocks). Every one of the seven,
-    landed, gives Hugging Face's tokens; nothing is held afterwards."""
+    """Four handoffs left unlanded hold 54 of the PP prefill worker's 64 blocks under their
+    leases. Two more prompts are prefilled, 32 tokens a step: the short one fits, the long one
+    (13 blocks) cannot grow past what is left and is preempted — until the four are landed and
+    their blocks freed, when it is computed again and handed off. All six, landed, give
+    Hugging Face's tokens; nothing is held afterwards."""
     pre, dec, _ = pair
     hf = reference("llama")[0]
-    prompts = make_prompts(seed=99, lengths=(200,) * 4 + (50, 50, 50))  # 0, 3 and 6 get 40 tokens more
+    prompts = make_prompts(seed=99, lengths=(200, 200, 200, 200, 50, 200))  # 0 and 3: 40 shared tokens first
     refs = hf_greedy(hf, prompts, MAX_NEW)
-    preempted = pre.engine.stats().num_preempted_total
+    req = [Request(f"squeezed-{i}", list(p), SP) for i, p in enumerate(prompts)]
 
     async def land(i, r):
-        req = Request(f"held-{i}", list(prompts[i]), SP)
-        chunks = await collect(dec.generate(req, r.handoff, Local(pre)))
+        chunks = await collect(dec.generate(req[i], r.handoff, Local(pre)))
         return [r.handoff.first_token] + [t for c in chunks for t in c.token_ids]
 
+    async def preemptions() -> int:
+        return await pre.loop.call(lambda: pre.engine.stats().num_preempted_total)
+
     async def go():
-        held = [await pre.prefill(Request(f"held-{i}", list(prompts[i]), SP), "tcp") for i in range(4)]
-        rest = await asyncio.gather(*(pd(pre, dec, f"squeezed-{i}", prompts[i], "tcp") for i in range(4, 7)))
-        first = [await land(i, r) for i, r in enumerate(held)]
+        before = await preemptions()
+        held = [await pre.prefill(req[i], "tcp") for i in range(4)]
+        squeezed = [asyncio.ensure_future(pre.prefill(req[i], "tcp")) for i in (4, 5)]
+        for _ in range(3000):  # the long one runs out of blocks as it grows (bounded: no hang)
+            if await preemptions() > before:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the pool was meant to be too small for the long prompt")
+        out = [await land(i, r) for i, r in enumerate(held)]  # their blocks free: the long one goes on
+        out += [await land(i, await t) for i, t in zip((4, 5), squeezed)]
         await no_leaks(pre, dec)
-        return first + [got for got, _ in rest]
+        return out
 
     for p, got, want in zip(prompts, asyncio.run(go()), refs):
         assert_greedy_equal(hf, p, got, want)
-    assert pre.engine.stats().num_preempted_total > preempted, "the pool was meant to be too small for the three"
