@@ -222,3 +222,34 @@ def test_pp_prefill_preempted_under_held_leases_hands_off_exactly(pair, referenc
 
     for p, got, want in zip(prompts, asyncio.run(go()), refs):
         assert_greedy_equal(hf, p, got, want)
+
+
+@pytest.mark.parametrize("pair", ["pp_pre->dec"], indirect=True)
+def test_a_lapsed_lease_ends_on_every_stage_and_its_late_reader_recomputes(pair, reference):
+    """A handoff nobody reads within its lease: both stages let its token read its blocks, then
+    the reaper ends the lease — every stage forgets the token, the blocks are free. A reader
+    that comes late is refused by the source stages and computes the prompt itself, exactly."""
+    pre, dec, _ = pair
+    hf, prompts, refs = reference("llama")
+    i = PICK[1]
+    ttl, pre.leases.ttl_s = pre.leases.ttl_s, 0.3
+
+    async def go():
+        req = Request("lapsed", list(prompts[i]), SP)
+        r = await pre.prefill(req, "tcp")
+        assert await pre.loop.call(on_all_stages, pre.engine, rank_kv.granted) == [0, 1]  # stage 1's own server
+        for _ in range(500):  # the reaper runs every ttl / 4 (bounded: no hang)
+            if not pre.leases.request_ids():
+                break
+            await asyncio.sleep(0.01)
+        assert await pre.loop.call(on_all_stages, pre.engine, rank_kv.granted) == [0, 0]
+        chunks = await collect(dec.generate(req, r.handoff, Local(pre)))
+        await no_leaks(pre, dec)
+        return [r.handoff.first_token] + [t for c in chunks for t in c.token_ids]
+
+    try:
+        recomputed = dec.handoff_outcomes[HandoffState.RECOMPUTE]
+        assert_greedy_equal(hf, prompts[i], asyncio.run(go()), refs[i])
+        assert dec.handoff_outcomes[HandoffState.RECOMPUTE] == recomputed + 1
+    finally:
+        pre.leases.ttl_s = ttl
