@@ -188,11 +188,13 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="tensor-parallel ranks per prefill worker, one placement group on one node each")
     p.add_argument("--decode-tp", type=int, default=None, help="tensor-parallel ranks per decode worker")
     p.add_argument("--prefill-pp", type=int, default=1,
-                   help="pipeline stages per prefill worker (not supported yet above 1: refused)")
+                   help="pipeline stages per prefill worker, each its layers' KV handed off stage by stage")
     p.add_argument("--decode-pp", type=int, default=1,
                    help="pipeline stages per decode worker, each stage its --decode-tp ranks, in one placement "
-                        "group (PACK: stages may sit on different nodes); above 1 only with --prefill 0 (the "
-                        "aggregated path: the KV handoff into pipeline stages is not built)")
+                        "group (beside a prefill pool: neither pool tensor-parallel)")
+    p.add_argument("--pp-placement", choices=["pack", "spread"], default="pack",
+                   help="a pipeline-parallel worker's stages: packed where they fit (default), or each on a node "
+                        "of its own (one process per stage)")
     p.add_argument("--max-inflight", type=int, default=256, help="admission: requests in flight at most")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="admission: default TTFT target")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="admission: default TPOT target")

@@ -72,7 +72,7 @@ def deploy_options(args: argparse.Namespace, model: str) -> dict:
             "disagg_min_tokens", "pd_decider", "max_inflight", "ttft_slo_ms", "tpot_slo_ms", "served_model_name",
             "ingress_replicas", "no_admission", "migration_limit", "decode_inactivity_timeout_s", "prefill_timeout_s",
             "autoscale", "api_keys", "redis_url", "max_tokens_default", "tool_call_parser", "otlp_traces_endpoint",
-            "trace_sample_ratio")
+            "trace_sample_ratio", "pp_placement")
     engine = _engine_options(args)
     streaming = {"kv_streaming": getattr(args, "kv_streaming", "on") == "on",
                  "kv_streaming_min_tokens": getattr(args, "kv_streaming_min_tokens", 2048)}

@@ -174,9 +174,11 @@ def test_pipeline_parallel_pools_are_checked_and_reach_the_engine_config(tmp_pat
     assert (flags.prefill, flags.prefill_pp, flags.decode_pp) == (0, 1, 2)
     staged = DeployConfig.from_options(deploy_options(parse(["serve", "--prefill-pp", "2", "--decode-pp", "2"]), model))
     assert (staged.prefill, staged.prefill_pp, staged.decode_pp, staged.pp_placement) == (1, 2, 2, "pack")
-    spread = DeployConfig.from_options({"model": model, "prefill_pp": 2, "pp_placement": "spread"})
+    spread = DeployConfig.from_options(deploy_options(parse(["serve", "--prefill-pp", "2", "--pp-placement", "spread"]),
+                                                      model))
+    assert spread.pp_placement == "spread"
     assert worker_placement(spread, Role.PREFILL, ["tcp"], 0.0).engine.pipeline_parallel_size == 2
     f = tmp_path / "serve.yaml"
-    f.write_text("prefill: 0\ndecode_pp: 2\n")
+    f.write_text("prefill: 0\ndecode_pp: 2\npp_placement: spread\n")
     file = DeployConfig.from_options(deploy_options(parse(["serve", "--config", str(f)]), model))
-    assert (file.prefill, file.decode_pp) == (0, 2)
+    assert (file.prefill, file.decode_pp, file.pp_placement) == (0, 2, "spread")
