@@ -53,6 +53,11 @@ class EngineConfig:
     # stages (processes) one engine's layers are cut into, contiguous ranges (engine/parallel/stages.py)
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int = 1  # a step cut into this many micro-batches in flight through the stages
+    # data-parallel attention + expert parallelism (engine/parallel/dp_engine.py; mixture-of-experts
+    # models): this many engine replicas (processes), each with its own requests, scheduler and KV
+    # cache and the whole attention and dense layers, the experts spread over them; each MoE layer
+    # sends every token to its experts' replicas and back (all-to-all)
+    data_parallel_size: int = 1
     # expert load balancing (engine/expert_balance.py): extra physical expert slots per MoE layer,
     # spread evenly over the expert-parallel ranks, for replicas of hot experts; and how often
     # (engine steps; 0: never) the placement is re-planned from the measured tokens per expert
@@ -70,8 +75,11 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches"):
+                     "tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches", "data_parallel_size"):
             positive(name)
+        if self.data_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise ConfigError("data_parallel_size > 1 is not supported with tensor_parallel_size or "
+                              "pipeline_parallel_size > 1 yet: each replica is one process")
         if self.pipeline_parallel_size > 1 and self.host_kv_blocks:
             raise ConfigError("host_kv_blocks is not supported with pipeline_parallel_size > 1 yet")
         if self.pipeline_micro_batches > 1 and self.pipeline_parallel_size == 1:

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from splitserve.config import EngineConfig
 from splitserve.text.detokenizer import RequestText
 from splitserve.engine.engine import Engine
+from splitserve.engine.parallel.dp_engine import DataParallelEngine
 from splitserve.text.tokenizer import Tokenizer
 from splitserve.types import ConfigError, FinishReason, Request, SamplingParams, TokenLogprob
 
@@ -51,7 +52,9 @@ class LLM:
             from splitserve.engine.model.demo import ensure_demo_model
 
             model = str(ensure_demo_model())
-        self.engine = Engine(EngineConfig.from_dict({"model": str(model), **engine_kwargs}))
+        config = EngineConfig.from_dict({"model": str(model), **engine_kwargs})
+        # data-parallel attention: D replicas behind one front, to this class one engine
+        self.engine = Engine(config) if config.data_parallel_size == 1 else DataParallelEngine(config)
         self.tokenizer = Tokenizer(model)
         self._ids = itertools.count()
 

@@ -41,6 +41,9 @@ from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_model import StepTimeModel
 from splitserve.engine.step_shape import StepShape
+from splitserve.engine.parallel.dp_group import DPGroup
+from splitserve.engine.parallel.dp_group import check as check_dp
+from splitserve.engine.parallel.expert_dispatch import ExpertDispatch
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.launch import Ranks, start_local_group
 from splitserve.engine.parallel.pipe_group import PipeGroup, start_local_stages
@@ -72,10 +75,14 @@ class Engine(EngineCore):
     `pp`: this process's stage of a pipeline-parallel engine (parallel/pipeline.py); None with
     pipeline_parallel_size > 1: this engine is stage 0 and starts the others with `start_ranks`
     (local processes unless told otherwise; parallel/pipe_group.py). `stage` says which layers
-    this engine holds (None: all)."""
+    this engine holds (None: all).
+
+    `dp`: this process's replica of a data-parallel engine (parallel/dp_engine.py, which starts
+    them all: data_parallel_size > 1 needs one): a whole engine on its own requests, holding its
+    share of the experts, its MoE layers exchanging tokens with the other replicas."""
 
     def __init__(self, config: EngineConfig, tp: TPGroup | None = None, start_ranks=None,
-                 pp: PipeGroup | None = None) -> None:
+                 pp: PipeGroup | None = None, dp: DPGroup | None = None) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
@@ -87,6 +94,11 @@ class Engine(EngineCore):
         check_tp(mc, size, config.expert_parallel)  # before any rank is started
         check_pp(mc.num_layers, config.pipeline_parallel_size)
         check_expert_balance(mc, config)
+        check_dp(mc, config)
+        if config.data_parallel_size > 1 and dp is None:
+            raise ConfigError("data_parallel_size > 1: the engine is a DataParallelEngine of replicas "
+                              "(engine/parallel/dp_engine.py), not one Engine")
+        self.dp = dp
         self.ranks: Ranks | None = None  # the followers this engine started (rank 0 only)
         if pp is None and config.pipeline_parallel_size > 1:  # and its stages' TP ranks
             if self.device.type == "cuda":
@@ -109,6 +121,8 @@ class Engine(EngineCore):
     def _build(self, config: EngineConfig, mc: ModelConfig, max_model_len: int) -> None:
         size = config.tensor_parallel_size
         shard = Shard.of(mc, self.tp.rank, size, config.expert_parallel) if size > 1 else None
+        if self.dp is not None:
+            shard = Shard.data_parallel(mc, self.dp.rank, self.dp.size)
         pp = self.pp
         self.stage = Stage.of(mc.num_layers, pp.stage, pp.stages) if pp is not None else None
         keep = keep_quantized(config.quantized_weights, mc.quant, self.device)
@@ -117,6 +131,8 @@ class Engine(EngineCore):
         self.tp.wait_all()  # the slowest rank's load is no collective's timeout
         # experts in slots, with replicas and a placement rebalanced between steps (None: off)
         self.expert_balancer = ExpertBalancer.attach(model, mc, config, shard)
+        if self.dp is not None:  # each MoE layer's tokens go to their experts' replicas and back
+            ExpertDispatch.attach(model, self.dp)
         kv_heads = mc.num_kv_heads if shard is None else len(shard.kv_heads)
         kv_layers = mc.num_layers if self.stage is None else len(self.stage.layers)
         # every rank's pool has rank 0's block count: its block ids index them all (every stage's:
@@ -180,16 +196,15 @@ class Engine(EngineCore):
         together: lazy initialisation (kernels, allocator) happens here rather than in the first
         user's TTFT, and the step-time model has a first fit (prefill sizes, decode batches) for
         admission. Leaves no trace: prefix cache emptied, its events and counters dropped."""
-        limit = max(1, min(self.max_model_len - max_tokens - 1, self.config.max_num_batched_tokens))
-        lens = sorted({min(n, limit) for n in prompt_lens})
-        vocab = self.model_config.vocab_size
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        for group in [[n] for n in lens] + [lens]:
-            for n in group:
-                rid = f"warmup-{next(self._order)}"
-                self.add_request(Request(rid, [(31 * k + n) % vocab for k in range(n)], sp))
+        for batch in warmup_batches(self, prompt_lens, max_tokens):
+            for req in batch:
+                self.add_request(req)
             while self.scheduler.has_work():
                 self.step()
+        self.forget_warmup()
+
+    def forget_warmup(self) -> None:
+        """Drop what the warmup's requests left: the prefix cache, its events, the counters."""
         self.pool.reset_prefix_cache()
         self.pool.drain_events()
         for m in self._moe_layers:  # the expert load is the users' requests'
@@ -229,7 +244,9 @@ class Engine(EngineCore):
         return self.check_lengths(req)
 
     def step(self) -> list[TokenChunk]:
-        if self.expert_balancer is not None:  # between steps: every rank applies a new placement here
+        # between steps: every rank applies a new placement here (a data-parallel engine's front
+        # rebalances all its replicas at once)
+        if self.expert_balancer is not None and self.dp is None:
             self.expert_balancer.between_steps(self)
         return super().step()
 
@@ -335,6 +352,16 @@ class Engine(EngineCore):
         if self.ranks is not None:
             self.ranks, ranks = None, self.ranks
             ranks.stop(self.pp or self.tp)
+
+
+def warmup_batches(engine, prompt_lens: tuple[int, ...], max_tokens: int) -> list[list[Request]]:
+    """The warmup's synthetic requests: each prompt length alone, then all together."""
+    limit = max(1, min(engine.max_model_len - max_tokens - 1, engine.config.max_num_batched_tokens))
+    lens = sorted({min(n, limit) for n in prompt_lens})
+    vocab = engine.model_config.vocab_size
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [[Request(f"warmup-{next(engine._order)}", [(31 * k + n) % vocab for k in range(n)], sp) for n in group]
+            for group in [[n] for n in lens] + [lens]]
 
 
 def _device(name: str) -> torch.device:

@@ -3,7 +3,7 @@ experts and a placement rebalanced at runtime from the measured per-expert count
 
   slots      each MoE layer holds (num_experts + redundant_experts) / R physical expert slots on
              each of its R expert-parallel ranks (R = tensor_parallel_size under expert_parallel,
-             else 1: every rank then holds a column slice of every slot). A worker starts from
+             data_parallel_size under data-parallel attention, else 1: every rank then holds a column slice of every slot). A worker starts from
              the loaded layout (rank r: its num_experts / R experts; spare slots copies of them).
   planner    every `expert_rebalance_interval_steps` steps (or when told: `rebalance`), rank 0
              reads each layer's tokens per expert since the last rebalance and plans a placement
@@ -60,6 +60,8 @@ def check(cfg: ModelConfig, config: "EngineConfig") -> None:
         raise ConfigError("redundant_experts / expert_rebalance_interval_steps are not supported with "
                           "pipeline_parallel_size > 1 (expert parallelism is within a tensor-parallel group)")
     ranks = config.tensor_parallel_size if config.expert_parallel else 1
+    if config.data_parallel_size > 1:  # the replicas are the expert-parallel ranks
+        ranks = config.data_parallel_size
     slots = cfg.moe.num_experts + config.redundant_experts
     if slots % ranks:
         raise ConfigError(f"num_experts {cfg.moe.num_experts} + redundant_experts {config.redundant_experts} must "
@@ -113,7 +115,7 @@ class ExpertBalancer:
         return [m.experts.slot_tokens.view(self.ranks, -1).sum(1).tolist() for m in self.layers]
 
     def measured_imbalance(self) -> float:
-        return _layers_imbalance(self.rank_loads())
+        return layers_imbalance(self.rank_loads())
 
     # -- rank 0 ---------------------------------------------------------------------------
     def between_steps(self, engine: "Engine") -> None:
@@ -125,24 +127,33 @@ class ExpertBalancer:
         layer) and apply on every rank; whether a new placement was applied."""
         self.last_step = engine._steps
         if placements is None:
-            counts = self.window_counts()
-            if not any(map(any, counts)):
-                return False
-            placements = [plan(c, self.ranks, self.slots_per_rank, p) for c, p in zip(counts, self.placements)]
-            now = sum(max(p.rank_loads(c)) for c, p in zip(counts, self.placements))
-            new = sum(max(p.rank_loads(c)) for c, p in zip(counts, placements))
-            if new > now * (1 - MIN_GAIN):
+            placements = self.plan(self.window_counts())
+            if placements is None:
                 return False
         placements = tuple(placements)
         if len(placements) != len(self.layers):
             raise ValueError(f"{len(placements)} placements for {len(self.layers)} MoE layers")
         before = self.measured_imbalance()
         on_all_ranks(engine, apply_placements, placements)
+        self.applied(before)
+        return True
+
+    def plan(self, counts: list[list[int]]) -> tuple[ExpertPlacement, ...] | None:
+        """Per layer, a placement for its tokens per expert `counts`; None when nothing was
+        counted or the plan would not lower the busiest ranks' load by MIN_GAIN."""
+        if not any(map(any, counts)):
+            return None
+        placements = tuple(plan(c, self.ranks, self.slots_per_rank, p) for c, p in zip(counts, self.placements))
+        now = sum(max(p.rank_loads(c)) for c, p in zip(counts, self.placements))
+        new = sum(max(p.rank_loads(c)) for c, p in zip(counts, placements))
+        return None if new > now * (1 - MIN_GAIN) else placements
+
+    def applied(self, before: float) -> None:
+        """A new placement is in place on every rank; the measured imbalance was `before`."""
         self.window = [m.expert_tokens.clone() for m in self.layers]
         self.imbalance_before = before
         self.rebalances += 1
         log.info("experts rebalanced (%d): rank imbalance %.3f before", self.rebalances, before)
-        return True
 
     def stats(self) -> ExpertBalance:
         loads = self.rank_loads()
@@ -152,7 +163,7 @@ class ExpertBalancer:
                 replicas[e] += 1
         return ExpertBalance(ranks=self.ranks, slots_per_rank=self.slots_per_rank, replicas=tuple(replicas),
                              rank_tokens=tuple(map(sum, zip(*loads))) if loads else (),
-                             imbalance=_layers_imbalance(loads), imbalance_before=self.imbalance_before,
+                             imbalance=layers_imbalance(loads), imbalance_before=self.imbalance_before,
                              rebalances_total=self.rebalances)
 
     # -- every rank -------------------------------------------------------------------------
@@ -163,7 +174,7 @@ class ExpertBalancer:
 
 def apply_placements(engine: "Engine", placements: tuple[ExpertPlacement, ...]) -> None:
     """A rank call (pickled by name): this rank's share of the new placements."""
-    engine.expert_balancer.apply(placements, engine.tp)
+    engine.expert_balancer.apply(placements, engine.tp if engine.dp is None else engine.dp)
 
 
 def move_experts(experts: Experts, new: ExpertPlacement, tp: TPGroup) -> None:
@@ -213,7 +224,7 @@ def move_experts(experts: Experts, new: ExpertPlacement, tp: TPGroup) -> None:
     experts.set_placement(new, rank)
 
 
-def _layers_imbalance(loads: list[list[int]]) -> float:
+def layers_imbalance(loads: list[list[int]]) -> float:
     """Sum over layers of the busiest rank's load / sum of the mean rank's (0.0: none counted)."""
     mean = sum(sum(layer) / len(layer) for layer in loads if layer)
     return sum(max(layer) for layer in loads if layer) / mean if mean > 0 else 0.0

@@ -18,9 +18,15 @@ token's rows stay on one rank) the result is the plain path's, bit for bit; rows
 differ from it only as far as a GEMM's rounding depends on its row count, and the ranks' partial
 sums meet in the all-reduce as they already do under expert parallelism. Tokens per slot are
 counted too (`slot_tokens`): the per-rank load the balancer plans from.
+
+Under data-parallel attention each rank routes only its own tokens, and `dispatch`
+(parallel/expert_dispatch.py) sends each row to the rank of the replica the same cut chooses and
+brings the outputs back, combined in the plain path's order.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -100,10 +106,14 @@ class Experts(nn.Module):
                 if lo == hi:
                     continue
                 slot, tok = slot[lo:hi], tok[lo:hi]
-            gate, up = F.linear(x[tok], self.gate_up_proj[i]).split([self.inter, self.inter], dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[i]) * top_w[tok, slot, None]
+            y = self.compute(i, x[tok]) * top_w[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
+
+    def compute(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """The expert in this rank's slot `i` (or of held index `i`) on rows `x`, unweighted."""
+        gate, up = F.linear(x, self.gate_up_proj[i]).split([self.inter, self.inter], dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[i])
 
 
 class ExpertGate(nn.Module):
@@ -132,6 +142,10 @@ class SparseMoE(nn.Module):
             if m.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.register_buffer("expert_tokens", torch.zeros(m.num_experts, dtype=torch.int64), persistent=False)
+        # data-parallel attention: the exchange that sends this rank's tokens to the ranks holding
+        # their experts and combines what comes back (parallel/expert_dispatch.py); None: the
+        # rank has every token (one process, or TP), its experts' partial sum is its share
+        self.dispatch: Callable[[Experts, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices [n, k], weights [n, k]) of each token's experts."""
@@ -167,7 +181,7 @@ class SparseMoE(nn.Module):
         per_expert = torch.bincount(top_idx.flatten(), minlength=self.moe.num_experts)
         self.expert_tokens += per_expert
         self.experts.count(per_expert)
-        out = self.experts(x, top_idx, top_w)
+        out = self.experts(x, top_idx, top_w) if self.dispatch is None else self.dispatch(self.experts, x, top_idx, top_w)
         if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.shared_expert is not None:

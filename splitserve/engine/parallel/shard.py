@@ -16,6 +16,10 @@
       ranks than there are KV heads): the latent cache is not divided by T, as in vLLM and
       SGLang's TP; splitting it would take attention data-parallel over requests instead.
 
+Under data-parallel attention (engine/parallel/dp_engine.py) a rank is a whole engine of its own
+(`Shard.data_parallel`): it holds every weight whole but the experts, of which it holds
+num_experts / D, whole (`experts_only`).
+
 A rank's model is the ordinary model built on `local_config` — the shard's head, KV head,
 intermediate and expert counts — plus the all-reduces; the loader cuts each checkpoint tensor
 with `narrow`."""
@@ -40,6 +44,7 @@ class Shard:
     vocab: range  # vocab rows held (the padded range: may run past the vocab)
     experts: range  # whole experts held (all of them unless expert_parallel)
     expert_parallel: bool = False
+    experts_only: bool = False  # data-parallel attention: every other weight whole, on every rank
 
     @staticmethod
     def of(cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False) -> "Shard":
@@ -52,6 +57,14 @@ class Shard:
         experts = range(rank * e // size, (rank + 1) * e // size) if expert_parallel else range(e)
         return Shard(rank, size, range(rank * h, (rank + 1) * h), kv_heads, range(rank * v, (rank + 1) * v),
                      experts, expert_parallel)
+
+    @staticmethod
+    def data_parallel(cfg: ModelConfig, rank: int, size: int) -> "Shard":
+        """Replica `rank` of `size` data-parallel ones: its contiguous share of the experts, the
+        rest whole."""
+        e = cfg.moe.num_experts
+        return Shard(rank, size, range(cfg.num_heads), range(cfg.num_kv_heads), range(cfg.vocab_size),
+                     range(rank * e // size, (rank + 1) * e // size), expert_parallel=True, experts_only=True)
 
     def split(self, n: int) -> slice:
         """This rank's part of a dimension of `n` split evenly (intermediate columns)."""
@@ -80,6 +93,8 @@ def check(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
 
 def local_config(cfg: ModelConfig, s: Shard) -> ModelConfig:
     """The shapes one rank's model is built with."""
+    if s.experts_only:  # the experts held are Shard.experts; each of them whole
+        return cfg
     moe = cfg.moe
     if moe is not None:
         moe = dataclasses.replace(
@@ -99,6 +114,8 @@ def narrow(pname: str, t: torch.Tensor, cfg: ModelConfig, s: Shard, piece: int |
     d = cfg.head_dim
     if ".experts." in pname:
         return _narrow_experts(pname, t, s, expert)
+    if s.experts_only:
+        return t
     if cfg.mla is not None and ".self_attn." in pname:
         return _narrow_latent_attention(pname, t, cfg.mla, s)
     if "qkv_proj" in pname:
