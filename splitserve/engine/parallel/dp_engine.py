@@ -266,8 +266,12 @@ class DataParallelEngine:
             raise RuntimeError(f"this engine's data-parallel group is broken: {lost}")
 
     def _stop(self) -> None:
-        if self.ranks is not None:
-            self.ranks, ranks = None, self.ranks
+        if self.ranks is None:
+            return
+        self.ranks, ranks = None, self.ranks
+        if (self.group.failure or ranks.lost()) and hasattr(ranks, "abandon"):
+            ranks.abandon(self.group)  # a broken group takes no last order: it may never arrive
+        else:
             ranks.stop(self.group)
 
     @staticmethod

@@ -61,6 +61,13 @@ class LocalReplicas(LocalRanks):
         gone = [r for r, p in enumerate(self.procs, 1) if not p.is_alive()]
         return f"data-parallel replica {gone[0]} exited" if gone else None
 
+    def abandon(self, group: DPGroup) -> None:
+        """End the replicas of a broken group without a word (they would wait on it)."""
+        for p in self.procs:
+            p.kill()
+            p.join()
+        group.close()
+
 
 def start_local_replicas(config, timeout_s: float = 60.0) -> tuple[DPGroup, LocalReplicas]:
     """Start replicas 1..D-1 of `config`'s engine as local processes (replica r on GPU r) and join
