@@ -4,7 +4,7 @@ of every MoE layer's experts; each MoE layer sends the tokens to their experts' 
 
 Greedy tokens equal Hugging Face's (tie rule of test_engine_parity) on DeepSeek-V3's shape
 (latent attention, grouped sigmoid routing, a shared expert, a dense first layer) and
-Qwen3-MoE's (softmax top 2) — plain, prefix hits, chunked prefill, preemption — and with
+Qwen3-MoE's (softmax top 2; and Qwen2-MoE's, plain) — plain, prefix hits, chunked prefill, preemption — and with
 redundant experts rebalanced across the replicas mid-generation; the front spreads the requests
 over both replicas; a replica with no request still steps with the other; a replica that dies
 fails the engine with an error."""
@@ -37,7 +37,7 @@ def both_replicas_served(llm) -> None:
     assert len(per) == 2 and all(s.prefill_tokens_total > 0 for s in per), [s.prefill_tokens_total for s in per]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES + ["qwen2_moe"])  # + a gated shared expert, a dense layer after a sparse one
 def test_dp2_ep2_greedy_parity_plain_and_prefix_hits(tiny_checkpoint, reference, shape):
     with LLM(str(tiny_checkpoint(shape)), num_kv_blocks=128, data_parallel_size=2) as llm:
         run_and_compare(llm, reference, shape)
@@ -169,3 +169,18 @@ def _die_in_the_next_step(engine):
     """A fault (on replica 1 only): its next step exits the process."""
     if engine.dp.rank == 1:
         engine.step = lambda: os._exit(1)
+
+
+def test_a_step_that_fails_here_stops_the_engine(tiny_checkpoint):
+    """Replica 0's step raises (a fault injected): the other may still be inside that step's
+    exchanges, so no later step is ordered — the engine says it is broken instead."""
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(str(tiny_checkpoint("qwen3_moe")), num_kv_blocks=64, data_parallel_size=2) as llm:
+        def fail():
+            raise ValueError("injected")
+
+        llm.engine.engine.step = fail
+        with pytest.raises(ValueError, match="injected"):
+            llm.generate([[5, 6, 7], [8, 9, 10]], sp)
+        with pytest.raises(RuntimeError, match="data-parallel group is broken: a step failed with ValueError"):
+            llm.generate([[5, 6, 7]], sp)

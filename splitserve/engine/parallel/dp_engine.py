@@ -84,6 +84,7 @@ class DataParallelEngine:
         mc = ModelConfig.from_dir(config.model)
         check(mc, config)  # before any replica starts
         self.config, self.model_config = config, mc
+        self.failure: str | None = None  # set once a step failed here: the replicas are out of step for good
         self.group, self.ranks = (start_replicas or start_local_replicas)(config)
         try:
             self.engine = Engine(config, dp=self.group)  # replica 0
@@ -153,8 +154,12 @@ class DataParallelEngine:
         if not run and not any(self._ops):
             return []
         ops, self._ops = self._ops, [[] for _ in self._ops]
-        self.group.broadcast(StepOrder(tuple(map(tuple, ops)), run))
-        answers = self.group.gather_step(run_order(self.engine, ops[0], run, 0))
+        try:
+            self.group.broadcast(StepOrder(tuple(map(tuple, ops)), run))
+            answers = self.group.gather_step(run_order(self.engine, ops[0], run, 0))
+        except BaseException as e:  # the others may still be inside this step's exchanges: no later one lines up
+            self.failure = f"a step failed with {type(e).__name__}"
+            raise
         self._steps += run
         chunks: list[TokenChunk] = []
         for a in answers:
@@ -179,6 +184,8 @@ class DataParallelEngine:
             while self.has_unfinished():
                 self.step()
         self.on_all_replicas(_forget_warmup)
+        if self.engine.expert_balancer is not None:
+            self.engine.expert_balancer.last_step = self._steps  # counted in the front's steps here
 
     def on_all_replicas(self, fn: Callable[..., Any], *args: Any) -> list:
         """fn(engine, *args) on every replica between steps; the answers in replica order."""
@@ -261,7 +268,7 @@ class DataParallelEngine:
     def _check_replicas(self) -> None:
         """A replica that exited is known before the step: the order's broadcast waits on an
         untimed group, and a send to a dead peer was seen to hang there (launch.py's note)."""
-        lost = (self.group.failure if self.group is not None else None) or self.ranks.lost()
+        lost = self.failure or self.group.failure or (self.ranks.lost() if self.ranks is not None else "closed")
         if lost is not None:
             raise RuntimeError(f"this engine's data-parallel group is broken: {lost}")
 
@@ -269,7 +276,7 @@ class DataParallelEngine:
         if self.ranks is None:
             return
         self.ranks, ranks = None, self.ranks
-        if (self.group.failure or ranks.lost()) and hasattr(ranks, "abandon"):
+        if (self.failure or self.group.failure or ranks.lost()) and hasattr(ranks, "abandon"):
             ranks.abandon(self.group)  # a broken group takes no last order: it may never arrive
         else:
             ranks.stop(self.group)

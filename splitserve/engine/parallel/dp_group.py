@@ -26,14 +26,15 @@ class DPGroup(DistGroup):
     """`size` data-parallel replicas over torch.distributed. Beside the TP group's broadcast (the
     step order, untimed: an idle engine waits there) and gather: the experts' all-to-all and the
     step answers' gather, both bounded by the spec's timeout (every replica ran the same step in
-    lockstep, so a late one is a lost one). Counts what the all-to-alls moved (`a2a_bytes`,
-    `a2a_s`: this rank's sends and the time spent in them) for the benchmark."""
+    lockstep, so a late one is a lost one). Counts what the all-to-alls moved for the benchmark:
+    `a2a_bytes` this rank's sends, `a2a_remote_bytes` those to other ranks (what crosses a
+    wire), `a2a_s` the time spent in them."""
 
     kind = "data-parallel"
 
     def __init__(self, spec: GroupSpec) -> None:
         super().__init__(spec)
-        self.a2a_bytes = 0
+        self.a2a_bytes = self.a2a_remote_bytes = 0
         self.a2a_s = 0.0
         self.a2a_calls = 0
 
@@ -45,7 +46,9 @@ class DPGroup(DistGroup):
         # gloo has all_to_all_single (uneven splits, every dtype we send); NCCL too
         self._collective(self._dist.all_to_all_single, recv, send.contiguous(), recv_splits, send_splits)
         self.a2a_s += time.perf_counter() - t
-        self.a2a_bytes += send.numel() * send.element_size()
+        row = send[0].numel() * send.element_size() if send.shape[0] else 0
+        self.a2a_bytes += send.shape[0] * row
+        self.a2a_remote_bytes += (send.shape[0] - send_splits[self.rank]) * row
         self.a2a_calls += 1
         return recv
 
