@@ -191,6 +191,10 @@ class DeployConfig:
             raise ConfigError("pipeline_parallel_size is set per pool on a cluster: prefill_pp and decode_pp "
                               "(serve --prefill-pp / --decode-pp)")
         ecfg = EngineConfig.from_dict({"model": self.model, **self.pool_engine("decode")})  # every key checked now
+        if ecfg.data_parallel_size > 1:
+            raise ConfigError("data_parallel_size > 1 (data-parallel attention) runs in one process's engine "
+                              "(LLM, serve --prefill 0 --decode 0) only; a cluster's workers do not start "
+                              "data-parallel replicas yet")
         if ecfg.tensor_parallel_size > 1:
             raise ConfigError("tensor_parallel_size is set per pool on a cluster: prefill_tp and decode_tp "
                               "(serve --prefill-tp / --decode-tp)")
