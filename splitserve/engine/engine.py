@@ -24,7 +24,7 @@ from splitserve.engine.attention import get_backend
 from splitserve.engine.attention.paged_backends import triton_unavailable
 from splitserve.engine.core import EngineCore, Sampled
 from splitserve.engine.decode_graphs import cuda_graph_capture
-from splitserve.engine.expert_balance import ExpertBalancer
+from splitserve.engine.expert_balance import ExpertBalancer, StageExperts, every_stage, reset_counts
 from splitserve.engine.expert_balance import check as check_expert_balance
 from splitserve.engine.kv_cache import HostTier, KVCacheTensors
 from splitserve.engine.kernels.norm_rope_cpu import available as cpu_kernels
@@ -170,7 +170,8 @@ class Engine(EngineCore):
         self.sampler = Sampler()
         self._grammar_lock = threading.Lock()
         self.step_model = StepTimeModel()
-        self._moe_layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        self._moe_layers = [m for m in model.modules() if isinstance(m, SparseMoE)]  # this stage's
+        self.stage_experts = StageExperts()  # every stage's counts, as stage 0 last read them
         # what others attached to this engine and must release before its cache goes (the
         # transports a follower rank serves its cache through): run once, by close()
         self.on_close: list[Callable[[], None]] = []
@@ -192,10 +193,9 @@ class Engine(EngineCore):
                 self.step()
         self.pool.reset_prefix_cache()
         self.pool.drain_events()
-        for m in self._moe_layers:  # the expert load is the users' requests'
-            m.expert_tokens.zero_()
-        if self.expert_balancer is not None:
-            self.expert_balancer.reset(self._steps)
+        if self.model_config.moe is not None:  # the expert load is the users' requests', on every stage
+            every_stage(self, reset_counts)
+            self.stage_experts.forget()
         if self.host is not None:
             self.host.reset()
             self.host.drain_events()
@@ -295,11 +295,15 @@ class Engine(EngineCore):
         return self.step_model.coeffs
 
     def expert_tokens(self) -> tuple[int, ...]:
-        counts = [m.expert_tokens for m in self._moe_layers]
-        return tuple(torch.stack(counts).sum(0).tolist()) if counts else ()
+        """Summed over every MoE layer, every stage's (under pipelining: as last read, at most
+        STAGE_READ_STEPS steps ago)."""
+        if self.model_config.moe is None:
+            return ()
+        layers = [t for st in self.stage_experts.get(self) for t in st.tokens]
+        return tuple(map(sum, zip(*layers))) if layers else ()
 
     def expert_balance(self) -> ExpertBalance | None:
-        return None if self.expert_balancer is None else self.expert_balancer.stats()
+        return None if self.expert_balancer is None else self.expert_balancer.stats(self)
 
     def grammar_compile_s(self) -> float:
         masks = self.sampler.masks
