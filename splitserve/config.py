@@ -53,6 +53,9 @@ class EngineConfig:
     # stages (processes) one engine's layers are cut into, contiguous ranges (engine/parallel/stages.py)
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int = 1  # a step cut into this many micro-batches in flight through the stages
+    # steps in flight through the stages at once, each of its own share of the running sequences
+    # (engine/core.py); None: one per stage
+    pipeline_steps_in_flight: int | None = None
     # expert load balancing (engine/expert_balance.py): extra physical expert slots per MoE layer,
     # spread evenly over the expert-parallel ranks, for replicas of hot experts; and how often
     # (engine steps; 0: never) the placement is re-planned from the measured tokens per expert
@@ -70,12 +73,15 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches"):
+                     "tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches",
+                     "pipeline_steps_in_flight"):
             positive(name)
         if self.pipeline_parallel_size > 1 and self.host_kv_blocks:
             raise ConfigError("host_kv_blocks is not supported with pipeline_parallel_size > 1 yet")
         if self.pipeline_micro_batches > 1 and self.pipeline_parallel_size == 1:
             raise ConfigError("pipeline_micro_batches > 1 needs pipeline_parallel_size > 1")
+        if (self.pipeline_steps_in_flight or 1) > 1 and self.pipeline_parallel_size == 1:
+            raise ConfigError("pipeline_steps_in_flight > 1 needs pipeline_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.host_kv_blocks:
             raise ConfigError("host_kv_blocks is not supported with tensor_parallel_size > 1 yet")
         h = self.host_kv_blocks

@@ -137,10 +137,11 @@ class Engine(EngineCore):
         self.kv = KVCacheTensors.allocate(kv_layers, num_blocks, config.block_size, kv_heads,
                                           mc.head_dim, self.dtype, self.device, shm_path=shm, fp8=config.fp8_kv)
         host = HostTier(config.host_kv_blocks, self.kv.storage) if config.host_kv_blocks else None
+        in_flight = 1 if pp is None else (config.pipeline_steps_in_flight or pp.stages)
         super().__init__(block_size=config.block_size, num_blocks=num_blocks, max_num_seqs=config.max_num_seqs,
                          max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                          eos_token_ids=mc.eos_token_ids, enable_prefix_caching=config.enable_prefix_caching,
-                         host=host)
+                         host=host, in_flight=in_flight)
         cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         if config.fused_kernels and self.device.type == "cuda" and triton_unavailable(self.device) is None:
             model.use_triton_kernels()  # fused residual + RMSNorm and rotary: fewer passes, same rounding
@@ -263,6 +264,18 @@ class Engine(EngineCore):
             result = self.runner.run(sched)
         finally:
             model.after_layer = None
+        return self._sample(result, ahead)
+
+    def _launch(self, sched: SchedulerOutput):
+        """A pipeline's step started (parallel/pipeline.py), its logits not waited for."""
+        self._check_ranks()
+        return self.runner.launch(sched), self._masks_ahead(sched)
+
+    def _land(self, handle) -> list[Sampled]:
+        flight, ahead = handle
+        return self._sample(self.runner.land(flight), ahead)
+
+    def _sample(self, result, ahead) -> list[Sampled]:
         if not result.sample_seqs:
             return []
         out = self.sampler(result.logits, [s.sampling for s in result.sample_seqs], ahead)

@@ -3,8 +3,10 @@ tiny models' two layers and that layer's KV cache (the embedding on stage 0, the
 LM head on stage 1), activations sent stage to stage and the logits back to stage 0, a step cut
 into micro-batches in flight — gives Hugging Face's greedy tokens (tie rule as in
 test_engine_parity) with chunked prefill, prefix hits and preemption, also with each stage a
-tensor-parallel group of 2 (four processes); losing a stage fails the engine with an error
-instead of hanging."""
+tensor-parallel group of 2 (four processes) — with two steps in flight (the default at 2 stages:
+the running sequences in two groups, one group's step launched while the other's is in stage 1),
+a request aborted while its step is in flight included; losing a stage fails the engine with an
+error instead of hanging, and frees the blocks of every step in flight once."""
 
 import time
 
@@ -34,6 +36,10 @@ def test_layers_are_cut_into_contiguous_ranges_as_evenly_as_possible(tiny_checkp
         EngineConfig(model=path, pipeline_micro_batches=2)
     with pytest.raises(ConfigError, match="pipeline_parallel_size must be a positive integer"):
         EngineConfig(model=path, pipeline_parallel_size=0)
+    with pytest.raises(ConfigError, match="pipeline_steps_in_flight > 1 needs pipeline_parallel_size > 1"):
+        EngineConfig(model=path, pipeline_steps_in_flight=2)
+    with pytest.raises(ConfigError, match="pipeline_steps_in_flight must be a positive integer"):
+        EngineConfig(model=path, pipeline_parallel_size=2, pipeline_steps_in_flight=0)
 
 
 @pytest.mark.parametrize("shape, fused", [
@@ -127,6 +133,7 @@ def test_pp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, num_k
         times = on_all_stages(e, stage_times)
         assert all(t.steps == times[0].steps > 0 and t.busy_s > 0 for t in times)
         assert times[0].micro_batches > times[0].steps  # steps were cut in two
+        assert e.in_flight == 2 and times[0].most_in_flight == 2  # and two were in the pipeline at once
         if num_kv_blocks < 96:
             assert e.stats().num_preempted_total > 0, "the pool was meant to be too small for the batch"
         else:
@@ -151,6 +158,43 @@ def test_pp2_tp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, n
         assert e.tp.size == 2 and e.runner.model.cfg.num_heads == e.model_config.num_heads // 2
         run_and_compare(llm, reference, shape)  # chunked prefill, prefix hits within the batch
         assert (llm.engine.stats().num_preempted_total > 0) == (num_kv_blocks < 96)
+        assert on_all_stages(e, stage_times)[0].most_in_flight == 2
+        drained(llm)
+
+
+def test_a_request_aborted_while_its_step_is_in_flight(tiny_checkpoint, reference):
+    """Two steps in flight: a request of the second is aborted after the first lands, while its
+    own step is still in the pipeline. Its blocks go back at once (another request may take them:
+    the stages run steps in order, so its step's stale writes come before any later step's), no
+    token of it follows, and every other request's greedy tokens are still Hugging Face's."""
+    from splitserve.types import Request
+    from tests.greedy_parity import assert_greedy_equal
+    from tests.unit.test_engine_parity import MAX_NEW
+
+    hf, prompts, refs = reference("llama")
+    with LLM(str(tiny_checkpoint("llama")), num_kv_blocks=96, max_num_batched_tokens=64,
+             pipeline_parallel_size=2) as llm:
+        e = llm.engine
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+        for i, p in enumerate(prompts):
+            e.add_request(Request(f"r{i}", tuple(p), sp))
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        aborted = None
+        while e.has_unfinished():
+            for c in e.step():
+                assert c.request_id != aborted, "a token of an aborted request"
+                got[c.request_id] += c.token_ids
+            if aborted is None and e.steps_in_flight() and e._steps >= 4:
+                held = e.pool.num_in_use
+                aborted = e._flights[0].sched.scheduled[0].seq.request_id
+                e.abort(aborted)
+                assert e.pool.num_in_use < held  # at once, not when its step lands
+                e.check_invariants()
+        assert aborted is not None
+        for i, p in enumerate(prompts):
+            if f"r{i}" != aborted:
+                assert_greedy_equal(hf, p, got[f"r{i}"], refs[i])
+        assert e.steps_in_flight() == 0
         drained(llm)
 
 
@@ -188,6 +232,39 @@ def test_a_stage_lost_inside_a_step_fails_that_step(tiny_checkpoint):
         assert time.monotonic() - started < 60
         assert llm.engine.pp.failure.startswith("a collective of its pipeline-parallel group failed")
         llm.engine.ranks = watched
+
+
+def test_a_stage_lost_with_two_steps_in_flight_fails_both_and_frees_their_blocks_once(tiny_checkpoint):
+    """Stage 1 killed right after a step is launched while another is still in the pipeline
+    (unseen before the step, as above): the landing raises, no step stays in flight, and every
+    request of both steps fails and gives its blocks back once (the pool's invariants hold)."""
+    from tests.unit.test_tensor_parallel import UnwatchedRanks
+
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(tiny_checkpoint("llama")), num_kv_blocks=32, pipeline_parallel_size=2) as llm:
+        e = llm.engine
+        watched = e.ranks
+        e.ranks = UnwatchedRanks(watched)
+        launch, seen = e._launch, []
+
+        def launch_then_kill(sched):  # a test wrapper: the kill lands between two launches
+            handle = launch(sched)
+            if len(seen) == 3:
+                watched.procs[0].kill()
+                watched.procs[0].join(10)
+            seen.append(e.steps_in_flight())
+            return handle
+
+        e._launch = launch_then_kill
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):
+            llm.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16, 17, 18]], sp)
+        assert time.monotonic() - started < 60
+        assert seen[3] == 1  # the kill came with another step in flight
+        assert e.steps_in_flight() == 0 and not e.has_unfinished()
+        e.check_invariants()
+        assert e.pool.num_in_use == 0
+        e.ranks = watched
 
 
 def test_a_serving_loop_stops_at_the_first_failed_step_of_a_pipeline(tiny_checkpoint):
