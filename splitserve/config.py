@@ -54,8 +54,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int = 1  # a step cut into this many micro-batches in flight through the stages
     # steps in flight through the stages at once, each of its own share of the running sequences
-    # (engine/core.py); None: one per stage
-    pipeline_steps_in_flight: int | None = None
+    # (engine/core.py): the stage count keeps every stage busy across steps. 1 by default: exact
+    # either way, but slower on this 2-core host (results/pipeline_bubble.json), unmeasured on GPUs
+    pipeline_steps_in_flight: int = 1
     # expert load balancing (engine/expert_balance.py): extra physical expert slots per MoE layer,
     # spread evenly over the expert-parallel ranks, for replicas of hot experts; and how often
     # (engine steps; 0: never) the placement is re-planned from the measured tokens per expert
@@ -80,7 +81,7 @@ class EngineConfig:
             raise ConfigError("host_kv_blocks is not supported with pipeline_parallel_size > 1 yet")
         if self.pipeline_micro_batches > 1 and self.pipeline_parallel_size == 1:
             raise ConfigError("pipeline_micro_batches > 1 needs pipeline_parallel_size > 1")
-        if (self.pipeline_steps_in_flight or 1) > 1 and self.pipeline_parallel_size == 1:
+        if self.pipeline_steps_in_flight > 1 and self.pipeline_parallel_size == 1:
             raise ConfigError("pipeline_steps_in_flight > 1 needs pipeline_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.host_kv_blocks:
             raise ConfigError("host_kv_blocks is not supported with tensor_parallel_size > 1 yet")

@@ -137,7 +137,7 @@ class Engine(EngineCore):
         self.kv = KVCacheTensors.allocate(kv_layers, num_blocks, config.block_size, kv_heads,
                                           mc.head_dim, self.dtype, self.device, shm_path=shm, fp8=config.fp8_kv)
         host = HostTier(config.host_kv_blocks, self.kv.storage) if config.host_kv_blocks else None
-        in_flight = 1 if pp is None else (config.pipeline_steps_in_flight or pp.stages)
+        in_flight = 1 if pp is None else config.pipeline_steps_in_flight
         super().__init__(block_size=config.block_size, num_blocks=num_blocks, max_num_seqs=config.max_num_seqs,
                          max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                          eos_token_ids=mc.eos_token_ids, enable_prefix_caching=config.enable_prefix_caching,

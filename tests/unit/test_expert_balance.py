@@ -258,10 +258,13 @@ def test_the_rank_imbalance_before_and_after_is_exported_beside_the_experts():
 def test_pp2_counts_come_from_every_stage_and_replicas_placed_anew_keep_greedy_parity(tiny_checkpoint, reference):
     """DeepSeek-V3 at PP 2: its dense layer on stage 0, its MoE layer on stage 1 — the counts
     stage 0 reports and plans from are stage 1's; 4 redundant slots, a new random placement
-    (replicas included) every 3 steps, sent to stage 1 between steps. Plain, then a second pass
-    with prefix hits, chunked prefill (64 tokens a step) and a pool small enough to preempt."""
+    (replicas included) every 3 steps, sent to stage 1 between steps — with two steps in flight,
+    so a placement reaches stage 1 behind a step stage 0 has not landed yet. Plain, then a
+    second pass with prefix hits, chunked prefill (64 tokens a step) and a pool small enough to
+    preempt."""
     with LLM(str(tiny_checkpoint("deepseek_v3")), num_kv_blocks=24, max_num_batched_tokens=64,
-             pipeline_parallel_size=2, redundant_experts=4, expert_rebalance_interval_steps=1) as llm:
+             pipeline_parallel_size=2, redundant_experts=4, expert_rebalance_interval_steps=1,
+             pipeline_steps_in_flight=2) as llm:
         e = llm.engine
         assert e._moe_layers == [] and e.expert_tokens() == (0,) * 8  # stage 0 holds no MoE layer
         applied = move_every(llm, 3)
@@ -285,7 +288,7 @@ def test_pp2_ep2_planner_rebalances_the_last_stages_experts(tiny_checkpoint, ref
     on both of stage 1's ranks."""
     with LLM(str(tiny_checkpoint("deepseek_v3")), num_kv_blocks=32, max_num_batched_tokens=64,
              pipeline_parallel_size=2, tensor_parallel_size=2, expert_parallel=True, redundant_experts=2,
-             expert_rebalance_interval_steps=2) as llm:
+             expert_rebalance_interval_steps=2, pipeline_steps_in_flight=2) as llm:
         e = llm.engine
         run_and_compare(llm, reference, "deepseek_v3")
         b = e.stats().expert_balance

@@ -3,8 +3,8 @@ tiny models' two layers and that layer's KV cache (the embedding on stage 0, the
 LM head on stage 1), activations sent stage to stage and the logits back to stage 0, a step cut
 into micro-batches in flight — gives Hugging Face's greedy tokens (tie rule as in
 test_engine_parity) with chunked prefill, prefix hits and preemption, also with each stage a
-tensor-parallel group of 2 (four processes) — with two steps in flight (the default at 2 stages:
-the running sequences in two groups, one group's step launched while the other's is in stage 1),
+tensor-parallel group of 2 (four processes) — with two steps in flight (the running sequences
+in two groups, one group's step launched while the other's is in stage 1),
 a request aborted while its step is in flight included; losing a stage fails the engine with an
 error instead of hanging, and frees the blocks of every step in flight once."""
 
@@ -117,13 +117,14 @@ def _held(engine):
     return on_all_stages(engine, holding)
 
 
-@pytest.mark.parametrize("shape, num_kv_blocks", [
-    ("llama", 96),  # GQA; chunked prefill (64 tokens a step) and, on a second pass, prefix hits
-    ("deepseek_v3", 24),  # MLA + MoE (the dense layer on stage 0, the sparse one on stage 1); preemption
+@pytest.mark.parametrize("shape, num_kv_blocks, in_flight", [
+    ("llama", 96, 2),  # GQA; chunked prefill (64 tokens a step) and, on a second pass, prefix hits
+    ("deepseek_v3", 24, 2),  # MLA + MoE (the dense layer on stage 0, the sparse one on stage 1); preemption
+    ("llama", 96, 1),  # one step at a time (the default)
 ])
-def test_pp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, num_kv_blocks):
+def test_pp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, num_kv_blocks, in_flight):
     with LLM(str(tiny_checkpoint(shape)), num_kv_blocks=num_kv_blocks, max_num_batched_tokens=64,
-             pipeline_parallel_size=2, pipeline_micro_batches=2) as llm:
+             pipeline_parallel_size=2, pipeline_micro_batches=2, pipeline_steps_in_flight=in_flight) as llm:
         e = llm.engine
         held = _held(e)
         assert [h[0] for h in held] == [range(0, 1), range(1, 2)] and [h[2] for h in held] == [1, 1]
@@ -133,7 +134,7 @@ def test_pp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, num_k
         times = on_all_stages(e, stage_times)
         assert all(t.steps == times[0].steps > 0 and t.busy_s > 0 for t in times)
         assert times[0].micro_batches > times[0].steps  # steps were cut in two
-        assert e.in_flight == 2 and times[0].most_in_flight == 2  # and two were in the pipeline at once
+        assert e.in_flight == in_flight == times[0].most_in_flight  # steps in the pipeline at once
         if num_kv_blocks < 96:
             assert e.stats().num_preempted_total > 0, "the pool was meant to be too small for the batch"
         else:
@@ -151,7 +152,8 @@ def test_pp2_tp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, n
     gathered on stage 1 and sent back by its rank 0. DeepSeek-V3 with a pool too small for the
     batch (preemption)."""
     with LLM(str(tiny_checkpoint(shape)), num_kv_blocks=num_kv_blocks, max_num_batched_tokens=64,
-             pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_micro_batches=2) as llm:
+             pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_micro_batches=2,
+             pipeline_steps_in_flight=2) as llm:
         held = _held(llm.engine)
         assert [h[0] for h in held] == [range(0, 1)] * 2 + [range(1, 2)] * 2
         e = llm.engine
@@ -173,7 +175,7 @@ def test_a_request_aborted_while_its_step_is_in_flight(tiny_checkpoint, referenc
 
     hf, prompts, refs = reference("llama")
     with LLM(str(tiny_checkpoint("llama")), num_kv_blocks=96, max_num_batched_tokens=64,
-             pipeline_parallel_size=2) as llm:
+             pipeline_parallel_size=2, pipeline_steps_in_flight=2) as llm:
         e = llm.engine
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
         for i, p in enumerate(prompts):
@@ -241,7 +243,8 @@ def test_a_stage_lost_with_two_steps_in_flight_fails_both_and_frees_their_blocks
     from tests.unit.test_tensor_parallel import UnwatchedRanks
 
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    with LLM(str(tiny_checkpoint("llama")), num_kv_blocks=32, pipeline_parallel_size=2) as llm:
+    with LLM(str(tiny_checkpoint("llama")), num_kv_blocks=32, pipeline_parallel_size=2,
+             pipeline_steps_in_flight=2) as llm:
         e = llm.engine
         watched = e.ranks
         e.ranks = UnwatchedRanks(watched)

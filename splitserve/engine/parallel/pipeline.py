@@ -17,7 +17,7 @@ first part's KV in each stage's cache (exact, as chunked prefill is).
 
 Steps in flight: stage 0's part of a step is `launch` (post, its layers, sends, the logits'
 receives posted) and `land` (wait for the logits); the engine (engine/core.py) keeps up to
-`pipeline_steps_in_flight` steps launched and not landed (default: one per stage), each of its
+`pipeline_steps_in_flight` steps launched and not landed (S keeps every stage busy), each of its
 own group of the running sequences, so stage 0 computes group g+1's step while group g's is in
 the later stages, and schedules group g's next step once its tokens are back. Every stage
 takes the posts in order and runs each step whole before the next, so a step's KV writes (even
