@@ -15,7 +15,8 @@ Each stage's clock (engine/parallel/pipeline.py) sums the time it computes; stag
 time some step was in the pipeline (its forward windows, overlapping steps counted once).
 Reported per stage: busy / forward windows (the pipeline's own bubble; ideal with one step at a
 time m / (m + S - 1), with S or more steps in flight N·m / (N·m + S - 1) over the run's N steps) and
-busy / wall time of the whole run. Every configuration's tokens are checked equal to the first's.
+busy / wall time of the whole run; of each configuration the quicker of two runs. Every
+configuration's tokens are checked equal to the first's.
 
     python benchmarks/pipeline_bubble.py [--out results/pipeline_bubble.json] [--no-ray]
 """
@@ -48,6 +49,7 @@ NOTE = ("with one step at a time, busy fractions follow m/(m+S-1) (a little abov
         "read the weights and pay a step's fixed costs. What this machine shows is the schedule (who waits for "
         "whom, the busy fractions, exactness); what overlap buys in tok/s needs stages on separate devices")
 CONFIGS = ((1, 1), (1, 2), (1, 4), (2, 1), (4, 1))  # (steps in flight, micro-batches a step)
+REPEAT = 2
 
 
 def checkpoint(root: Path) -> Path:
@@ -80,11 +82,16 @@ def run(model: Path) -> tuple[list[dict], dict]:
                      pipeline_steps_in_flight=v, pipeline_micro_batches=m, enable_prefix_caching=False) as llm:
                 e = llm.engine
                 llm.generate(prompts[:2], sp)  # warm up both stages
-                on_all_stages(e, stage_times, True, True)
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, sp)
-                wall = time.perf_counter() - t0
-                times = on_all_stages(e, stage_times, True, False)
+                best = None
+                for _ in range(REPEAT):  # the quickest run: this host is shared, a slow run is someone else's load
+                    on_all_stages(e, stage_times, True, True)
+                    t0 = time.perf_counter()
+                    outs = llm.generate(prompts, sp)
+                    wall = time.perf_counter() - t0
+                    times = on_all_stages(e, stage_times, True, False)
+                    if best is None or wall < best[1]:
+                        best = (outs, wall, times)
+                outs, wall, times = best
             tokens = [list(o.outputs[0].token_ids) for o in outs]
             want = want or tokens
             window = times[0].window_s

@@ -301,3 +301,66 @@ def test_a_serving_loop_stops_at_the_first_failed_step_of_a_pipeline(tiny_checkp
         loop.close()
         loop.engine.ranks = watched
         loop.engine.close()
+
+
+def test_steps_in_flight_never_share_a_sequence_and_preempt_only_their_own_group():
+    """The bookkeeping alone (EngineCore, no model): with 2 and 3 steps in flight and a pool too
+    small for the batch, no sequence is in two steps at once, a step's sequences are all still
+    running with their blocks when it lands (no preemption reached into a step in flight), the
+    groups share the batch, and every request ends with the same tokens as one step at a time."""
+    from splitserve.engine.core import EngineCore
+    from splitserve.engine.sequence import Sequence, SeqStatus
+    from splitserve.sim.engine import SimSampling
+    from splitserve.types import Request
+
+    class Paced(EngineCore):  # a model whose next token depends on the position only
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.flying: list[set[int]] = []
+            self.most = 0
+            self.sizes: list[int] = []
+
+        def _new_seq(self, req, outputs=()):
+            return Sequence(request=req, order=next(self._order), sampling=SimSampling(req.params, list(outputs)),
+                            max_tokens=self.check_lengths(req), token_ids=list(req.prompt_token_ids) + list(outputs))
+
+        def _launch(self, sched):
+            ids = {id(s.seq) for s in sched.scheduled}
+            assert all(not ids & other for other in self.flying), "a sequence in two steps at once"
+            self.flying.append(ids)
+            self.most = max(self.most, len(self.flying))
+            self.sizes.append(len(sched.scheduled))
+            return sched, ids
+
+        def _land(self, handle):
+            sched, ids = handle
+            self.flying.remove(ids)
+            for seq, n in sched.scheduled:
+                assert seq.status is SeqStatus.RUNNING and seq.block_ids, "preempted while in flight"
+            return [(seq, 3 + seq.num_tokens % 40, None) for seq, n in sched.scheduled
+                    if seq.num_computed_tokens + n == seq.num_tokens]
+
+        def _forward(self, sched):
+            return self._land(self._launch(sched))
+
+    def run(in_flight):
+        e = Paced(block_size=4, num_blocks=24, max_num_seqs=16, max_num_batched_tokens=32, max_model_len=128,
+                  in_flight=in_flight)
+        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        for i in range(10):
+            e.add_request(Request(f"r{i}", tuple(range(5, 5 + 3 + 4 * i)), sp))
+        out: dict[str, list[int]] = {}
+        while e.has_unfinished():
+            for c in e.step():
+                out.setdefault(c.request_id, []).extend(c.token_ids)
+            e.check_invariants()
+        assert e.steps_in_flight() == 0 and e.pool.num_in_use == 0
+        return out, e
+
+    want, one = run(1)
+    assert one.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
+    for v in (2, 3):
+        got, e = run(v)
+        assert got == want and all(len(t) == 12 for t in got.values())
+        assert e.most == v and e.scheduler.num_preemptions > 0
+        assert max(e.sizes) < 10  # no step took the whole batch: each group a share

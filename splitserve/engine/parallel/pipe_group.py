@@ -16,9 +16,10 @@ returns at once, the stages take the posts in order.
 
 Why torch.distributed and not Ray's compiled graphs, measured on this 2-core CPU host
 (benchmarks/pipeline_bubble.py → results/pipeline_bubble.json "transport", one hop of an fp32
-tensor): gloo isend/irecv 1.8 / 2.0 / 2.6 / 14 ms for 1x768 / 32x768 / 768x768 / 768x7168
-against a compiled graph's 1.5 / 0.6 / 3.3 / 43 ms — about even (within a millisecond) for
-decode-sized hand-overs, gloo 1.3-3x faster for prefill-sized ones, which cost the most; the
+tensor): gloo isend/irecv 1.7 / 1.6 / 2.1 / 9.2 ms for 1x768 / 32x768 / 768x768 / 768x7168
+against a compiled graph's 1.5 / 1.7 / 5.6 / 44 ms (an earlier run: 1.8 / 2.0 / 2.6 / 14 against
+1.5 / 0.6 / 3.3 / 43) — about even (within a millisecond) for decode-sized hand-overs, gloo
+1.3-5x faster for prefill-sized ones, which cost the most; the
 compiled graph's teardown hung past its own 30 s warning there. And the engine runs without Ray
 (an import rule), the tensor-parallel collectives already rendezvous here (one transport, NCCL
 on GPUs, where compiled graphs would use NCCL too), and isend/irecv needs nothing but the shapes,
