@@ -82,7 +82,6 @@ class StageTimes:
     steps: int
     micro_batches: int
     intervals: tuple[tuple[float, float, int, int], ...]  # (start, end, step, micro-batch) while recording
-    most_in_flight: int = 0  # stage 0: the most steps it had started and not landed at once
 
 
 @dataclass
@@ -93,8 +92,9 @@ class StageClock:
     micro_batches: int = 0
     record: bool = False  # keep each micro-batch's interval (time.perf_counter: one clock per host)
     intervals: list[tuple[float, float, int, int]] = field(default_factory=list)
-    open_since: float | None = None  # stage 0: since when some step is in the pipeline
-    most_in_flight: int = 0
+    open_since: float | None = None  # stage 0: since when some step is in the pipeline (None: since `made`)
+    made: float = field(default_factory=time.perf_counter)  # a clock made anew while steps are in flight
+    most_in_flight: int = 0  # stage 0: the most steps started and not landed at once
 
 
 @dataclass
@@ -148,7 +148,9 @@ class PipelineRunner(ModelRunner):
         self.clock.steps += 1
         self._in_flight -= 1
         if self._in_flight == 0:
-            self.clock.window_s += time.perf_counter() - self.clock.open_since
+            c = self.clock
+            c.window_s += time.perf_counter() - (c.made if c.open_since is None else c.open_since)
+            c.open_since = None
         if not f.logits_box:
             return StepResult(None, ())
         return StepResult(torch.cat([buf for buf, _ in f.logits_box]).float(), f.sample_seqs)
@@ -246,10 +248,9 @@ def stage_times(engine: "Engine", reset: bool = False, record: bool | None = Non
     """This stage's clock (then zeroed if `reset`; recording intervals from then on if `record`)."""
     c = engine.runner.clock
     out = StageTimes(engine.stage.index, engine.stage.layers, c.busy_s, c.window_s, c.steps, c.micro_batches,
-                     tuple(c.intervals), c.most_in_flight)
+                     tuple(c.intervals))
     if reset:
-        engine.runner.clock = StageClock(record=c.record if record is None else record,
-                                         open_since=time.perf_counter() if c.open_since is not None else None)
+        engine.runner.clock = StageClock(record=c.record if record is None else record)
     return out
 
 
