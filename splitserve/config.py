@@ -58,6 +58,10 @@ class EngineConfig:
     # cache and the whole attention and dense layers, the experts spread over them; each MoE layer
     # sends every token to its experts' replicas and back (all-to-all)
     data_parallel_size: int = 1
+    # steps in flight through the stages at once, each of its own share of the running sequences
+    # (engine/core.py): the stage count keeps every stage busy across steps. 1 by default: exact
+    # either way, but slower on this 2-core host (results/pipeline_bubble.json), unmeasured on GPUs
+    pipeline_steps_in_flight: int = 1
     # expert load balancing (engine/expert_balance.py): extra physical expert slots per MoE layer,
     # spread evenly over the expert-parallel ranks, for replicas of hot experts; and how often
     # (engine steps; 0: never) the placement is re-planned from the measured tokens per expert
@@ -75,7 +79,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches", "data_parallel_size"):
+                     "tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches",
+                     "pipeline_steps_in_flight", "data_parallel_size"):
             positive(name)
         if self.data_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
             raise ConfigError("data_parallel_size > 1 is not supported with tensor_parallel_size or "
@@ -84,6 +89,8 @@ class EngineConfig:
             raise ConfigError("host_kv_blocks is not supported with pipeline_parallel_size > 1 yet")
         if self.pipeline_micro_batches > 1 and self.pipeline_parallel_size == 1:
             raise ConfigError("pipeline_micro_batches > 1 needs pipeline_parallel_size > 1")
+        if self.pipeline_steps_in_flight > 1 and self.pipeline_parallel_size == 1:
+            raise ConfigError("pipeline_steps_in_flight > 1 needs pipeline_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.host_kv_blocks:
             raise ConfigError("host_kv_blocks is not supported with tensor_parallel_size > 1 yet")
         h = self.host_kv_blocks

@@ -6,14 +6,24 @@ the simulator (`splitserve.sim`) adds a cost model, and both run this same bookk
 A step is `scheduler.schedule()` → the subclass's forward + sample (`_forward`) → `_complete`
 (advance every scheduled sequence, append the sampled tokens, apply EOS / stop ids /
 max_tokens / context length, hand finished blocks back: full ones stay in the prefix cache).
+
+Steps in flight (`in_flight` > 1: a pipeline-parallel engine): the running sequences are split
+into that many scheduler groups, and a call to `step()` first starts (`_launch`) a step for
+every group that has none in flight and something to run, then finishes the oldest step in
+flight (`_land`: its tokens sampled) and completes it. So while one group's step is in the later
+stages, stage 0 schedules and starts another's; a sequence's next step is scheduled only once
+its token is back. A request aborted while its step is in flight has its blocks freed at once
+and the step's rows of it are dropped when it lands (the stages run the steps in the order
+started, so its stale KV writes land before any later step's use of the freed blocks).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from splitserve.engine.kv_cache.block_pool import BlockPool, BlockStored, KVEvent
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -24,6 +34,16 @@ from splitserve.types import (ConfigError, ExpertBalance, FinishReason, KVProgre
                               TokenChunk, WorkerStats)
 
 Sampled = tuple[Sequence, int, object]  # (sequence, next token, its logprob or None)
+
+
+class InFlight(NamedTuple):
+    """A started step not yet landed."""
+
+    group: int
+    sched: SchedulerOutput
+    shape: StepShape
+    handle: object  # the subclass's (`_launch`)
+    started: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +59,7 @@ class Reservation:
 class EngineCore:
     def __init__(self, *, block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: Iterable[int] = (), enable_prefix_caching: bool = True,
-                 host=None) -> None:
+                 host=None, in_flight: int = 1) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.token_budget = max_num_batched_tokens
@@ -48,7 +68,10 @@ class EngineCore:
         self.host = host  # a HostTier below the pool (the Engine's; it needs torch storage), or None
         if host is not None:
             self.pool.on_evict = host.save
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, host)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, host, groups=in_flight)
+        self.in_flight = in_flight  # steps started and not yet landed, at most (one per scheduler group)
+        self._flights: collections.deque[InFlight] = collections.deque()
+        self._next_group = 0
         self._seqs: dict[str, Sequence] = {}
         self._pulling: dict[str, Sequence] = {}  # blocks allocated, KV arriving from a peer
         self._detached: dict[str, list[int]] = {}  # blocks pinned for a KV handoff
@@ -68,6 +91,15 @@ class EngineCore:
     def _new_seq(self, req: Request, outputs: tuple[int, ...] = ()) -> Sequence:
         """A sequence for `req` (checked, with its sampling state) continuing after `outputs`."""
         raise NotImplementedError
+
+    def _launch(self, sched: SchedulerOutput) -> object:
+        """Start the scheduled step without waiting for its tokens (in_flight > 1); what `_land`
+        takes. By default the whole forward, at once."""
+        return self._forward(sched)
+
+    def _land(self, handle: object) -> list[Sampled]:
+        """A launched step's sampled tokens, once its forward is done."""
+        return handle
 
     def _observe(self, shape: StepShape, seconds: float) -> None:
         """A step of this shape ran in `seconds`, scheduling included (the Engine's step-time
@@ -244,6 +276,8 @@ class EngineCore:
 
     # -- one iteration -------------------------------------------------------------------------
     def step(self) -> list[TokenChunk]:
+        if self.in_flight > 1:
+            return self._step_in_flight()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if self.kv_progress is not None:  # before the forward: cached blocks move while it runs
@@ -254,6 +288,41 @@ class EngineCore:
         chunks = self._complete(sched, self._forward(sched))
         self._observe(shape, time.perf_counter() - t0)
         return chunks
+
+    def _step_in_flight(self) -> list[TokenChunk]:
+        """Start a step for every idle group with work (from the one after the last started),
+        then land the oldest step in flight; its tokens."""
+        try:
+            busy = {f.group for f in self._flights}
+            for g in [(self._next_group + i) % self.in_flight for i in range(self.in_flight)]:
+                if g in busy:
+                    continue
+                t0 = time.perf_counter()
+                sched = self.scheduler.schedule(g)
+                if self.kv_progress is not None:
+                    self._report_progress(sched)
+                if not sched.scheduled:
+                    continue
+                self._flights.append(InFlight(g, sched, shape_of(sched), self._launch(sched), t0))
+                self._next_group = (g + 1) % self.in_flight
+            if not self._flights:
+                return []
+            f = self._flights[0]
+            sampled = self._land(f.handle)
+            self._flights.popleft()
+        except BaseException:
+            self._flights.clear()  # the pipeline is broken: no step in flight will land; the caller aborts
+            raise
+        live = tuple(s for s in f.sched.scheduled if self._seqs.get(s.seq.request_id) is s.seq)
+        if len(live) < len(f.sched.scheduled):  # aborted while in flight: nothing of them is kept
+            sampled = [x for x in sampled if self._seqs.get(x[0].request_id) is x[0]]
+            f = f._replace(sched=SchedulerOutput(live, f.sched.preempted))
+        chunks = self._complete(f.sched, sampled)
+        self._observe(f.shape, time.perf_counter() - f.started)
+        return chunks
+
+    def steps_in_flight(self) -> int:
+        return len(self._flights)
 
     def _report_progress(self, sched: SchedulerOutput) -> None:
         """Streamed prefills: a preempted one's blocks are void (a new epoch); a scheduled one's

@@ -24,7 +24,7 @@ from splitserve.engine.attention import get_backend
 from splitserve.engine.attention.paged_backends import triton_unavailable
 from splitserve.engine.core import EngineCore, Sampled
 from splitserve.engine.decode_graphs import cuda_graph_capture
-from splitserve.engine.expert_balance import ExpertBalancer
+from splitserve.engine.expert_balance import ExpertBalancer, StageExperts, every_stage, reset_counts
 from splitserve.engine.expert_balance import check as check_expert_balance
 from splitserve.engine.kv_cache import HostTier, KVCacheTensors
 from splitserve.engine.kernels.norm_rope_cpu import available as cpu_kernels
@@ -153,10 +153,11 @@ class Engine(EngineCore):
         self.kv = KVCacheTensors.allocate(kv_layers, num_blocks, config.block_size, kv_heads,
                                           mc.head_dim, self.dtype, self.device, shm_path=shm, fp8=config.fp8_kv)
         host = HostTier(config.host_kv_blocks, self.kv.storage) if config.host_kv_blocks else None
+        in_flight = 1 if pp is None else config.pipeline_steps_in_flight
         super().__init__(block_size=config.block_size, num_blocks=num_blocks, max_num_seqs=config.max_num_seqs,
                          max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                          eos_token_ids=mc.eos_token_ids, enable_prefix_caching=config.enable_prefix_caching,
-                         host=host)
+                         host=host, in_flight=in_flight)
         cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         if config.fused_kernels and self.device.type == "cuda" and triton_unavailable(self.device) is None:
             model.use_triton_kernels()  # fused residual + RMSNorm and rotary: fewer passes, same rounding
@@ -186,7 +187,8 @@ class Engine(EngineCore):
         self.sampler = Sampler()
         self._grammar_lock = threading.Lock()
         self.step_model = StepTimeModel()
-        self._moe_layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        self._moe_layers = [m for m in model.modules() if isinstance(m, SparseMoE)]  # this stage's
+        self.stage_experts = StageExperts()  # every stage's counts, as stage 0 last read them
         # what others attached to this engine and must release before its cache goes (the
         # transports a follower rank serves its cache through): run once, by close()
         self.on_close: list[Callable[[], None]] = []
@@ -207,10 +209,9 @@ class Engine(EngineCore):
         """Drop what the warmup's requests left: the prefix cache, its events, the counters."""
         self.pool.reset_prefix_cache()
         self.pool.drain_events()
-        for m in self._moe_layers:  # the expert load is the users' requests'
-            m.expert_tokens.zero_()
-        if self.expert_balancer is not None:
-            self.expert_balancer.reset(self._steps)
+        if self.model_config.moe is not None:  # the expert load is the users' requests', on every stage
+            every_stage(self, reset_counts)
+            self.stage_experts.forget()
         if self.host is not None:
             self.host.reset()
             self.host.drain_events()
@@ -280,6 +281,18 @@ class Engine(EngineCore):
             result = self.runner.run(sched)
         finally:
             model.after_layer = None
+        return self._sample(result, ahead)
+
+    def _launch(self, sched: SchedulerOutput):
+        """A pipeline's step started (parallel/pipeline.py), its logits not waited for."""
+        self._check_ranks()
+        return self.runner.launch(sched), self._masks_ahead(sched)
+
+    def _land(self, handle) -> list[Sampled]:
+        flight, ahead = handle
+        return self._sample(self.runner.land(flight), ahead)
+
+    def _sample(self, result, ahead) -> list[Sampled]:
         if not result.sample_seqs:
             return []
         out = self.sampler(result.logits, [s.sampling for s in result.sample_seqs], ahead)
@@ -312,11 +325,15 @@ class Engine(EngineCore):
         return self.step_model.coeffs
 
     def expert_tokens(self) -> tuple[int, ...]:
-        counts = [m.expert_tokens for m in self._moe_layers]
-        return tuple(torch.stack(counts).sum(0).tolist()) if counts else ()
+        """Summed over every MoE layer, every stage's (under pipelining: as last read, at most
+        STAGE_READ_STEPS steps ago)."""
+        if self.model_config.moe is None:
+            return ()
+        layers = [t for st in self.stage_experts.get(self) for t in st.tokens]
+        return tuple(map(sum, zip(*layers))) if layers else ()
 
     def expert_balance(self) -> ExpertBalance | None:
-        return None if self.expert_balancer is None else self.expert_balancer.stats()
+        return None if self.expert_balancer is None else self.expert_balancer.stats(self)
 
     def grammar_compile_s(self) -> float:
         masks = self.sampler.masks

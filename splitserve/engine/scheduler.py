@@ -9,6 +9,13 @@ Each step, in priority-then-arrival order:
      strictly lower priority; otherwise admission stops (FCFS, no overtaking).
 Decodes and prefill chunks share one forward pass. The scheduler decides; the BlockPool only
 counts.
+
+Groups (a pipeline-parallel engine with steps in flight, engine/core.py): the running sequences
+are split into `groups`, and a step schedules one group — its running sequences, its victims
+for preemption, and admissions into it — so that another group's step may be in the pipeline
+meanwhile: a sequence's next step is scheduled only once its last one is done. A waiting
+sequence joins the group being scheduled unless that group already runs its share of all the
+sequences, running and waiting (the groups stay even, so every step carries a share of the batch).
 """
 
 from __future__ import annotations
@@ -40,8 +47,9 @@ class SchedulerOutput(NamedTuple):  # one per step
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 host: HostTier | None = None) -> None:
+                 host: HostTier | None = None, groups: int = 1) -> None:
         self.pool = pool
+        self.groups = groups
         self.host = host
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -49,6 +57,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
+        self._group = 0  # the group being scheduled
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (first admission)
         self.prefix_hit_tokens = 0  # of which found cached
 
@@ -75,6 +84,9 @@ class Scheduler:
         """A sequence whose blocks are allocated and filled already (KV pulled from a peer)."""
         if seq.scheduled_at is None:
             seq.scheduled_at = time.monotonic()
+        if self.groups > 1:
+            sizes = self._group_sizes()
+            seq.group = sizes.index(min(sizes))
         seq.status = SeqStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.sort_key)
 
@@ -82,7 +94,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step -----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def _group_sizes(self) -> list[int]:
+        sizes = [0] * self.groups
+        for s in self.running:
+            sizes[s.group] += 1
+        return sizes
+
+    def schedule(self, group: int = 0) -> SchedulerOutput:
+        """The next step of `group` (of `groups`; the only one by default)."""
+        self._group = group
         budget = self.max_num_batched_tokens
         out: list[Scheduled] = []
         preempted: list[Sequence] = []
@@ -93,7 +113,7 @@ class Scheduler:
         classes.update(s.request.priority for s in self.waiting)
         for prio in sorted(classes):
             for seq in list(self.running) if len(classes) == 1 else [s for s in self.running if s.request.priority == prio]:
-                if seq.status is not SeqStatus.RUNNING or budget == 0:
+                if seq.status is not SeqStatus.RUNNING or budget == 0 or seq.group != group:
                     continue
                 n = seq.num_tokens - seq.num_computed_tokens
                 if n > budget:
@@ -115,8 +135,9 @@ class Scheduler:
         need = -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.block_ids)
         if need > self.pool.num_available:  # rare: the set costs O(batch), once per sequence short of blocks
             scheduled = {id(s.seq) for s in out}
-            while need > self.pool.num_available:
-                victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
+            while need > self.pool.num_available:  # a victim of this group: another's may be in flight
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s.group == seq.group),
+                              None)
                 if victim is None:
                     return False
                 self._preempt(victim, preempted)
@@ -131,9 +152,15 @@ class Scheduler:
         go on to lower classes — not once a sequence had to be left waiting)."""
         if not self.waiting:
             return budget, True
+        # with groups: this group's share of all the sequences, running and waiting
+        share = -(-(len(self.running) + len(self.waiting)) // self.groups) if self.groups > 1 else None
+        mine = self._group_sizes()[self._group] if self.groups > 1 else 0
         for seq in [s for s in self.waiting if s.request.priority == prio]:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 return budget, False
+            if share is not None and mine >= share:
+                return budget, False  # the other groups' steps admit the rest
+            mine += 1
             match = self._prefix_hit(seq)
             computed = len(match) * self.block_size
             n = min(seq.num_tokens - computed, budget)
@@ -161,6 +188,7 @@ class Scheduler:
             self.prefix_hit_tokens += computed
         if seq.scheduled_at is None:
             seq.scheduled_at = time.monotonic()
+        seq.group = self._group
         seq.status = SeqStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.sort_key)
 
@@ -177,7 +205,8 @@ class Scheduler:
     def _lower_priority_victim(self, seq: Sequence, out: list[Scheduled]) -> Sequence | None:
         scheduled = {id(s.seq) for s in out}
         for victim in reversed(self.running):
-            if victim.request.priority > seq.request.priority and id(victim) not in scheduled:
+            if (victim.request.priority > seq.request.priority and id(victim) not in scheduled
+                    and victim.group == self._group):
                 return victim
         return None
 

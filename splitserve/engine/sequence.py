@@ -44,6 +44,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     added_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # first scheduling: ends its queueing, starts its prefill
+    group: int = 0  # the scheduler's group whose steps carry it (several with pipeline steps in flight)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -33,6 +33,11 @@ def random_placement(rng: random.Random, p: ExpertPlacement) -> ExpertPlacement:
     return ExpertPlacement(tuple(tuple(flat[r * s:(r + 1) * s]) for r in range(p.ranks)), e)
 
 
+def placements(engine) -> tuple[ExpertPlacement, ...]:
+    """Every MoE layer's placement, every stage's, as the stages hold them now."""
+    return tuple(p for st in engine.stage_experts.get(engine, fresh=True) for p in st.placements)
+
+
 def move_every(llm: LLM, steps: int, seed: int = 0) -> list[tuple[ExpertPlacement, ...]]:
     """From now on, a random placement applied every `steps` steps (in place of the planner,
     which in one process has no ranks to balance); the placements applied, in order."""
@@ -41,7 +46,7 @@ def move_every(llm: LLM, steps: int, seed: int = 0) -> list[tuple[ExpertPlacemen
 
     def between_steps(engine):
         if engine._steps - bal.last_step >= steps:
-            applied.append(tuple(random_placement(rng, p) for p in bal.placements))
+            applied.append(tuple(random_placement(rng, p) for p in placements(engine)))
             bal.rebalance(engine, applied[-1])
 
     bal.between_steps = between_steps
@@ -112,8 +117,6 @@ def test_the_knobs_are_validated(tiny_checkpoint):
     # refused before any rank starts: 8 + 1 slots do not split over 2 expert-parallel ranks
     with pytest.raises(ConfigError, match="redundant_experts 1 must divide evenly over the 2 expert-parallel ranks"):
         LLM(moe, num_kv_blocks=16, tensor_parallel_size=2, expert_parallel=True, redundant_experts=1)
-    with pytest.raises(ConfigError, match="not supported with pipeline_parallel_size > 1"):
-        LLM(moe, num_kv_blocks=16, pipeline_parallel_size=2, expert_rebalance_interval_steps=8)
     llm = LLM(moe, num_kv_blocks=16)
     assert llm.engine.expert_balancer is None and llm.engine.stats().expert_balance is None  # off: the plain path
     with pytest.raises(ConfigError, match="needs redundant_experts"):
@@ -249,3 +252,47 @@ def test_the_rank_imbalance_before_and_after_is_exported_beside_the_experts():
            if ln.startswith("splitserve_worker_expert_imbalance")}
     assert got == {'role="decode",scope="expert",worker="w1"': 2.0, 'role="decode",scope="rank",worker="w1"': 1.2,
                    'role="decode",scope="rank_before_rebalance",worker="w1"': 1.8}
+
+
+# -- pipeline parallelism: the MoE layers on another stage than the planner ---------------------
+def test_pp2_counts_come_from_every_stage_and_replicas_placed_anew_keep_greedy_parity(tiny_checkpoint, reference):
+    """DeepSeek-V3 at PP 2: its dense layer on stage 0, its MoE layer on stage 1 — the counts
+    stage 0 reports and plans from are stage 1's; 4 redundant slots, a new random placement
+    (replicas included) every 3 steps, sent to stage 1 between steps — with two steps in flight,
+    so a placement reaches stage 1 behind a step stage 0 has not landed yet. Plain, then a
+    second pass with prefix hits, chunked prefill (64 tokens a step) and a pool small enough to
+    preempt."""
+    with LLM(str(tiny_checkpoint("deepseek_v3")), num_kv_blocks=24, max_num_batched_tokens=64,
+             pipeline_parallel_size=2, redundant_experts=4, expert_rebalance_interval_steps=1,
+             pipeline_steps_in_flight=2) as llm:
+        e = llm.engine
+        assert e._moe_layers == [] and e.expert_tokens() == (0,) * 8  # stage 0 holds no MoE layer
+        applied = move_every(llm, 3)
+        run_and_compare(llm, reference, "deepseek_v3")
+        run_and_compare(llm, reference, "deepseek_v3")
+        stats = e.stats()
+        assert stats.num_preempted_total > 0 and stats.prefix_hit_tokens_total > 0
+        assert stats.expert_balance.rebalances_total == len(applied) > 5
+        assert placements(e) == applied[-1]  # stage 1 holds what stage 0 sent last
+        assert any(max(map(len, p.replicas())) > 1 for a in applied for p in a)
+        routed = sum(e.stage_experts.get(e, fresh=True)[1].tokens[0])
+        assert sum(e.expert_tokens()) == routed > 0  # top 2: two rows per token through the MoE layer
+        assert sum(stats.expert_balance.rank_tokens) > 0 and sum(stats.expert_balance.replicas) == 12
+        drained(llm)
+
+
+def test_pp2_ep2_planner_rebalances_the_last_stages_experts(tiny_checkpoint, reference):
+    """PP 2 x TP 2 with expert parallelism inside each stage: stage 0 plans every 2 steps from
+    stage 1's counts and stage 1's two ranks move whole experts between them (5 slots each for
+    8 experts); greedy stays Hugging Face's, a rebalance happens and a hot expert gets replicas
+    on both of stage 1's ranks."""
+    with LLM(str(tiny_checkpoint("deepseek_v3")), num_kv_blocks=32, max_num_batched_tokens=64,
+             pipeline_parallel_size=2, tensor_parallel_size=2, expert_parallel=True, redundant_experts=2,
+             expert_rebalance_interval_steps=2, pipeline_steps_in_flight=2) as llm:
+        e = llm.engine
+        run_and_compare(llm, reference, "deepseek_v3")
+        b = e.stats().expert_balance
+        assert (b.ranks, b.slots_per_rank) == (2, 5) and b.rebalances_total > 0
+        assert b.imbalance_before >= 1.0 and len(b.rank_tokens) == 2 and sum(b.replicas) == 10
+        assert spans_ranks(placements(e)), "a hot expert was meant to get a replica on the other rank"
+        drained(llm)

@@ -3,8 +3,10 @@ tiny models' two layers and that layer's KV cache (the embedding on stage 0, the
 LM head on stage 1), activations sent stage to stage and the logits back to stage 0, a step cut
 into micro-batches in flight — gives Hugging Face's greedy tokens (tie rule as in
 test_engine_parity) with chunked prefill, prefix hits and preemption, also with each stage a
-tensor-parallel group of 2 (four processes); losing a stage fails the engine with an error
-instead of hanging."""
+tensor-parallel group of 2 (four processes) — with two steps in flight (the running sequences
+in two groups, one group's step launched while the other's is in stage 1),
+a request aborted while its step is in flight included; losing a stage fails the engine with an
+error instead of hanging, and frees the blocks of every step in flight once."""
 
 import time
 
@@ -34,6 +36,10 @@ def test_layers_are_cut_into_contiguous_ranges_as_evenly_as_possible(tiny_checkp
         EngineConfig(model=path, pipeline_micro_batches=2)
     with pytest.raises(ConfigError, match="pipeline_parallel_size must be a positive integer"):
         EngineConfig(model=path, pipeline_parallel_size=0)
+    with pytest.raises(ConfigError, match="pipeline_steps_in_flight > 1 needs pipeline_parallel_size > 1"):
+        EngineConfig(model=path, pipeline_steps_in_flight=2)
+    with pytest.raises(ConfigError, match="pipeline_steps_in_flight must be a positive integer"):
+        EngineConfig(model=path, pipeline_parallel_size=2, pipeline_steps_in_flight=0)
 
 
 @pytest.mark.parametrize("shape, fused", [
@@ -111,13 +117,14 @@ def _held(engine):
     return on_all_stages(engine, holding)
 
 
-@pytest.mark.parametrize("shape, num_kv_blocks", [
-    ("llama", 96),  # GQA; chunked prefill (64 tokens a step) and, on a second pass, prefix hits
-    ("deepseek_v3", 24),  # MLA + MoE (the dense layer on stage 0, the sparse one on stage 1); preemption
+@pytest.mark.parametrize("shape, num_kv_blocks, in_flight", [
+    ("llama", 96, 2),  # GQA; chunked prefill (64 tokens a step) and, on a second pass, prefix hits
+    ("deepseek_v3", 24, 2),  # MLA + MoE (the dense layer on stage 0, the sparse one on stage 1); preemption
+    ("llama", 96, 1),  # one step at a time (the default)
 ])
-def test_pp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, num_kv_blocks):
+def test_pp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, num_kv_blocks, in_flight):
     with LLM(str(tiny_checkpoint(shape)), num_kv_blocks=num_kv_blocks, max_num_batched_tokens=64,
-             pipeline_parallel_size=2, pipeline_micro_batches=2) as llm:
+             pipeline_parallel_size=2, pipeline_micro_batches=2, pipeline_steps_in_flight=in_flight) as llm:
         e = llm.engine
         held = _held(e)
         assert [h[0] for h in held] == [range(0, 1), range(1, 2)] and [h[2] for h in held] == [1, 1]
@@ -127,6 +134,7 @@ def test_pp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, num_k
         times = on_all_stages(e, stage_times)
         assert all(t.steps == times[0].steps > 0 and t.busy_s > 0 for t in times)
         assert times[0].micro_batches > times[0].steps  # steps were cut in two
+        assert e.in_flight == in_flight == e.runner.clock.most_in_flight  # steps in the pipeline at once
         if num_kv_blocks < 96:
             assert e.stats().num_preempted_total > 0, "the pool was meant to be too small for the batch"
         else:
@@ -144,13 +152,51 @@ def test_pp2_tp2_greedy_equals_transformers(tiny_checkpoint, reference, shape, n
     gathered on stage 1 and sent back by its rank 0. DeepSeek-V3 with a pool too small for the
     batch (preemption)."""
     with LLM(str(tiny_checkpoint(shape)), num_kv_blocks=num_kv_blocks, max_num_batched_tokens=64,
-             pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_micro_batches=2) as llm:
+             pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_micro_batches=2,
+             pipeline_steps_in_flight=2) as llm:
         held = _held(llm.engine)
         assert [h[0] for h in held] == [range(0, 1)] * 2 + [range(1, 2)] * 2
         e = llm.engine
         assert e.tp.size == 2 and e.runner.model.cfg.num_heads == e.model_config.num_heads // 2
         run_and_compare(llm, reference, shape)  # chunked prefill, prefix hits within the batch
         assert (llm.engine.stats().num_preempted_total > 0) == (num_kv_blocks < 96)
+        assert e.runner.clock.most_in_flight == 2
+        drained(llm)
+
+
+def test_a_request_aborted_while_its_step_is_in_flight(tiny_checkpoint, reference):
+    """Two steps in flight: a request of the second is aborted after the first lands, while its
+    own step is still in the pipeline. Its blocks go back at once (another request may take them:
+    the stages run steps in order, so its step's stale writes come before any later step's), no
+    token of it follows, and every other request's greedy tokens are still Hugging Face's."""
+    from splitserve.types import Request
+    from tests.greedy_parity import assert_greedy_equal
+    from tests.unit.test_engine_parity import MAX_NEW
+
+    hf, prompts, refs = reference("llama")
+    with LLM(str(tiny_checkpoint("llama")), num_kv_blocks=96, max_num_batched_tokens=64,
+             pipeline_parallel_size=2, pipeline_steps_in_flight=2) as llm:
+        e = llm.engine
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+        for i, p in enumerate(prompts):
+            e.add_request(Request(f"r{i}", tuple(p), sp))
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        aborted = None
+        while e.has_unfinished():
+            for c in e.step():
+                assert c.request_id != aborted, "a token of an aborted request"
+                got[c.request_id] += c.token_ids
+            if aborted is None and e.steps_in_flight() and e._steps >= 4:
+                held = e.pool.num_in_use
+                aborted = e._flights[0].sched.scheduled[0].seq.request_id
+                e.abort(aborted)
+                assert e.pool.num_in_use < held  # at once, not when its step lands
+                e.check_invariants()
+        assert aborted is not None
+        for i, p in enumerate(prompts):
+            if f"r{i}" != aborted:
+                assert_greedy_equal(hf, p, got[f"r{i}"], refs[i])
+        assert e.steps_in_flight() == 0
         drained(llm)
 
 
@@ -190,6 +236,40 @@ def test_a_stage_lost_inside_a_step_fails_that_step(tiny_checkpoint):
         llm.engine.ranks = watched
 
 
+def test_a_stage_lost_with_two_steps_in_flight_fails_both_and_frees_their_blocks_once(tiny_checkpoint):
+    """Stage 1 killed right after a step is launched while another is still in the pipeline
+    (unseen before the step, as above): the landing raises, no step stays in flight, and every
+    request of both steps fails and gives its blocks back once (the pool's invariants hold)."""
+    from tests.unit.test_tensor_parallel import UnwatchedRanks
+
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(tiny_checkpoint("llama")), num_kv_blocks=32, pipeline_parallel_size=2,
+             pipeline_steps_in_flight=2) as llm:
+        e = llm.engine
+        watched = e.ranks
+        e.ranks = UnwatchedRanks(watched)
+        launch, seen = e._launch, []
+
+        def launch_then_kill(sched):  # a test wrapper: the kill lands between two launches
+            handle = launch(sched)
+            if len(seen) == 3:
+                watched.procs[0].kill()
+                watched.procs[0].join(10)
+            seen.append(e.steps_in_flight())
+            return handle
+
+        e._launch = launch_then_kill
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):
+            llm.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16, 17, 18]], sp)
+        assert time.monotonic() - started < 60
+        assert seen[3] == 1  # the kill came with another step in flight
+        assert e.steps_in_flight() == 0 and not e.has_unfinished()
+        e.check_invariants()
+        assert e.pool.num_in_use == 0
+        e.ranks = watched
+
+
 def test_a_serving_loop_stops_at_the_first_failed_step_of_a_pipeline(tiny_checkpoint):
     """A worker's serving loop retries a failed step of one process, but a pipeline's stages
     wait in that step's transfers: the loop stops at once (its worker is replaced), as for TP."""
@@ -221,3 +301,66 @@ def test_a_serving_loop_stops_at_the_first_failed_step_of_a_pipeline(tiny_checkp
         loop.close()
         loop.engine.ranks = watched
         loop.engine.close()
+
+
+def test_steps_in_flight_never_share_a_sequence_and_preempt_only_their_own_group():
+    """The bookkeeping alone (EngineCore, no model): with 2 and 3 steps in flight and a pool too
+    small for the batch, no sequence is in two steps at once, a step's sequences are all still
+    running with their blocks when it lands (no preemption reached into a step in flight), the
+    groups share the batch, and every request ends with the same tokens as one step at a time."""
+    from splitserve.engine.core import EngineCore
+    from splitserve.engine.sequence import Sequence, SeqStatus
+    from splitserve.sim.engine import SimSampling
+    from splitserve.types import Request
+
+    class Paced(EngineCore):  # a model whose next token depends on the position only
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.flying: list[set[int]] = []
+            self.most = 0
+            self.sizes: list[int] = []
+
+        def _new_seq(self, req, outputs=()):
+            return Sequence(request=req, order=next(self._order), sampling=SimSampling(req.params, list(outputs)),
+                            max_tokens=self.check_lengths(req), token_ids=list(req.prompt_token_ids) + list(outputs))
+
+        def _launch(self, sched):
+            ids = {id(s.seq) for s in sched.scheduled}
+            assert all(not ids & other for other in self.flying), "a sequence in two steps at once"
+            self.flying.append(ids)
+            self.most = max(self.most, len(self.flying))
+            self.sizes.append(len(sched.scheduled))
+            return sched, ids
+
+        def _land(self, handle):
+            sched, ids = handle
+            self.flying.remove(ids)
+            for seq, n in sched.scheduled:
+                assert seq.status is SeqStatus.RUNNING and seq.block_ids, "preempted while in flight"
+            return [(seq, 3 + seq.num_tokens % 40, None) for seq, n in sched.scheduled
+                    if seq.num_computed_tokens + n == seq.num_tokens]
+
+        def _forward(self, sched):
+            return self._land(self._launch(sched))
+
+    def run(in_flight):
+        e = Paced(block_size=4, num_blocks=24, max_num_seqs=16, max_num_batched_tokens=32, max_model_len=128,
+                  in_flight=in_flight)
+        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        for i in range(10):
+            e.add_request(Request(f"r{i}", tuple(range(5, 5 + 3 + 4 * i)), sp))
+        out: dict[str, list[int]] = {}
+        while e.has_unfinished():
+            for c in e.step():
+                out.setdefault(c.request_id, []).extend(c.token_ids)
+            e.check_invariants()
+        assert e.steps_in_flight() == 0 and e.pool.num_in_use == 0
+        return out, e
+
+    want, one = run(1)
+    assert one.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
+    for v in (2, 3):
+        got, e = run(v)
+        assert got == want and all(len(t) == 12 for t in got.values())
+        assert e.most == v and e.scheduler.num_preemptions > 0
+        assert max(e.sizes) < 10  # no step took the whole batch: each group a share

@@ -4,16 +4,22 @@ are (parallel/launch.py: a callable `(config) -> (group, Ranks)`; here local pro
 each runs `stage_main`: the same Engine on its stage, following stage 0's steps.
 
 Stages talk over torch.distributed as the ranks do (gloo on CPU, NCCL on GPU): stage 0's step
-goes to every stage by the untimed step broadcast (`DistGroup`); activations go stage to stage
-and the logits back to stage 0 by point-to-point sends, asynchronous (`isend` / `irecv`) and
-under the group's timeout: a stage that dies fails the others' next transfer at once where its
-connection closes, else within `timeout_s`, never a hang.
+goes to every stage as a posted message (`broadcast`: pickled, sent point to point over a gloo
+group of its own without a time limit, as the TP step broadcast is untimed — a stage waits there
+between steps); activations go stage to stage and the logits back to stage 0 by point-to-point
+sends, asynchronous (`isend` / `irecv`) and under the group's timeout: a stage that dies fails
+the others' next transfer at once where its connection closes, else within `timeout_s`, never a
+hang. The step is posted, not broadcast as a collective: a collective returns on stage 0 only
+once every stage has joined it, i.e. finished the step before, which would keep stage 0 from
+starting a step while another is in the later stages (pipeline.py: steps in flight); a post
+returns at once, the stages take the posts in order.
 
 Why torch.distributed and not Ray's compiled graphs, measured on this 2-core CPU host
 (benchmarks/pipeline_bubble.py → results/pipeline_bubble.json "transport", one hop of an fp32
-tensor): gloo isend/irecv 1.8 / 2.0 / 2.6 / 14 ms for 1x768 / 32x768 / 768x768 / 768x7168
-against a compiled graph's 1.5 / 0.6 / 3.3 / 43 ms — about even (within a millisecond) for
-decode-sized hand-overs, gloo 1.3-3x faster for prefill-sized ones, which cost the most; the
+tensor): gloo isend/irecv 1.7 / 1.6 / 2.1 / 9.2 ms for 1x768 / 32x768 / 768x768 / 768x7168
+against a compiled graph's 1.5 / 1.7 / 5.6 / 44 ms (an earlier run: 1.8 / 2.0 / 2.6 / 14 against
+1.5 / 0.6 / 3.3 / 43) — about even (within a millisecond) for decode-sized hand-overs, gloo
+1.3-5x faster for prefill-sized ones, which cost the most; the
 compiled graph's teardown hung past its own 30 s warning there. And the engine runs without Ray
 (an import rule), the tensor-parallel collectives already rendezvous here (one transport, NCCL
 on GPUs, where compiled graphs would use NCCL too), and isend/irecv needs nothing but the shapes,
@@ -25,6 +31,7 @@ import dataclasses
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 from typing import Any
 
 import torch
@@ -52,6 +59,9 @@ class PipeGroup(DistGroup):
         if tp_size > 1:  # every process makes every stage's groups, in one order (torch.distributed's rule)
             groups = [self._stage_groups(s, spec.backend) for s in range(self.stages)]
             self.tp = StageTPGroup(self, *groups[self.stage])
+        # the posts: pickled objects over gloo whatever the backend, untimed (a stage waits idle there)
+        self._posts = self._dist.new_group(backend="gloo", timeout=IDLE_FOREVER)
+        self._posting: list = []  # process 0: its posts' sends not yet known complete, with their tensors
 
     def _stage_groups(self, stage: int, backend: str):
         ranks = list(range(stage * self.tp_size, (stage + 1) * self.tp_size))
@@ -70,6 +80,32 @@ class PipeGroup(DistGroup):
     def last_lead(self) -> int:
         """The process that sends the logits: the last stage's TP rank 0."""
         return (self.stages - 1) * self.tp_size
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Process 0: post `obj` to every other process and return at once (it goes out as each
+        takes it; two posts reach a process in the order posted). The others: the next post."""
+        if self.rank == 0:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            head = torch.tensor([payload.numel()], dtype=torch.int64)
+            self._posting = [p for p in self._posting if not p[0].is_completed()]
+            for r in range(1, self.size):
+                for tag, t in ((0, head), (1, payload)):
+                    self._posting.append((self._collective(self._dist.isend, t, r, group=self._posts, tag=tag), t))
+            return obj
+        head = torch.empty(1, dtype=torch.int64)
+        self._collective(self._dist.recv, head, 0, group=self._posts, tag=0)
+        payload = torch.empty(int(head.item()), dtype=torch.uint8)
+        self._collective(self._dist.recv, payload, 0, group=self._posts, tag=1)
+        return pickle.loads(payload.numpy().tobytes())
+
+    def close(self) -> None:
+        for work, _ in self._posting:  # the last posts (the followers' end) out before the group goes
+            try:
+                work.wait(datetime.timedelta(seconds=2))
+            except Exception:  # a process already gone: nothing will take it
+                pass
+        self._posting = []
+        super().close()
 
     def isend(self, tensors: list[torch.Tensor], dst: int, tag: int) -> list:
         """Start sending `tensors` to `dst` (tags tag, tag+1, ...); the handles to `wait` for
