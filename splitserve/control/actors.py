@@ -51,7 +51,8 @@ def actor_class(worker_cls: type):
 
             tracing.setup(trace, *trace_as)  # its spans: as its role, under its actor's name
             ip, node = _where()
-            # a tensor- or pipeline-parallel engine's other ranks / stages: actors of this one's placement group
+            # a tensor-, pipeline- or data-parallel engine's other ranks / stages / replicas: actors of
+            # this one's placement group
             super().__init__(*args, host=ip, node_id=node, start_ranks=start_ray_ranks, **kwargs)
 
     Shell.__name__ = Shell.__qualname__ = f"{worker_cls.__name__}Actor"  # what Ray's logs and errors call it
@@ -129,6 +130,9 @@ def worker_placement(cfg: DeployConfig, role: Role, transports: list[str], share
     if pp > 1 and 0 < share < 1:
         raise ConfigError(f"{role.value}_pp {pp}: each pipeline stage needs a GPU of its own (one per rank), and "
                           f"there are fewer GPUs than ranks")
+    if cfg.dp > 1 and 0 < share < 1:
+        raise ConfigError(f"data_parallel_size {cfg.dp}: each data-parallel replica needs a GPU of its own, and "
+                          f"there are fewer GPUs than replicas")
     overrides: dict[str, Any] = {"kv_shared_memory": "shm" in offered, "tensor_parallel_size": tp}
     if device.startswith("cuda:"):
         overrides["device"] = "cuda"
@@ -158,12 +162,14 @@ def spawn(cfg: DeployConfig, wid: WorkerId, transports: list[str], share: float,
     nodes; STRICT_PACK would need them all on one), or with `pp_placement` spread STRICT_SPREAD
     (each stage, one process, on a node of its own: deploy_config refuses it for stages of
     several ranks). Only bundle 0 asks the pool's resource, so the other stages may land on any
-    node with a CPU (or GPU) free."""
+    node with a CPU (or GPU) free. A data-parallel worker (engine data_parallel_size D) is D
+    bundles, STRICT_PACK, the actor replica 0 starting replicas 1..D-1 in bundles 1..D-1."""
     from ray.util.placement_group import placement_group
 
     p = worker_placement(cfg, wid.role, transports, share)
     pp = p.engine.pipeline_parallel_size
-    asked = bundles(p.engine.tensor_parallel_size * pp, p.resources["num_cpus"], p.resources["num_gpus"],
+    processes = p.engine.tensor_parallel_size * pp * p.engine.data_parallel_size  # one bundle each
+    asked = bundles(processes, p.resources["num_cpus"], p.resources["num_gpus"],
                     p.resources.get("resources", {}))
     group = placement_group(asked, strategy=_strategy(cfg, pp), name=name, lifetime="detached")
     # the actor asks what bundle 0 holds

@@ -170,6 +170,9 @@ class Controller:
         if role is Role.PREFILL and n > 0 and self.cfg.decode_pp > 1:
             raise ConfigError(f"decode_pp {self.cfg.decode_pp}: the prefill pool stays at 0 (the KV handoff into "
                               f"pipeline stages is not built)")
+        if role is Role.PREFILL and n > 0 and self.cfg.dp > 1:
+            raise ConfigError(f"data_parallel_size {self.cfg.dp}: the prefill pool stays at 0 (a data-parallel "
+                              f"worker takes no prefill handoff yet)")
         self.targets[role] = n
         self.errors.pop(role, None)  # new targets: try again
         self._reconcile()

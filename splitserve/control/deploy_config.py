@@ -191,10 +191,7 @@ class DeployConfig:
             raise ConfigError("pipeline_parallel_size is set per pool on a cluster: prefill_pp and decode_pp "
                               "(serve --prefill-pp / --decode-pp)")
         ecfg = EngineConfig.from_dict({"model": self.model, **self.pool_engine("decode")})  # every key checked now
-        if ecfg.data_parallel_size > 1:
-            raise ConfigError("data_parallel_size > 1 (data-parallel attention) runs in one process's engine "
-                              "(LLM, serve --prefill 0 --decode 0) only; a cluster's workers do not start "
-                              "data-parallel replicas yet")
+        self._check_dp(ecfg.data_parallel_size)
         if ecfg.tensor_parallel_size > 1:
             raise ConfigError("tensor_parallel_size is set per pool on a cluster: prefill_tp and decode_tp "
                               "(serve --prefill-tp / --decode-tp)")
@@ -204,6 +201,23 @@ class DeployConfig:
         if self.transport == "nixl" and self.prefill and max(self.prefill_tp, self.decode_tp) > 1:
             raise ConfigError("the KV handoff between tensor-parallel groups moves over shm or tcp (transport auto "
                               "picks them for such a pair), not nixl yet")
+
+    def _check_dp(self, d: int) -> None:
+        """A data-parallel worker (engine `data_parallel_size` D > 1: D replicas, one process and
+        bundle each, experts spread over them) serves aggregated apps only: its front takes no
+        prefill handoff, and each replica is one process (no TP or PP inside)."""
+        if d == 1:
+            return
+        prefill_max = self.autoscale.prefill.max if self.autoscale is not None else 0
+        if self.prefill or prefill_max:
+            raise ConfigError(f"data_parallel_size {d} beside a prefill pool: a data-parallel worker takes no "
+                              f"prefill handoff (pulled KV) yet; it serves aggregated apps only (prefill 0)")
+        for role in POOL_KEYS:
+            for kind in ("tp", "pp"):
+                if getattr(self, f"{role}_{kind}") > 1:
+                    raise ConfigError(f"data_parallel_size {d} with {role}_{kind} {getattr(self, f'{role}_{kind}')}: "
+                                      f"each data-parallel replica is one process (no tensor or pipeline "
+                                      f"parallelism inside it yet)")
 
     def _check_pp(self) -> None:
         """What pipeline-parallel workers cannot do yet is refused here, before any actor starts,
@@ -290,7 +304,12 @@ class DeployConfig:
 
     def ranks(self, prefill: int, decode: int) -> int:
         """The processes (each a CPU, or a GPU) `prefill` and `decode` workers take."""
-        return prefill * self.prefill_tp * self.prefill_pp + decode * self.decode_tp * self.decode_pp
+        return prefill * self.prefill_tp * self.prefill_pp + decode * self.decode_tp * self.decode_pp * self.dp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas per worker (engine data_parallel_size; aggregated apps only)."""
+        return int(self.engine.get("data_parallel_size", 1))
 
 
 def _as_value(value: Any, key: str) -> Any:

@@ -11,7 +11,13 @@ A pipeline-parallel worker (`start_ray_stages`) is the same shape: processes 1..
 r // T, its TP rank r % T) are `PipeStage` actors in bundles 1..S*T-1 of a PACK group (stages may
 sit on different nodes), each running the engine's `stage_main`; a stage that exits is `lost`
 by name ("pipeline stage 1 exited"), and the worker stops and is replaced as for a lost TP rank.
-`start_ray_ranks` is the worker actor's launcher: it picks between the two by the config."""
+
+A data-parallel worker (data-parallel attention + expert parallelism, `start_ray_replicas`) is
+the same shape again: replicas 1..D-1 of its engine (engine/parallel/dp_engine.py) are
+`DPReplica` actors in bundles 1..D-1 of a STRICT_PACK group (every MoE layer's all-to-all stays
+on one node), each running `replica_main`; one that exits is `lost` by name ("data-parallel
+replica 1 exited"). `start_ray_ranks` is the worker actor's launcher: it picks among the three
+by the config."""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import os
 import ray
 from ray.util.placement_group import get_current_placement_group
 
+from splitserve.engine.parallel.dp_group import DPGroup, replica_main
 from splitserve.engine.parallel.group import DistGroup, GroupSpec, TPGroup
 from splitserve.engine.parallel.launch import end_followers, free_address, on_cuda, rank_main
 from splitserve.engine.parallel.pipe_group import PipeGroup, stage_main
@@ -45,6 +52,17 @@ class PipeStage:
 
     def run(self, config, spec: GroupSpec, tp_size: int) -> int:
         return stage_main(config, spec, gpu=0, tp_size=tp_size)
+
+
+@ray.remote(max_restarts=0, max_concurrency=2)
+class DPReplica:
+    """Replica r > 0 of a data-parallel worker's engine."""
+
+    def where(self) -> RankPlace:
+        return RankPlace(-1, ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
+
+    def run(self, config, spec: GroupSpec) -> int:
+        return replica_main(config, spec, gpu=0)
 
 
 class RayRanks:
@@ -131,9 +149,48 @@ def start_ray_stages(config, timeout_s: float = 60.0) -> tuple[PipeGroup, RaySta
         raise
 
 
+class RayReplicas(RayRanks):
+    def lost(self) -> str | None:
+        done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
+        return f"data-parallel replica {self.runs.index(done[0]) + 1} exited" if done else None
+
+    def abandon(self, group: DPGroup) -> None:
+        """End the replicas of a broken group without a word (they would wait on it)."""
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        group.close()
+
+
+def start_ray_replicas(config, timeout_s: float = 60.0) -> tuple[DPGroup, RayReplicas]:
+    """Replicas 1..D-1 of a data-parallel engine in this actor's placement group, replica r in
+    bundle r; joined as replica 0 (the front's own)."""
+    pg = get_current_placement_group()
+    size = config.data_parallel_size
+    if pg is None or pg.bundle_count < size:
+        raise RuntimeError(f"a data-parallel worker of {size} replicas must run in a placement group of "
+                           f"{size} bundles")
+    spec = pg.bundle_specs[1]
+    address = free_address(ray.util.get_node_ip_address())
+    backend = "nccl" if on_cuda(config) else "gloo"
+    actors = [DPReplica.options(num_cpus=spec.get("CPU", 1), num_gpus=spec.get("GPU", 0),
+                                scheduling_strategy=placement(pg, r)).remote() for r in range(1, size)]
+    try:
+        places = tuple(RankPlace(r, p.node_id, p.node_ip, p.pid) for r, p in
+                       enumerate(ray.get([a.where.remote() for a in actors]), 1))
+        runs = [a.run.remote(config, GroupSpec(r, size, address, backend, timeout_s)) for r, a in enumerate(actors, 1)]
+        return DPGroup(GroupSpec(0, size, address, backend, timeout_s)), RayReplicas(actors, runs, places)
+    except Exception:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        raise
+
+
 def start_ray_ranks(config):
-    """The worker actor's launcher (Engine's `start_ranks`): stages for a pipeline-parallel
-    engine, else tensor-parallel ranks."""
+    """The worker actor's launcher (Engine's `start_ranks`, the data-parallel front's
+    `start_replicas`): replicas for a data-parallel engine, stages for a pipeline-parallel one,
+    else tensor-parallel ranks."""
+    if config.data_parallel_size > 1:
+        return start_ray_replicas(config)
     if config.pipeline_parallel_size > 1:
         return start_ray_stages(config)
     return start_ray_group(config)

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.parallel.dp_engine import DataParallelEngine
 from splitserve.types import ConfigError, FinishReason, KVProgress, Request, SamplingParams, TokenChunk
 
 GRAMMAR_COMPILE_S = 10.0  # a structured-output grammar that takes longer to compile is refused
@@ -55,8 +56,12 @@ class EngineLoop:
     def start(cls, config: EngineConfig, **engine_kw: Any) -> "EngineLoop":
         """An engine for `config`, warmed up (no cold first request, and a first step-time fit
         for admission) and on its loop: how every server-side engine starts. `engine_kw`: the
-        Engine's (its ranks' launcher)."""
-        engine = Engine(config, **engine_kw)
+        Engine's (its ranks' launcher). With data_parallel_size > 1 the engine is the front of D
+        replicas (engine/parallel/dp_engine.py), `start_ranks` the launcher of replicas 1..D-1."""
+        if config.data_parallel_size > 1:
+            engine = DataParallelEngine(config, start_replicas=engine_kw.pop("start_ranks", None), **engine_kw)
+        else:
+            engine = Engine(config, **engine_kw)
         engine.warmup()
         return cls(engine)
 
@@ -113,11 +118,13 @@ class EngineLoop:
             raise EngineFailed(f"this engine has stopped: {self.failure}")
 
     def stopped(self) -> str | None:
-        """Why this engine has stopped, or None. A rank of its tensor-parallel group that exited
-        stops it now, even while idle: its next step would only fail inside a collective."""
-        ranks = getattr(self.engine, "ranks", None)  # a tensor-parallel engine's followers
-        tp = getattr(self.engine, "tp", None)
-        lost = (tp.failure if tp is not None else None) or (ranks.lost() if ranks is not None else None)
+        """Why this engine has stopped, or None. A rank of its tensor-parallel group (a stage, a
+        data-parallel replica) that exited stops it now, even while idle: its next step would
+        only fail inside a collective."""
+        ranks = getattr(self.engine, "ranks", None)  # a parallel engine's other processes
+        groups = [getattr(self.engine, g, None) for g in ("tp", "dp")]
+        lost = next((g.failure for g in groups if g is not None and g.failure is not None), None) \
+            or (ranks.lost() if ranks is not None else None)
         if self.failure is None and lost is not None:
             self.failure = lost
             if self._wake is not None:
@@ -245,8 +252,10 @@ class EngineLoop:
 
 def _process_group(engine) -> str | None:
     """The kind of process group an engine's steps span ("pipeline-parallel",
-    "tensor-parallel"), or None for one process."""
+    "tensor-parallel", "data-parallel"), or None for one process."""
     if getattr(engine, "pp", None) is not None:
         return "pipeline-parallel"
+    if isinstance(engine, DataParallelEngine):
+        return "data-parallel"
     tp = getattr(engine, "tp", None)
     return "tensor-parallel" if tp is not None and tp.size > 1 else None

@@ -93,6 +93,10 @@ class DataParallelEngine:
             self._stop()
             raise
         self.max_model_len = self.engine.max_model_len
+        # what a worker reads of an engine: replica 0's (its KV cache is what a transport
+        # registers, though no handoff lands here; its memory report is one replica's process)
+        self.kv, self.memory, self.tp, self.pp = self.engine.kv, self.engine.memory, self.engine.tp, None
+        self.dp = self.group  # its `failure`: the serving loop's health check (worker/engine_loop.py)
         self.placer = LeastTokens(config.data_parallel_size)
         self.kv_progress = None  # no streamed prefill here (prefill_only is refused)
         self._ops: list[list[Add | Abort]] = [[] for _ in range(config.data_parallel_size)]
@@ -109,7 +113,7 @@ class DataParallelEngine:
     def add_request(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = (),
                     stream_kv: bool = False) -> None:
         if prefill_only or stream_kv:
-            raise ConfigError("a prefill handoff (prefill_only) is not supported with data_parallel_size > 1 yet")
+            raise _no_handoff()
         self._refuse_grammar(req.params)
         outputs = tuple(outputs)
         if self.placer.owner(req.request_id) is not None:
@@ -143,6 +147,12 @@ class DataParallelEngine:
 
     def is_pulling(self, request_id: str) -> bool:
         return False
+
+    def reserve_pulled(self, *args, **kwargs):
+        raise _no_handoff()
+
+    def add_pulled(self, *args, **kwargs):
+        raise _no_handoff()
 
     # -- steps --------------------------------------------------------------------------------
     def step(self) -> list[TokenChunk]:
@@ -285,6 +295,10 @@ class DataParallelEngine:
     def _refuse_grammar(params: SamplingParams) -> None:
         if params.grammar is not None:
             raise ConfigError("structured output (a grammar) is not supported with data_parallel_size > 1 yet")
+
+
+def _no_handoff() -> ConfigError:
+    return ConfigError("a prefill handoff (prefill_only, pulled KV) is not supported with data_parallel_size > 1 yet")
 
 
 # -- every replica --------------------------------------------------------------------------------

@@ -1,0 +1,99 @@
+"""Data-parallel attention on the serving path, in-process (`splitserve serve --prefill 0 --decode 0
+--config f.yaml` with `engine: {data_parallel_size: 2}`): the config file's key reaches the
+engine, `EngineLoop.start` builds the data-parallel front (two replicas, two local processes),
+the OpenAI app serves concurrent requests with the single engine's greedy tokens on both
+replicas, the stats the app reads are both replicas' summed; and a replica that exits stops the
+idle serving loop by name, as a lost tensor-parallel rank does."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from splitserve import LLM
+from splitserve.config import EngineConfig
+from splitserve.engine.parallel.dp_engine import DataParallelEngine
+from splitserve.ingress.http import OpenAIServer
+from splitserve.orchestrator.local_backend import LocalBackend
+from splitserve.types import ConfigError, Request, SamplingParams
+from splitserve.worker.engine_loop import EngineFailed
+from tests.chaos.harness import prompts
+
+SHAPE = "qwen3_moe"
+MAX_TOKENS = 8
+
+
+def serve_args(tmp_path, model: str):
+    """What `splitserve serve --prefill 0 --decode 0 --config f.yaml` turns into its engine config."""
+    from splitserve.cli.main import _with_config_file, build_parser
+    from splitserve.cli.serve import _engine_options
+
+    f = tmp_path / "serve.yaml"
+    f.write_text("engine: {data_parallel_size: 2, num_kv_blocks: 64}\n")
+    argv = ["serve", "--model", model, "--prefill", "0", "--decode", "0", "--config", str(f)]
+    parser = build_parser()
+    args = _with_config_file(parser, argv, str(f))
+    return EngineConfig.from_dict({"model": model, **_engine_options(args)})
+
+
+@pytest.fixture(scope="module")
+def app(tiny_checkpoint, tmp_path_factory):
+    model = str(tiny_checkpoint(SHAPE))
+    server = OpenAIServer(LocalBackend(serve_args(tmp_path_factory.mktemp("dp"), model), model_name="tiny"))
+    yield server
+    server.backend.loop.close()
+    server.backend.engine.close()
+
+
+def test_the_in_process_app_serves_dp2_with_the_single_engines_tokens(app, tiny_checkpoint):
+    backend = app.backend
+    assert isinstance(backend.engine, DataParallelEngine) and backend.engine.config.data_parallel_size == 2
+    ps = [list(p) for p in prompts(6)]
+    with LLM(str(tiny_checkpoint(SHAPE)), num_kv_blocks=256) as single:
+        ref = [o.outputs[0].text for o in single.generate(ps, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                               ignore_eos=True))]
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app.app), base_url="http://test")
+        async with http:
+            rs = await asyncio.gather(*(http.post("/v1/completions", json={
+                "model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+                for p in ps))
+        return rs
+
+    rs = asyncio.run(go())
+    assert [r.status_code for r in rs] == [200] * len(ps), [r.text for r in rs]
+    assert [r.json()["choices"][0]["text"] for r in rs] == ref
+
+    eng = backend.engine
+    per = eng.replica_stats()
+    assert len(per) == 2 and all(s.prefill_tokens_total > 0 for s in per), [s.prefill_tokens_total for s in per]
+    views = backend.worker_views()  # what the app's load report reads: both replicas', summed
+    assert views[0].kv_usage == 0 and sum(views[0].expert_tokens) == sum(sum(s.expert_tokens_total) for s in per)
+    eng.check_invariants()
+    assert not eng.has_unfinished() and eng.holds_nothing()
+    counts = eng.block_counts()
+    assert counts["in_use"] == 0 and counts["total"] == 128, counts
+    assert eng.memory is eng.engine.memory and eng.kv is eng.engine.kv  # what a worker's describe / layout read
+    with pytest.raises(ConfigError, match="data_parallel_size > 1"):
+        eng.add_pulled(Request("pulled", (1, 2, 3), SamplingParams()), 4, ())
+
+
+def test_a_replica_that_exits_stops_the_idle_serving_loop_by_name(app):
+    """Last in this file: it breaks the module's app. No step has to meet the loss: the health
+    check (`stopped`) sees the replica gone, and nothing more is admitted."""
+    loop = app.backend.loop
+    assert loop.stopped() is None
+
+    async def waiter_hears_it():
+        q = loop.watch("waiting")
+        replica1 = loop.engine.ranks.procs[0]
+        replica1.kill()
+        replica1.join(10)
+        assert loop.stopped() == "data-parallel replica 1 exited"
+        return await asyncio.wait_for(q.get(), 10)
+
+    heard = asyncio.run(waiter_hears_it())
+    assert isinstance(heard, EngineFailed) and "data-parallel replica 1 exited" in str(heard)
+    with pytest.raises(EngineFailed, match="data-parallel replica 1 exited"):
+        asyncio.run(loop.submit(Request("after-loss", (5, 6, 7), SamplingParams(max_tokens=2))))
