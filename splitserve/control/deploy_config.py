@@ -190,8 +190,8 @@ class DeployConfig:
                 self.engine.get("pipeline_parallel_size", 1) > 1:
             raise ConfigError("pipeline_parallel_size is set per pool on a cluster: prefill_pp and decode_pp "
                               "(serve --prefill-pp / --decode-pp)")
+        self._check_dp()  # before the pools' engine configs: their own refusal of DP x TP/PP names no pool
         ecfg = EngineConfig.from_dict({"model": self.model, **self.pool_engine("decode")})  # every key checked now
-        self._check_dp(ecfg.data_parallel_size)
         if ecfg.tensor_parallel_size > 1:
             raise ConfigError("tensor_parallel_size is set per pool on a cluster: prefill_tp and decode_tp "
                               "(serve --prefill-tp / --decode-tp)")
@@ -202,11 +202,13 @@ class DeployConfig:
             raise ConfigError("the KV handoff between tensor-parallel groups moves over shm or tcp (transport auto "
                               "picks them for such a pair), not nixl yet")
 
-    def _check_dp(self, d: int) -> None:
+    def _check_dp(self) -> None:
         """A data-parallel worker (engine `data_parallel_size` D > 1: D replicas, one process and
         bundle each, experts spread over them) serves aggregated apps only: its front takes no
-        prefill handoff, and each replica is one process (no TP or PP inside)."""
-        if d == 1:
+        prefill handoff, and each replica is one process (no TP or PP inside). (A bad value is
+        EngineConfig's to refuse.)"""
+        d = self.engine.get("data_parallel_size", 1)
+        if not isinstance(d, int) or d <= 1:
             return
         prefill_max = self.autoscale.prefill.max if self.autoscale is not None else 0
         if self.prefill or prefill_max:
@@ -309,7 +311,7 @@ class DeployConfig:
     @property
     def dp(self) -> int:
         """Data-parallel replicas per worker (engine data_parallel_size; aggregated apps only)."""
-        return int(self.engine.get("data_parallel_size", 1))
+        return self.engine.get("data_parallel_size", 1)
 
 
 def _as_value(value: Any, key: str) -> Any:

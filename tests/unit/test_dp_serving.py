@@ -97,3 +97,26 @@ def test_a_replica_that_exits_stops_the_idle_serving_loop_by_name(app):
     assert isinstance(heard, EngineFailed) and "data-parallel replica 1 exited" in str(heard)
     with pytest.raises(EngineFailed, match="data-parallel replica 1 exited"):
         asyncio.run(loop.submit(Request("after-loss", (5, 6, 7), SamplingParams(max_tokens=2))))
+
+
+def test_a_cluster_config_takes_data_parallel_workers_in_aggregated_apps_only(tiny_checkpoint):
+    """DeployConfig: D replicas per decode worker count as D processes; beside a prefill pool
+    (no handoff into the front) and with TP or PP inside a replica it is refused by name."""
+    from splitserve.control.actors import worker_placement
+    from splitserve.control.deploy_config import DeployConfig
+    from splitserve.types import Role
+
+    model = str(tiny_checkpoint(SHAPE))
+    dp = {"engine": {"data_parallel_size": 2}}
+    cfg = DeployConfig(model=model, prefill=0, decode=3, **dp)
+    assert cfg.dp == 2 and cfg.ranks(0, 3) == 6
+    assert worker_placement(cfg, Role.DECODE, ["tcp"], 0.0).engine.data_parallel_size == 2
+    with pytest.raises(ConfigError, match="each data-parallel replica needs a GPU of its own"):
+        worker_placement(cfg, Role.DECODE, ["tcp"], 0.5)
+    with pytest.raises(ConfigError, match="data_parallel_size 2 beside a prefill pool"):
+        DeployConfig(model=model, prefill=1, decode=1, **dp)
+    with pytest.raises(ConfigError, match="data_parallel_size 2 with decode_tp 2"):
+        DeployConfig(model=model, prefill=0, decode=1, decode_tp=2, **dp)
+    with pytest.raises(ConfigError, match="data_parallel_size 2 with decode_pp 2"):
+        DeployConfig(model=model, prefill=0, decode=1, decode_pp=2, **dp)
+    assert DeployConfig.from_options({"model": model, "prefill": "0", "engine": "{data_parallel_size: 2}"}).dp == 2
