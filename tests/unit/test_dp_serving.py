@@ -36,6 +36,62 @@ def serve_args(tmp_path, model: str):
     return EngineConfig.from_dict({"model": model, **_engine_options(args)})
 
 
+def test_a_cluster_config_takes_data_parallel_workers_in_aggregated_apps_only(tiny_checkpoint):
+    """DeployConfig: D replicas per decode worker count as D processes; beside a prefill pool
+    (no handoff into the front) and with TP or PP inside a replica it is refused by name."""
+    from splitserve.control.actors import worker_placement
+    from splitserve.control.deploy_config import DeployConfig
+    from splitserve.types import Role
+
+    model = str(tiny_checkpoint(SHAPE))
+    dp = {"engine": {"data_parallel_size": 2}}
+    cfg = DeployConfig(model=model, prefill=0, decode=3, **dp)
+    assert cfg.dp == 2 and cfg.ranks(0, 3) == 6
+    assert worker_placement(cfg, Role.DECODE, ["tcp"], 0.0).engine.data_parallel_size == 2
+    with pytest.raises(ConfigError, match="each data-parallel replica needs a GPU of its own"):
+        worker_placement(cfg, Role.DECODE, ["tcp"], 0.5)
+    with pytest.raises(ConfigError, match="data_parallel_size 2 beside a prefill pool"):
+        DeployConfig(model=model, prefill=1, decode=1, **dp)
+    with pytest.raises(ConfigError, match="data_parallel_size 2 with decode_tp 2"):
+        DeployConfig(model=model, prefill=0, decode=1, decode_tp=2, **dp)
+    with pytest.raises(ConfigError, match="data_parallel_size 2 with decode_pp 2"):
+        DeployConfig(model=model, prefill=0, decode=1, decode_pp=2, **dp)
+    assert DeployConfig.from_options({"model": model, "prefill": "0", "engine": "{data_parallel_size: 2}"}).dp == 2
+
+
+def test_a_step_of_the_data_parallel_group_that_fails_stops_the_loop_at_once(tiny_checkpoint):
+    """EngineLoop with D=2 (`EngineLoop.start` builds the front): a step whose gather fails
+    (injected here) leaves the replicas inside that step, so the loop stops on the first
+    failure, not after retries; close then kills the replicas instead of ordering them. (Before
+    the module's app starts: one process holds one data-parallel group at a time.)"""
+    from splitserve.worker.engine_loop import EngineLoop
+
+    loop = EngineLoop.start(EngineConfig(model=str(tiny_checkpoint(SHAPE)), num_kv_blocks=32, data_parallel_size=2))
+    group = loop.engine.group
+
+    def broken_gather(obj):
+        raise RuntimeError("injected: the step's gather failed")
+
+    try:
+        assert isinstance(loop.engine, DataParallelEngine) and loop.stopped() is None
+        group.gather_step = broken_gather
+
+        async def go():
+            q = await loop.submit(Request("doomed", (5, 6, 7), SamplingParams(temperature=0, max_tokens=4)))
+            return await asyncio.wait_for(q.get(), 60)
+
+        item = asyncio.run(go())
+        assert isinstance(item, EngineFailed) and "this engine has stopped" in str(item)
+        assert loop.failure == "a step of its data-parallel group failed with RuntimeError"  # at once, no retries
+        with pytest.raises(EngineFailed):
+            asyncio.run(loop.submit(Request("after", (5, 6, 7), SamplingParams(max_tokens=2))))
+    finally:
+        loop.close()
+        procs = list(loop.engine.ranks.procs)
+        loop.engine.close()
+    assert not any(p.is_alive() for p in procs)
+
+
 @pytest.fixture(scope="module")
 def app(tiny_checkpoint, tmp_path_factory):
     model = str(tiny_checkpoint(SHAPE))
@@ -97,26 +153,3 @@ def test_a_replica_that_exits_stops_the_idle_serving_loop_by_name(app):
     assert isinstance(heard, EngineFailed) and "data-parallel replica 1 exited" in str(heard)
     with pytest.raises(EngineFailed, match="data-parallel replica 1 exited"):
         asyncio.run(loop.submit(Request("after-loss", (5, 6, 7), SamplingParams(max_tokens=2))))
-
-
-def test_a_cluster_config_takes_data_parallel_workers_in_aggregated_apps_only(tiny_checkpoint):
-    """DeployConfig: D replicas per decode worker count as D processes; beside a prefill pool
-    (no handoff into the front) and with TP or PP inside a replica it is refused by name."""
-    from splitserve.control.actors import worker_placement
-    from splitserve.control.deploy_config import DeployConfig
-    from splitserve.types import Role
-
-    model = str(tiny_checkpoint(SHAPE))
-    dp = {"engine": {"data_parallel_size": 2}}
-    cfg = DeployConfig(model=model, prefill=0, decode=3, **dp)
-    assert cfg.dp == 2 and cfg.ranks(0, 3) == 6
-    assert worker_placement(cfg, Role.DECODE, ["tcp"], 0.0).engine.data_parallel_size == 2
-    with pytest.raises(ConfigError, match="each data-parallel replica needs a GPU of its own"):
-        worker_placement(cfg, Role.DECODE, ["tcp"], 0.5)
-    with pytest.raises(ConfigError, match="data_parallel_size 2 beside a prefill pool"):
-        DeployConfig(model=model, prefill=1, decode=1, **dp)
-    with pytest.raises(ConfigError, match="data_parallel_size 2 with decode_tp 2"):
-        DeployConfig(model=model, prefill=0, decode=1, decode_tp=2, **dp)
-    with pytest.raises(ConfigError, match="data_parallel_size 2 with decode_pp 2"):
-        DeployConfig(model=model, prefill=0, decode=1, decode_pp=2, **dp)
-    assert DeployConfig.from_options({"model": model, "prefill": "0", "engine": "{data_parallel_size: 2}"}).dp == 2
