@@ -16,8 +16,9 @@ Replica 0 is an Engine in the front's process; replicas 1..D-1 run `serve`.
                is ordered while no replica holds a request. Every replica applies its ops and
                steps; one that schedules nothing still runs every MoE layer's exchange with zero
                rows (`idle_pass`). The chunks come back in one (timed) gather.
-  stats        every replica's, summed (counters, KV blocks, expert tokens); `replica_stats`
-               lists them; block_counts / check_invariants check every replica
+  stats        every replica's, summed (counters, KV blocks, expert tokens), kept until a
+               request, step or call changes them (an idle worker's polls cost no round on
+               the group); `replica_stats` lists them; block_counts / check_invariants check every replica
   expert load  rebalancing (redundant_experts, expert_rebalance_interval_steps) is planned here
                from the replicas' summed counts and applied on all of them between steps
   failure      a replica process that exited is seen before the next step (its launcher's
@@ -102,6 +103,9 @@ class DataParallelEngine:
         self._ops: list[list[Add | Abort]] = [[] for _ in range(config.data_parallel_size)]
         self._order = itertools.count()
         self._steps = 0
+        # the summed stats, kept until a request, a step or a call on the replicas may change them:
+        # a router polls an idle worker's stats often, and each would be a round on the group
+        self._stats: WorkerStats | None = None
 
     # -- requests -------------------------------------------------------------------------
     def check_request(self, req: Request, outputs: tuple[int, ...] = ()) -> int:
@@ -116,6 +120,7 @@ class DataParallelEngine:
             raise _no_handoff()
         self._refuse_grammar(req.params)
         outputs = tuple(outputs)
+        self._stats = None
         if self.placer.owner(req.request_id) is not None:
             raise ConfigError(f"request id {req.request_id!r} is already running")
         self.check_request(req, outputs)
@@ -130,6 +135,7 @@ class DataParallelEngine:
             self._ops[r].append(Add(req, outputs))
 
     def abort(self, request_id: str) -> None:
+        self._stats = None
         r = self.placer.done(request_id)
         if r == 0:
             self.engine.abort(request_id)
@@ -164,6 +170,7 @@ class DataParallelEngine:
         if not run and not any(self._ops):
             return []
         ops, self._ops = self._ops, [[] for _ in self._ops]
+        self._stats = None
         try:
             self.group.broadcast(StepOrder(tuple(map(tuple, ops)), run))
             answers = self.group.gather_step(run_order(self.engine, ops[0], run, 0))
@@ -200,6 +207,7 @@ class DataParallelEngine:
     def on_all_replicas(self, fn: Callable[..., Any], *args: Any) -> list:
         """fn(engine, *args) on every replica between steps; the answers in replica order."""
         self._check_replicas()
+        self._stats = None
         return call_group(self.engine, self.group, RankCall(fn, args))
 
     # -- experts --------------------------------------------------------------------------
@@ -227,12 +235,15 @@ class DataParallelEngine:
         return self.on_all_replicas(_stats)
 
     def stats(self) -> WorkerStats:
+        if self._stats is not None:
+            return self._stats
         per = self.replica_stats()
         out = {f.name: _sum_field(f.name, [getattr(s, f.name) for s in per]) for f in dataclasses.fields(WorkerStats)}
         out["steps_total"] = self._steps
         out["step_time_coeffs"] = per[0].step_time_coeffs  # the replicas step together: one step's time
         out["expert_balance"] = self._expert_balance(per[0].expert_balance)
-        return WorkerStats(**out)
+        self._stats = WorkerStats(**out)
+        return self._stats
 
     def expert_tokens(self) -> tuple[int, ...]:
         return self.stats().expert_tokens_total

@@ -100,6 +100,8 @@ def replica_main(config, spec: GroupSpec, gpu: int | None = 0) -> int:
     if on_cuda(config):
         torch.cuda.set_device(gpu)
         config = dataclasses.replace(config, device=f"cuda:{gpu}")
+    # no peer reads a replica's cache (no handoff lands on a data-parallel engine): not in /dev/shm
+    config = dataclasses.replace(config, kv_shared_memory=False)
     group = DPGroup(spec)
     engine = Engine(config, dp=group)
     try:
