@@ -207,7 +207,8 @@ class DataParallelEngine:
     def on_all_replicas(self, fn: Callable[..., Any], *args: Any) -> list:
         """fn(engine, *args) on every replica between steps; the answers in replica order."""
         self._check_replicas()
-        self._stats = None
+        if fn not in _READS:
+            self._stats = None
         return call_group(self.engine, self.group, RankCall(fn, args))
 
     # -- experts --------------------------------------------------------------------------
@@ -392,3 +393,6 @@ def _rank_loads(engine: Engine) -> list[list[int]]:
 def _apply_placements(engine: Engine, placements, before: float) -> None:
     engine.expert_balancer.apply(placements, engine.dp)
     engine.expert_balancer.applied(before)
+
+
+_READS = frozenset({_stats, _block_counts, _check_invariants, _window_counts, _rank_loads})  # change nothing
