@@ -152,6 +152,9 @@ def _matrix() -> list[Case]:
                                                                    "decode.gpus=2")))
     cases.append(Case("gpu-pp2-decode-aggregated", ("values-gpu.yaml",),
                       ("decode.pp=2", "decode.gpus=2", "prefill.replicas=0", "prefill.minReplicas=0", "autoscale.enabled=false")))
+    cases.append(Case("gpu-dp2-decode-aggregated", ("values-gpu.yaml",),
+                      ("serve.engine.data_parallel_size=2", "decode.gpus=2", "prefill.replicas=0", "prefill.minReplicas=0",
+                       "autoscale.enabled=false")))
     cases.append(Case("gpu-gcs-fault-tolerance", ("values-gpu.yaml",),
                       ("gcsFaultTolerance.enabled=true", "gcsFaultTolerance.redisAddress=redis-gcs:6379",
                        "gcsFaultTolerance.redisPasswordSecret.name=redis-gcs", "gcsFaultTolerance.externalStorageNamespace=llm")))

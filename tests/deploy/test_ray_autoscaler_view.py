@@ -107,7 +107,7 @@ def test_pending_workers_make_ray_add_pods_of_their_own_group(rendered: Rendered
     for role in (Role.PREFILL, Role.DECODE):
         group = v[role.value]
         share = gpu_share(str(cfg.engine.get("device", "auto")), 1, 8, joined=True, growing=cfg.autoscale is not None)
-        if share and cfg.tp(role.value) * cfg.pp(role.value) > 1:  # a GPU per rank (worker_placement refuses less)
+        if share and cfg.tp(role.value) * cfg.pp(role.value) * cfg.dp > 1:  # a GPU per rank (worker_placement refuses less)
             share = 1.0
         p = worker_placement(cfg, role, resolve_transports(cfg.transport), share)
         demand = {"CPU": p.resources["num_cpus"], **p.resources.get("resources", {})}

@@ -105,7 +105,13 @@ object, quoted and escaped for the shell KubeRay hands it to, e.g. "{\"prefill_n
 {{- if and (gt $pp 1) $pd (eq $v.serve.transport "nixl") -}}
 {{- fail (printf "%s.pp > 1: the KV handoff by pipeline stage moves over shm or tcp (serve.transport auto), not nixl yet" $role) -}}
 {{- end -}}
-{{- if and (gt (int $g.gpus) 0) (eq $pp 1) (ne (int $g.gpus) $tp) -}}
+{{- /* a data-parallel decode worker (serve.engine.data_parallel_size D) is D processes, a GPU each */ -}}
+{{- $dp := 1 -}}
+{{- if eq $role "decode" }}{{ $dp = int (dig "data_parallel_size" 1 ($v.serve.engine | default dict)) }}{{ end -}}
+{{- if and (gt $dp 1) (gt (int $g.gpus) 0) (ne (int $g.gpus) $dp) -}}
+{{- fail (printf "decode.gpus (%d) must equal serve.engine.data_parallel_size (%d): one worker per pod, one GPU per data-parallel replica" (int $g.gpus) $dp) -}}
+{{- end -}}
+{{- if and (gt (int $g.gpus) 0) (eq $pp 1) (eq $dp 1) (ne (int $g.gpus) $tp) -}}
 {{- fail (printf "%s.gpus (%d) must equal %s.tp (%d): one worker per pod, one GPU per tensor-parallel rank" $role (int $g.gpus) $role $tp) -}}
 {{- end -}}
 {{- if and (gt (int $g.gpus) 0) (gt $pp 1) (ne (int $g.gpus) (mul $tp $pp)) -}}
