@@ -24,6 +24,48 @@ def default_cache_dir() -> Path:
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")  # engine/attention/backend.py
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is fp8_e4m3 (engine/kv_cache/fp8.py)
 QUANTIZED_WEIGHTS = ("auto", "dequantize", "keep")  # engine/quant/linear.py
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")  # engine/speculative/registry.py (which are built)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative/): each step a running sequence may carry up to
+    `k` proposed tokens, verified in the same forward pass. `ngram` (prompt lookup) matches the
+    last n tokens, n from `max_n` down to `min_n`, against the sequence's earlier tokens.
+    `adaptive`: each request's k follows its recent acceptance (down to 0, probing again now and
+    then; back up to `k`)."""
+
+    method: str = "ngram"
+    k: int = 4
+    min_n: int = 2
+    max_n: int = 5
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                              f"got {self.method!r}")
+        for name, lo, hi in (("k", 1, 16), ("min_n", 1, 64), ("max_n", 1, 64)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ConfigError(f"speculative.{name} must be an integer in [{lo}, {hi}], got {v!r}")
+        if self.min_n > self.max_n:
+            raise ConfigError(f"speculative.min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative.adaptive must be true or false, got {self.adaptive!r}")
+
+    @classmethod
+    def of(cls, v: Any) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, or its fields as a dict (a config file's)."""
+        if v is None or isinstance(v, cls):
+            return v
+        if not isinstance(v, dict):
+            raise ConfigError(f"speculative must be a mapping of its fields or null, got {v!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(v) - known
+        if unknown:
+            raise ConfigError(f"unknown speculative keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**v)
 
 
 @dataclass(frozen=True)
@@ -71,8 +113,13 @@ class EngineConfig:
     # (keep), or dequantized once at load (dequantize); auto: keep on CUDA where the kernels run
     # (engine/quant/linear.py). keep on a CPU needs TRITON_INTERPRET=1 (tests)
     quantized_weights: str = "auto"
+    # speculative decoding (SpeculativeConfig, or its fields as a dict); None: off
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
+        if self.speculative is not None and self.pipeline_parallel_size > 1:
+            raise ConfigError("speculative decoding is not supported with pipeline_parallel_size > 1 yet")
         def positive(name: str) -> None:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):

@@ -15,6 +15,13 @@ stages, stage 0 schedules and starts another's; a sequence's next step is schedu
 its token is back. A request aborted while its step is in flight has its blocks freed at once
 and the step's rows of it are dropped when it lands (the stages run the steps in the order
 started, so its stale KV writes land before any later step's use of the freed blocks).
+
+A speculative step (`sched.speculative`: some row verified proposals, engine/speculative/)
+completes through `_complete_verified`: each row's run of accepted tokens is appended one by
+one under the same stop rules, as consecutive non-speculative steps would (so EOS, stop ids and
+max_tokens cut it exactly there); KV counts as computed only for the accepted proposals, so a
+block enters the prefix cache only once every token in it is accepted, and the blocks that
+held only rejected positions go back to the pool.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from splitserve.types import (ConfigError, ExpertBalance, FinishReason, KVProgre
                               TokenChunk, WorkerStats)
 
 Sampled = tuple[Sequence, int, object]  # (sequence, next token, its logprob or None)
+# a speculative step's row: (sequence, the tokens it emits — its accepted proposals, then one of
+# the model's own — and their logprobs or None)
+Verified = tuple[Sequence, tuple[int, ...], object]
 
 
 class InFlight(NamedTuple):
@@ -81,6 +91,7 @@ class EngineCore:
         self._order = itertools.count()
         self._steps = 0
         self._prefill_tokens = 0  # prompt tokens computed, ever (the autoscaler's served rate)
+        self._spec_proposed = self._spec_accepted = self._spec_steps = 0  # speculative decoding
 
     # -- what a subclass provides ----------------------------------------------------------------
     def _forward(self, sched: SchedulerOutput) -> list[Sampled]:
@@ -123,6 +134,9 @@ class EngineCore:
 
     def _before_pull(self) -> None:
         """Blocks were just allocated for a transport to write into."""
+
+    def _verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """A speculative step verified `proposed` tokens of `seq`, of which it accepted `accepted`."""
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = (),
@@ -371,6 +385,8 @@ class EngineCore:
 
     def _complete(self, sched: SchedulerOutput, sampled: list[Sampled]) -> list[TokenChunk]:
         """The step's forward pass is done: advance what it computed, append what it sampled."""
+        if sched.speculative:
+            return self._complete_verified(sched, sampled)
         for seq, n in sched.scheduled:
             self._advance(seq, n)
             # a streamed prefill not done yet reports what this step completed (the last step's
@@ -382,6 +398,48 @@ class EngineCore:
         chunks = [self._append(seq, tok, lp) for seq, tok, lp in sampled]
         self._steps += 1
         return chunks
+
+    def _complete_verified(self, sched: SchedulerOutput, verified: list[Verified]) -> list[TokenChunk]:
+        """`_complete` for a step that verified proposals: a row's own tokens are computed; each
+        accepted proposal is computed once the token before it is appended (its hash known)."""
+        for seq, n in sched.scheduled:
+            own = n - len(seq.spec_tokens)  # 1 for a row that verifies, its chunk otherwise
+            self._advance(seq, own)
+            if seq.stream_kv and self.kv_progress is not None and seq.num_computed_tokens < seq.num_tokens:
+                self._publish(seq)
+            if own != 1:
+                self._prefill_tokens += own
+        chunks = []
+        for seq, tokens, lps in verified:
+            proposed, accepted = len(seq.spec_tokens), len(tokens) - 1
+            if proposed:
+                self._spec_proposed += proposed
+                self._spec_accepted += accepted
+                self._verified(seq, proposed, accepted)
+            seq.spec_tokens = []
+            chunk = None
+            for i, tok in enumerate(tokens):
+                if i:
+                    self._advance(seq, 1)  # the proposal just appended was computed by this step
+                c = self._append(seq, tok, lps[i] if lps is not None else None)
+                chunk = c if chunk is None else _joined(chunk, c)
+                if c.finish_reason is not None or seq.prefill_only:
+                    break
+            if seq.status is SeqStatus.RUNNING:
+                self._drop_rejected(seq)
+            chunks.append(chunk)
+        for seq, _ in sched.scheduled:  # rows that sampled nothing (a prefill chunk) carry none
+            seq.spec_tokens = []
+        self._spec_steps += 1
+        self._steps += 1
+        return chunks
+
+    def _drop_rejected(self, seq: Sequence) -> None:
+        """Free the blocks past the computed KV: they held only rejected positions."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        if len(seq.block_ids) > keep:
+            self.pool.free(seq.block_ids[keep:])
+            del seq.block_ids[keep:]
 
     def _advance(self, seq: Sequence, n: int) -> None:
         seq.num_computed_tokens += n
@@ -442,6 +500,9 @@ class EngineCore:
             expert_tokens_total=self.expert_tokens(),
             expert_balance=self.expert_balance(),
             grammar_compile_s=self.grammar_compile_s(),
+            spec_proposed_tokens_total=self._spec_proposed,
+            spec_accepted_tokens_total=self._spec_accepted,
+            spec_verify_steps_total=self._spec_steps,
         )
 
     def block_counts(self) -> dict[str, int]:
@@ -471,6 +532,14 @@ class EngineCore:
         for s in self._seqs.values():
             if s.status is SeqStatus.WAITING and s.block_ids:
                 raise AssertionError(f"waiting request {s.request_id} holds blocks")
+
+
+def _joined(a: TokenChunk, b: TokenChunk) -> TokenChunk:
+    """One chunk for a request's tokens of one step: `b`'s tokens after `a`'s; its end is `b`'s."""
+    return dataclasses.replace(a, token_ids=a.token_ids + b.token_ids,
+                               logprobs=None if a.logprobs is None else a.logprobs + b.logprobs,
+                               finish_reason=b.finish_reason, stop_token_id=b.stop_token_id,
+                               num_cached_tokens=max(a.num_cached_tokens, b.num_cached_tokens), kv_blocks=b.kv_blocks)
 
 
 def _phases(seq: Sequence) -> PhaseTimes:

@@ -5,6 +5,10 @@ The bookkeeping of a step — requests, scheduler, block pool, the KV hand-over,
 `step()` = schedule (scheduler) → one forward pass over decodes and prefill chunks (model
 runner) → sample the sequences whose next token is due (sampler) → the core's stop rules and
 block hand-back. Text and stop strings are the caller's (`detokenizer`).
+
+With speculative decoding configured (`config.speculative`, engine/speculative/), the step first
+sets each decoding sequence's proposals; a step in which some row carries proposals is verified
+(`speculative.verify`) instead of sampled, and may emit several tokens per sequence.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from splitserve.engine.quant.linear import keep_quantized
 from splitserve.engine.sampler import Sampler, SamplingState, make_generator
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.speculative.speculator import Speculator
+from splitserve.engine.speculative.verify import verify
 from splitserve.engine.step_model import StepTimeModel
 from splitserve.engine.step_shape import StepShape
 from splitserve.engine.parallel.dp_group import DPGroup
@@ -90,6 +96,8 @@ class Engine(EngineCore):
         self.dtype = resolve_dtype(config.dtype, mc)
         max_model_len = _max_model_len(config, mc)
         torch.manual_seed(config.seed)
+        # before any rank starts: an unknown or unbuilt method fails here
+        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         size = config.tensor_parallel_size
         check_tp(mc, size, config.expert_parallel)  # before any rank is started
         check_pp(mc.num_layers, config.pipeline_parallel_size)
@@ -158,6 +166,7 @@ class Engine(EngineCore):
                          max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                          eos_token_ids=mc.eos_token_ids, enable_prefix_caching=config.enable_prefix_caching,
                          host=host, in_flight=in_flight)
+        self.scheduler.speculative = self.speculator is not None
         cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         if config.fused_kernels and self.device.type == "cuda" and triton_unavailable(self.device) is None:
             model.use_triton_kernels()  # fused residual + RMSNorm and rotary: fewer passes, same rounding
@@ -216,6 +225,7 @@ class Engine(EngineCore):
             self.host.reset()
             self.host.drain_events()
         self.scheduler.prefix_query_tokens = self.scheduler.prefix_hit_tokens = 0
+        self._spec_proposed = self._spec_accepted = self._spec_steps = 0
 
     def grammar_masks(self) -> GrammarMasks:
         """This model's grammar compiler, made on first use (most engines never need one)."""
@@ -249,6 +259,8 @@ class Engine(EngineCore):
         # rebalances all its replicas at once)
         if self.expert_balancer is not None and self.dp is None:
             self.expert_balancer.between_steps(self)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         return super().step()
 
     def rebalance_experts(self, placements=None) -> bool:
@@ -295,6 +307,8 @@ class Engine(EngineCore):
     def _sample(self, result, ahead) -> list[Sampled]:
         if not result.sample_seqs:
             return []
+        if result.rows_per_seq is not None:
+            return verify(self.sampler, result.logits, result.sample_seqs, result.rows_per_seq, ahead)
         out = self.sampler(result.logits, [s.sampling for s in result.sample_seqs], ahead)
         return list(zip(result.sample_seqs, out.token_ids, out.logprobs))
 
@@ -316,6 +330,9 @@ class Engine(EngineCore):
         if reason[0] is None and seq.sampling.grammar is not None and seq.sampling.grammar.done:
             return FinishReason.STOP, None  # the grammar is complete: nothing else may follow
         return reason
+
+    def _verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        self.speculator.observe(seq, proposed, accepted)
 
     def _observe(self, shape: StepShape, seconds: float) -> None:
         self.step_model.observe(shape, seconds)

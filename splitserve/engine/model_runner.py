@@ -3,7 +3,12 @@ attention batch, and logits for exactly the sequences whose next token is due.
 
 Under tensor parallelism rank 0 flattens the step (`FlatStep`: plain ids, no sequences) and
 sends it to the other ranks, and every rank runs the same forward pass on its shard
-(`run_flat`; engine/parallel/follower.py is the other ranks' loop)."""
+(`run_flat`; engine/parallel/follower.py is the other ranks' loop).
+
+A row that verifies proposals (speculative decoding, `seq.spec_tokens`) runs like a prefill
+chunk: its last token and the proposals after it, at the positions they would take, their KV
+written into the sequence's blocks (past what it has computed, so never into a shared or cached
+block), with logits for every one of those positions."""
 
 from __future__ import annotations
 
@@ -35,6 +40,9 @@ class FlatStep:
 class StepResult:
     logits: torch.Tensor | None  # [len(sample_seqs), vocab] fp32
     sample_seqs: tuple[Sequence, ...]  # sequences that get a new token from this step
+    # speculative steps: logits rows of each of sample_seqs, in order (1 + its proposals);
+    # None when no row verifies proposals (then one row each)
+    rows_per_seq: tuple[int, ...] | None = None
 
 
 class ModelRunner:
@@ -73,7 +81,11 @@ class ModelRunner:
         if self.tp.size > 1:
             self.tp.broadcast(step)
         logits = self.run_flat(step)
-        return StepResult(logits, tuple(sample_seqs)) if logits is not None else StepResult(None, ())
+        if logits is None:
+            return StepResult(None, ())
+        if sched.speculative:
+            return StepResult(logits, tuple(sample_seqs), tuple(1 + len(s.spec_tokens) for s in sample_seqs))
+        return StepResult(logits, tuple(sample_seqs))
 
     @torch.inference_mode()
     def run_flat(self, step: FlatStep) -> torch.Tensor | None:
@@ -123,5 +135,9 @@ class ModelRunner:
             slices.append(SeqSlice(q_start, n, end, tuple(blocks[: -(-end // bs)])))
             if end == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+            elif end > seq.num_tokens:  # its last token and its proposals: every row is scored
+                ids += seq.spec_tokens
+                sample_rows += range(q_start, len(ids))
                 sample_seqs.append(seq)
         return FlatStep(ids, pos, slots, slices, sample_rows), sample_seqs

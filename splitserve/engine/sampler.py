@@ -22,6 +22,10 @@ Per row, in order (vLLM v1 / OpenAI semantics):
      applies it before top-k/top-p), then one inverse-CDF draw.
 Logprobs are "raw": log_softmax of the model's logits, before any of the above.
 
+Speculative decoding verifies proposals against `target`: per row the token greedy takes, or
+the probabilities a draw would use (steps 0-4 without the draw); engine/speculative/verify.py
+decides what is accepted.
+
 The batch is never looped over the vocabulary in Python: rows are grouped by the features
 they use, and each group is handled with batched tensor ops.
 """
@@ -81,8 +85,24 @@ def make_generator(
     return gen
 
 
+def draw_uniform(gen: torch.Generator) -> torch.Tensor:
+    """One U[0, 1) from a request's generator (float64, 0-dim): every draw a seeded request makes."""
+    return _draw_uniform(gen)
+
+
 def _draw_uniform(gen: torch.Generator) -> torch.Tensor:
     return torch.rand((), generator=gen, dtype=torch.float64, device=gen.device)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the sampler would draw each row from: greedy rows' argmax, random rows' probabilities
+    (after every processing step; a row need not sum to 1 — normalize before use)."""
+
+    greedy: list[int]  # rows
+    greedy_tokens: list[int]  # their argmax, in order
+    random: list[int]  # rows
+    probs: torch.Tensor | None  # [len(random), vocab] fp32, rows in `random`'s order
 
 
 @dataclass(frozen=True)
@@ -108,9 +128,34 @@ class Sampler:
         plan = _Plan.of(states, logits.shape[1])
         if plan.plain_greedy:  # the common decode batch: one argmax, nothing else
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
+        x, owned = self._process(logits, states, plan, ahead)
+        tokens = torch.empty(len(states), dtype=torch.long, device=x.device)
+        if plan.greedy:
+            # owned=True: argmax only reads, so x itself will do when every row is greedy.
+            _assign(tokens, plan.greedy, _rows(x, plan.greedy, owned=True).argmax(dim=-1))
+        if plan.random:
+            chosen = _sample(_rows(x, plan.random, owned), [states[i] for i in plan.random])
+            _assign(tokens, plan.random, chosen)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, _logprobs(logits, tokens, token_list, plan.with_logprobs, states))
+
+    @torch.inference_mode()
+    def target(self, logits: torch.Tensor, states: Sequence[SamplingState], ahead=None) -> Target:
+        """Each row's target distribution: steps 0-4 above, without the draw (no generator moves)."""
+        plan = _Plan.of(states, logits.shape[1])
+        if plan.plain_greedy:
+            return Target(list(range(len(states))), logits.argmax(dim=-1).tolist(), [], None)
+        x, owned = self._process(logits, states, plan, ahead)
+        greedy = _rows(x, plan.greedy, owned=True).argmax(dim=-1).tolist() if plan.greedy else []
+        probs = _probs(_rows(x, plan.random, owned), [states[i] for i in plan.random]) if plan.random else None
+        return Target(plan.greedy, greedy, plan.random, probs)
+
+    def _process(self, logits: torch.Tensor, states: Sequence[SamplingState], plan: "_Plan", ahead):
+        """Steps 0-2 on a float32 copy where they modify (the caller's logits stay raw: logprobs
+        are computed from them); (x, whether x is not the caller's tensor)."""
         x = logits.to(torch.float32, memory_format=torch.contiguous_format)
         if plan.modifies and x.data_ptr() == logits.data_ptr():
-            x = x.clone()  # the caller's logits stay raw: logprobs are computed from them
+            x = x.clone()
         owned = x.data_ptr() != logits.data_ptr()
         if plan.biased:
             _apply_logit_bias(x, plan.biased, states)
@@ -121,15 +166,7 @@ class Sampler:
         if plan.min_token_cells[0]:
             rows, cols = plan.min_token_cells
             x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = _NEG_INF
-        tokens = torch.empty(len(states), dtype=torch.long, device=x.device)
-        if plan.greedy:
-            # owned=True: argmax only reads, so x itself will do when every row is greedy.
-            _assign(tokens, plan.greedy, _rows(x, plan.greedy, owned=True).argmax(dim=-1))
-        if plan.random:
-            chosen = _sample(_rows(x, plan.random, owned), [states[i] for i in plan.random])
-            _assign(tokens, plan.random, chosen)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, _logprobs(logits, tokens, token_list, plan.with_logprobs, states))
+        return x, owned
 
 
 @dataclass(frozen=True)
@@ -251,6 +288,12 @@ def _penalize(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
 
 def _sample(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then a draw; x ([rows, vocab]) is modified in place."""
+    return _inverse_cdf(_probs(x, states), _uniforms(states, x.device))
+
+
+def _probs(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p: the probabilities a draw uses (x is modified in place;
+    min-p leaves rows unnormalized)."""
     params = [s.params for s in states]
     dev = x.device
     if any(p.temperature != 1.0 for p in params):
@@ -266,7 +309,7 @@ def _sample(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
     if min_p:
         _on_rows(probs, min_p, lambda part: _min_p(part, [params[i].min_p for i in min_p]))
-    return _inverse_cdf(probs, _uniforms(states, dev))
+    return probs
 
 
 def _on_rows(x: torch.Tensor, rows: list[int], fn) -> None:
@@ -412,3 +455,15 @@ def _logprobs(
         top = tuple(zip(top_ids[j][:n], top_lp[j][:n]))
         out[i] = TokenLogprob(token_list[i], chosen_lp[j], ranks[j], top)
     return out
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs` ([rows, vocab], unnormalized), the token the uniform `u[row]` picks."""
+    return _inverse_cdf(probs, u)
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], rows: list[int],
+                states: Sequence[SamplingState]) -> list[TokenLogprob | None]:
+    """Raw logprobs of `tokens[row]` for each of `rows` (None for the others), as a step reports them."""
+    t = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+    return _logprobs(logits, t, tokens, rows, states)

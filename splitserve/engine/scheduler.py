@@ -16,6 +16,11 @@ for preemption, and admissions into it — so that another group's step may be i
 meanwhile: a sequence's next step is scheduled only once its last one is done. A waiting
 sequence joins the group being scheduled unless that group already runs its share of all the
 sequences, running and waiting (the groups stay even, so every step carries a share of the batch).
+
+Speculative decoding (`speculative` on): a decoding sequence may carry proposed tokens
+(`seq.spec_tokens`, set by the engine before the step); it is scheduled for its last token plus
+those proposals, cut to what the budget and the free blocks allow — proposals never preempt
+anyone, and a preempted sequence drops its proposals.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class Scheduled(NamedTuple):  # a tuple: built for every row of every step (the 
 class SchedulerOutput(NamedTuple):  # one per step
     scheduled: tuple[Scheduled, ...]  # decodes (one new token) first, then prefill chunks
     preempted: tuple[Sequence, ...]
+    # some row verifies proposals: its num_new_tokens is 1 + len(seq.spec_tokens)
+    speculative: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +67,7 @@ class Scheduler:
         self._group = 0  # the group being scheduled
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (first admission)
         self.prefix_hit_tokens = 0  # of which found cached
+        self.speculative = False  # running sequences may carry proposals (seq.spec_tokens)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -107,6 +115,8 @@ class Scheduler:
         out: list[Scheduled] = []
         preempted: list[Sequence] = []
         admitting = True
+        spec = self.speculative
+        verifying = False
         # Class by class: a class's running sequences (older) before its waiting ones, and a
         # waiting critical request before a running sheddable one.
         classes = {s.request.priority for s in self.running}
@@ -116,6 +126,9 @@ class Scheduler:
                 if seq.status is not SeqStatus.RUNNING or budget == 0 or seq.group != group:
                     continue
                 n = seq.num_tokens - seq.num_computed_tokens
+                if spec and n == 1 and seq.spec_tokens:
+                    n = self._fit_proposals(seq, budget)
+                    verifying = verifying or n > 1
                 if n > budget:
                     n = budget
                 if self._grow_or_preempt(seq, n, out, preempted):
@@ -127,7 +140,19 @@ class Scheduler:
                 budget, admitting = self._admit(prio, budget, out, preempted)
         if len(out) > 1:
             out.sort(key=lambda s: s.num_new_tokens != 1)  # stable: one-token rows form the decode batch
-        return SchedulerOutput(tuple(out), tuple(preempted))
+        return SchedulerOutput(tuple(out), tuple(preempted), verifying)
+
+    def _fit_proposals(self, seq: Sequence, budget: int) -> int:
+        """Cut a decoding sequence's proposals to the budget and to the blocks free now (a
+        proposal never preempts); the tokens it is scheduled for: its last one and those left."""
+        bs = self.block_size
+        have = len(seq.block_ids)
+        room = (have + self.pool.num_available) * bs - seq.num_computed_tokens - 1  # after its own token
+        if -(-(seq.num_computed_tokens + 1) // bs) - have > self.pool.num_available:
+            room = 0  # its own token preempts someone already: propose nothing on top
+        k = max(0, min(len(seq.spec_tokens), budget - 1, room))
+        del seq.spec_tokens[k:]
+        return 1 + k
 
     def _grow_or_preempt(self, seq: Sequence, n: int, out: list[Scheduled], preempted: list[Sequence]) -> bool:
         """Give `seq` blocks for n more tokens, preempting newer/lower-priority running
@@ -220,6 +245,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.block_ids)
+        seq.spec_tokens.clear()
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0

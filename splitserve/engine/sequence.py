@@ -1,7 +1,8 @@
 """A request inside the engine: its tokens, its blocks, and how far its KV has been computed.
 
 `num_computed_tokens` only grows while the sequence runs; preemption (recompute) resets it to 0
-and drops the blocks, keeping the generated tokens so nothing is lost.
+and drops the blocks, keeping the generated tokens so nothing is lost. `token_ids` holds only
+accepted tokens: speculative proposals (`spec_tokens`) join it once the model has verified them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class Sequence:
     prefill_only: bool = False  # stop after the first token and hand the KV blocks over
     stream_kv: bool = False  # report its complete blocks as they are computed (KVProgress)
     published: int = 0  # leading blocks reported so far (this epoch)
+    # speculative decoding: tokens proposed to follow token_ids, verified by the coming step (the
+    # scheduler may shorten them; every step consumes them), and the proposer's state for it
+    spec_tokens: list[int] = field(default_factory=list)
+    spec_state: object = None
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     added_at: float = field(default_factory=time.monotonic)

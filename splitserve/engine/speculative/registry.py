@@ -1,0 +1,23 @@
+"""Proposers by name (SpeculativeConfig.method). Names the config knows but this build has not
+got yet are refused here, by name."""
+
+from __future__ import annotations
+
+from splitserve.config import SpeculativeConfig
+from splitserve.engine.speculative.ngram import NgramProposer
+from splitserve.engine.speculative.proposer import Proposer
+from splitserve.types import ConfigError
+
+NOT_BUILT = {
+    "suffix": "suffix speculation (a per-worker tree of recent outputs)",
+    "draft": "draft-head speculation (an MTP layer or EAGLE head)",
+}
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config.min_n, config.max_n)
+    if config.method in NOT_BUILT:
+        raise ConfigError(f"speculative method {config.method!r} ({NOT_BUILT[config.method]}) is not built yet; "
+                          "available: ngram")
+    raise ConfigError(f"unknown speculative method {config.method!r}; available: ngram")

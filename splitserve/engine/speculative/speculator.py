@@ -1,0 +1,62 @@
+"""The engine's side of speculation before a step: which sequences get proposals, and how many.
+
+A sequence is proposed for when it is decoding (all but its last token computed). Not for a
+prefill-only request (it stops after one token), nor for a grammar-constrained one: its
+proposals are not checked against the grammar in this version, so it runs with k = 0. k is
+capped so that the accepted run plus the model's own token never passes max_tokens (and so
+the context length); EOS and stop ids cut the run in the core, exactly where the
+non-speculative engine stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from splitserve.config import SpeculativeConfig
+from splitserve.engine.sequence import Sequence
+from splitserve.engine.speculative.adaptive import AdaptiveK
+from splitserve.engine.speculative.registry import make_proposer
+
+
+@dataclass
+class SeqSpec:
+    """One sequence's proposal state (carried as `seq.spec_state`)."""
+
+    proposer_state: object
+    k: AdaptiveK
+
+
+_NEVER = object()  # spec_state of a sequence that never gets proposals
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = make_proposer(config)
+
+    def propose(self, running: Iterable[Sequence]) -> None:
+        """Set every running sequence's proposals for the coming step ([] for none)."""
+        for seq in running:
+            seq.spec_tokens = self._proposal(seq)
+
+    def _proposal(self, seq: Sequence) -> list[int]:
+        if seq.num_computed_tokens != seq.num_tokens - 1:
+            return []  # a prefill still running
+        st = seq.spec_state
+        if st is None:
+            st = seq.spec_state = self._state(seq)
+        if st is _NEVER:
+            return []
+        k = min(st.k.next_k(), seq.max_tokens - len(seq.output_token_ids) - 1)
+        return self.proposer.propose(seq.token_ids, st.proposer_state, k) if k > 0 else []
+
+    def _state(self, seq: Sequence):
+        if seq.prefill_only or seq.request.params.grammar is not None:
+            return _NEVER
+        return SeqSpec(self.proposer.new_state(), AdaptiveK(self.config.k, self.config.adaptive))
+
+    def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """A verified step's outcome for `seq`: the adaptive k learns from it."""
+        st = seq.spec_state
+        if isinstance(st, SeqSpec):
+            st.k.observe(proposed, accepted)
