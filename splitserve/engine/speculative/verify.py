@@ -114,11 +114,17 @@ def _accept_sampled(target: Target, seqs, starts, which: list[int], emitted: lis
         rejected.append(spec[a] if a < len(spec) else -1)
     q = probs[torch.tensor(final_rows, device=dev)]
     hit = [(r, x) for r, x in enumerate(rejected) if x >= 0]
-    if hit:  # the residual: p without the rejected proposal (inverse_cdf normalizes)
+    if hit:
         r, x = zip(*hit)
-        q[torch.tensor(r, device=dev), torch.tensor(x, device=dev)] = 0.0
+        _residual(q, torch.tensor(r, device=dev), torch.tensor(x, device=dev))
     for i, tok in zip(which, inverse_cdf(q, u[torch.tensor(last_u, device=dev)]).tolist()):
         emitted[i].append(tok)
+
+
+def _residual(q: torch.Tensor, rows: torch.Tensor, rejected: torch.Tensor) -> None:
+    """normalize(max(p - onehot(x), 0)) for a point-mass proposal x: p without x (inverse_cdf
+    normalizes)."""
+    q[rows, rejected] = 0.0
 
 
 def _uniforms(seqs: Seq[Sequence], device: torch.device) -> torch.Tensor:
