@@ -257,6 +257,22 @@ def test_grammar_request_runs_without_proposals_beside_rows_with_them(demo_model
     drained(llm)
 
 
+def test_seeded_sampled_request_is_reproducible_with_the_same_proposals(reference):
+    """What verify.py promises a seeded request under speculation: the same output run to run
+    when its proposals are the same (not the plain engine's stream; see the distribution test
+    for exactness)."""
+    path, _, prompts, refs = reference("llama")
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=MAX_NEW, seed=11)
+    runs = []
+    for _ in range(2):
+        llm = LLM(path, num_kv_blocks=256, speculative=dict(NGRAM, adaptive=False))
+        with_oracle(llm, prompts[:4], refs[:4])
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts[:4], params)])
+        assert llm.engine.stats().spec_proposed_tokens_total > 0
+        drained(llm)
+    assert runs[0] == runs[1]
+
+
 # -- sampling: the distribution is the target's --------------------------------------------------
 
 N_SAMPLES = 2000
@@ -310,13 +326,15 @@ def sample_pairs(llm, prompt):
 
 
 def test_sampled_tokens_follow_the_target_distribution(reference, monkeypatch):
-    """Proposals for tokens 1 and 2 (the second step verifies both; the first token is the
-    prefill's) are the greedy path, accepted with probability p(x) and rejected otherwise.
-    Test: chi-square goodness of fit of the (t1, t2) pair's counts, N = 2000 seeded requests,
-    against the exact distribution enumerated from the Hugging Face model (top-3 at T = 0.8: at
-    most 9 cells); the non-speculative engine passes the same test. Power: the classic bug —
-    on rejection, drawing from p instead of p without the rejected token — is rejected at
-    p < 1e-6 with these N and proposals (checked below), so the test has power well beyond it.
+    """Each request (max_tokens 4) samples token 0 in its prefill; its first decode step
+    verifies proposals for tokens 1 and 2 — the most likely (t1, t2) pair, fixed — accepted with
+    probability p(x) and otherwise replaced by a draw from the residual; a later step verifies
+    what is left. Test: chi-square goodness of fit of the (t1, t2) counts, N = 2000 seeded
+    requests, against the exact distribution enumerated from the Hugging Face model (top-3 at
+    T = 0.8: at most 9 cells; cells expected below 5 pooled), at alpha = 1e-3; the
+    non-speculative engine passes the same test. Power: the classic bug — on rejection, drawing
+    from p instead of p without the rejected token — fails it at p < 1e-6 with these N and
+    proposals (checked at the end), so it detects far smaller departures than that one.
     Seeded requests make the run deterministic (no flake)."""
     path, hf, prompts, refs = reference("qwen3")
     prompt = prompts[3]

@@ -153,5 +153,7 @@ def _logprobs(logits, seqs, starts, emitted, states) -> list[tuple | None]:
             tokens[starts[i] + j] = tok
             rows.append(starts[i] + j)
     lps = logprobs_of(logits, tokens, rows, states)
-    return [tuple(lps[starts[i] + j] for j in range(len(emitted[i]))) if i in set(want) else None
-            for i in range(len(seqs))]
+    out: list[tuple | None] = [None] * len(seqs)
+    for i in want:
+        out[i] = tuple(lps[starts[i] + j] for j in range(len(emitted[i])))
+    return out

@@ -1,0 +1,193 @@
+"""Speculative decoding (issue 36, first slice: n-gram proposals, adaptive k) on the demo model,
+one process, one engine each with and without speculation, greedy:
+
+  (a) code edit: the prompt is a file, the task to return it with one change (the answer repeats
+      the prompt: prompt lookup's best case);
+  (b) tool-call JSON: calls whose names and keys the prompt spells out;
+  (c) open chat: free text, little to look up (adaptive k must back off).
+
+Per workload, each prompt alone (batch 1: TPOT is what speculation buys) and then all of them
+together (a batch: on a CPU a verifying row runs the attention's per-sequence prefill path, so
+the batch shows the cost honestly). Reports TPOT (median over requests), output tok/s, the
+acceptance rate (accepted / proposed) and tokens per verified row. The runs alternate plain /
+speculative, `--rounds` times, so the machine's drift and other load hit both alike; the JSON
+records the load average (on a shared machine wall-clock TPOT is noisy: read the ratios, and
+the acceptance and tokens per step, which do not depend on timing). Greedy outputs are checked
+equal.
+
+    python benchmarks/speculative.py [--max-tokens 128]   # -> results/speculative.{json,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from splitserve import LLM, SamplingParams  # noqa: E402
+from splitserve.types import Request  # noqa: E402
+
+OUT = ROOT / "results"
+SPEC = {"method": "ngram", "k": 4, "min_n": 2, "max_n": 5, "adaptive": True}
+
+CODE = '''def parse_line(line: str) -> dict:
+    """Split one CSV line of a sensor log into its fields."""
+    parts = line.strip().split(",")
+    if len(parts) != 4:
+        raise ValueError(f"expected 4 fields, got {len(parts)}")
+    station, when, value, unit = parts
+    return {"station": station, "when": when, "value": float(value), "unit": unit}
+
+
+def read_log(path: str) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.startswith("#"):
+                continue
+            rows.append(parse_line(line))
+    return rows
+
+
+def mean_value(rows: list[dict]) -> float:
+    if not rows:
+        return 0.0
+    return sum(r["value"] for r in rows) / len(rows)
+'''
+
+WORKLOADS = {
+    "code_edit": [
+        f"Here is a Python file:\n```python\n{CODE}```\nReturn the whole file, unchanged except that the "
+        f"function `{old}` is renamed to `{new}` everywhere. Output only the code."
+        for old, new in (("parse_line", "parse_row"), ("read_log", "load_log"), ("mean_value", "average"))
+    ],
+    "tool_json": [
+        "You can call the tool get_weather(city: string, unit: \"celsius\" | \"fahrenheit\"). Answer only with "
+        "a JSON list of calls, each exactly like {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", "
+        f"\"unit\": \"celsius\"}}}}. Get the weather in celsius for {cities}."
+        for cities in ("Paris, London, Tokyo, Berlin and Madrid", "Rome, Oslo, Lima, Cairo and Seoul",
+                       "Austin, Denver, Boston, Miami and Seattle")
+    ],
+    "open_chat": [
+        "Tell me about the history of the bicycle.",
+        "What should I consider when adopting a dog?",
+        "Describe a quiet morning in a small fishing village.",
+    ],
+}
+
+
+def chat_ids(llm: LLM, text: str) -> list[int]:
+    msgs = [{"role": "user", "content": text}]
+    s = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    return llm.tokenizer.encode(s, add_special_tokens=False)
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
+    """All `prompts` at once through the engine; per request its first-token and end times."""
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    before = eng.stats()
+    first, end, tokens = {}, {}, {}
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(Request(f"{tag}-{i}", p, sp))
+        tokens[f"{tag}-{i}"] = []
+    while eng.has_unfinished():
+        for c in eng.step():
+            now = time.perf_counter()
+            first.setdefault(c.request_id, now)
+            tokens[c.request_id] += c.token_ids
+            if c.finished:
+                end[c.request_id] = now
+    wall = time.perf_counter() - t0
+    after = eng.stats()
+    tpot = [(end[r] - first[r]) / (len(t) - 1) for r, t in tokens.items() if len(t) > 1]
+    proposed = after.spec_proposed_tokens_total - before.spec_proposed_tokens_total
+    accepted = after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
+    return {"tpot_s": tpot, "out_tokens": sum(map(len, tokens.values())), "wall_s": wall,
+            "steps": after.steps_total - before.steps_total, "proposed": proposed, "accepted": accepted,
+            "outputs": [tokens[f"{tag}-{i}"] for i in range(len(prompts))]}
+
+
+def summarize(runs: list[dict]) -> dict:
+    tpot = [t for r in runs for t in r["tpot_s"]]
+    out = sum(r["out_tokens"] for r in runs)
+    proposed, accepted = sum(r["proposed"] for r in runs), sum(r["accepted"] for r in runs)
+    return {"tpot_ms_median": 1e3 * statistics.median(tpot), "output_tok_s": out / sum(r["wall_s"] for r in runs),
+            "out_tokens": out, "steps": sum(r["steps"] for r in runs), "proposed": proposed, "accepted": accepted,
+            "acceptance": accepted / proposed if proposed else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    plain = LLM()
+    spec = LLM(speculative=SPEC)
+    for llm in (plain, spec):
+        llm.engine.warmup()
+    report: dict = {"model": "demo (SmolLM2-135M-Instruct)", "speculative": SPEC, "max_tokens": a.max_tokens,
+                    "rounds": a.rounds, "load_average_at_start": os.getloadavg(), "cpus": os.cpu_count(),
+                    "device": str(plain.engine.device), "dtype": str(plain.engine.dtype), "workloads": {}}
+    for name, texts in WORKLOADS.items():
+        prompts = [chat_ids(plain, t) for t in texts]
+        res: dict = {}
+        for mode in ("batch1", f"batch{len(prompts)}"):
+            runs = {"plain": [], "spec": []}
+            groups = [[p] for p in prompts] if mode == "batch1" else [prompts]
+            for _ in range(a.rounds):
+                for g in groups:
+                    for key, llm in (("plain", plain), ("spec", spec)):
+                        runs[key].append(run(llm, g, a.max_tokens, f"{name}-{mode}-{key}-{len(runs[key])}"))
+            same = all(x["outputs"] == y["outputs"] for x, y in zip(runs["plain"], runs["spec"]))
+            p, s = summarize(runs["plain"]), summarize(runs["spec"])
+            res[mode] = {"plain": p, "spec": s, "tpot_speedup": p["tpot_ms_median"] / s["tpot_ms_median"],
+                         "throughput_ratio": s["output_tok_s"] / p["output_tok_s"], "greedy_outputs_equal": same}
+            print(f"{name:10s} {mode:7s} TPOT {p['tpot_ms_median']:6.1f} -> {s['tpot_ms_median']:6.1f} ms "
+                  f"(x{res[mode]['tpot_speedup']:.2f}), tok/s {p['output_tok_s']:6.1f} -> {s['output_tok_s']:6.1f}, "
+                  f"acceptance {s['acceptance'] if s['acceptance'] is None else round(s['acceptance'], 3)}, "
+                  f"equal {same}", flush=True)
+        report["workloads"][name] = res
+    report["load_average_at_end"] = os.getloadavg()
+    OUT.mkdir(exist_ok=True)
+    (OUT / "speculative.json").write_text(json.dumps(report, indent=2))
+    plot(report, OUT / "speculative.png")
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = list(report["workloads"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, mode in zip(axes, ("batch1", "batch3")):
+        plain = [report["workloads"][n][mode]["plain"]["tpot_ms_median"] for n in names]
+        spec = [report["workloads"][n][mode]["spec"]["tpot_ms_median"] for n in names]
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], plain, 0.4, label="plain")
+        ax.bar([x + 0.2 for x in xs], spec, 0.4, label="ngram, adaptive k")
+        for x, n in zip(xs, names):
+            acc = report["workloads"][n][mode]["spec"]["acceptance"]
+            ax.annotate(f"acc {acc:.2f}" if acc is not None else "no proposals", (x + 0.2, spec[x]),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), names)
+        ax.set_ylabel("median TPOT (ms)")
+        ax.set_title(f"demo model, {mode}, {report['device']}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
