@@ -117,9 +117,6 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
-        if self.speculative is not None and self.pipeline_parallel_size > 1:
-            raise ConfigError("speculative decoding is not supported with pipeline_parallel_size > 1 yet")
         def positive(name: str) -> None:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
@@ -132,6 +129,12 @@ class EngineConfig:
         if self.data_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
             raise ConfigError("data_parallel_size > 1 is not supported with tensor_parallel_size or "
                               "pipeline_parallel_size > 1 yet: each replica is one process")
+        object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
+        if self.speculative is not None and self.pipeline_parallel_size > 1:
+            raise ConfigError("speculative decoding is not supported with pipeline_parallel_size > 1 yet")
+        if self.speculative is not None and self.data_parallel_size > 1:
+            raise ConfigError("speculative decoding is not supported with data_parallel_size > 1 "
+                              "(data-parallel attention) yet")
         if self.pipeline_parallel_size > 1 and self.host_kv_blocks:
             raise ConfigError("host_kv_blocks is not supported with pipeline_parallel_size > 1 yet")
         if self.pipeline_micro_batches > 1 and self.pipeline_parallel_size == 1:

@@ -37,6 +37,8 @@ def test_config_is_validated_and_unbuilt_methods_are_refused_by_name(tiny_checkp
             EngineConfig(model, speculative=bad)
     with pytest.raises(ConfigError, match="pipeline_parallel_size"):
         EngineConfig(model, speculative={}, pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="data_parallel_size"):
+        EngineConfig(model, speculative={}, data_parallel_size=2)
     for method in ("suffix", "draft"):
         with pytest.raises(ConfigError, match="not built yet"):
             make_proposer(SpeculativeConfig(method))
