@@ -181,6 +181,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host-kv-blocks", type=int, default=0,
                    help="a host-memory KV tier of this many blocks below each worker's KV cache: evicted "
                         "prefix blocks are kept there and loaded back on a hit (default: none)")
+    p.add_argument("--speculative", type=_speculative, default=None, metavar="YAML",
+                   help="speculative decoding on the decode workers: a mapping such as '{method: ngram, k: 4}' "
+                        "(also min_n, max_n, adaptive; see the README); each decode step verifies up to k "
+                        "proposed tokens per sequence in the same forward pass, exactly (default: off)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many rank processes (gloo on a CPU, NCCL on GPUs); on a "
                         "cluster: both pools' size unless --prefill-tp / --decode-tp say (default: %(default)s)")
@@ -218,6 +222,28 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "optionally a mapping such as '{prefill: {min: 1, max: 3}, decode: {min: 1, max: 3}, "
                         "interval_s: 10}' (see docs/architecture.md)")
     p.set_defaults(func=_run_serve, engine={})
+
+
+def _speculative(text: str) -> dict | None:
+    """--speculative: YAML (or JSON) of SpeculativeConfig's fields, checked now; null/off: none."""
+    import yaml
+
+    from splitserve.config import SpeculativeConfig
+    from splitserve.types import ConfigError
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise argparse.ArgumentTypeError(f"not YAML: {e}") from None
+    if value in (None, False, "off"):
+        return None
+    if isinstance(value, str):  # a bare method name: its defaults
+        value = {"method": value}
+    try:
+        SpeculativeConfig.of(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def _json_object(text: str) -> dict:

@@ -19,7 +19,11 @@ POOL_KEYS = ("prefill", "decode")
 PP_PLACEMENTS = ("pack", "spread")
 TRANSPORTS = ("auto",) + KV_TRANSPORTS
 ENGINE_FLAG_KEYS = ("dtype", "kv_cache_dtype", "device", "attention_backend", "kv_cache_memory_gib",
-                    "gpu_memory_utilization", "host_kv_blocks", "tensor_parallel_size")
+                    "gpu_memory_utilization", "host_kv_blocks", "tensor_parallel_size", "speculative")
+# engine settings only the decode pool's workers take: speculative decoding verifies proposals in
+# decode steps, and a prefill worker runs none (it computes the prompt, samples the first token
+# and hands the KV over), so there a proposer would only cost memory and a config to check
+DECODE_ONLY_ENGINE_KEYS = ("speculative",)
 
 
 @dataclass(frozen=True)
@@ -298,10 +302,14 @@ class DeployConfig:
 
     def pool_engine(self, role: str) -> dict:
         """The engine settings of pool `role`'s workers (tensor_parallel_size aside): its stages;
-        pipeline_micro_batches applies to pools with stages only."""
+        pipeline_micro_batches applies to pools with stages only, speculative to the decode pool
+        only (DECODE_ONLY_ENGINE_KEYS; with prefill 0 the decode workers compute prompts too)."""
         engine = {**self.engine, "pipeline_parallel_size": self.pp(role)}
         if self.pp(role) == 1:
             engine.pop("pipeline_micro_batches", None)
+        if role != "decode":
+            for key in DECODE_ONLY_ENGINE_KEYS:
+                engine.pop(key, None)
         return engine
 
     def ranks(self, prefill: int, decode: int) -> int:

@@ -155,6 +155,8 @@ def _matrix() -> list[Case]:
     cases.append(Case("gpu-dp2-decode-aggregated", ("values-gpu.yaml",),
                       ("serve.engine.data_parallel_size=2", "decode.gpus=2", "prefill.replicas=0", "prefill.minReplicas=0",
                        "autoscale.enabled=false")))
+    cases.append(Case("gpu-speculative-ngram", ("values-gpu.yaml",),
+                      json_sets=('serve.speculative={"method": "ngram", "k": 4, "max_n": 4}',)))
     cases.append(Case("gpu-gcs-fault-tolerance", ("values-gpu.yaml",),
                       ("gcsFaultTolerance.enabled=true", "gcsFaultTolerance.redisAddress=redis-gcs:6379",
                        "gcsFaultTolerance.redisPasswordSecret.name=redis-gcs", "gcsFaultTolerance.externalStorageNamespace=llm")))

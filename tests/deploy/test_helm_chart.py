@@ -96,7 +96,9 @@ def test_serve_args_are_a_deploy_config(rendered: Rendered, tmp_path: Path) -> N
     ratio = v["serve"].get("traceSampleRatio")  # (`--set` gives a number as a string)
     assert cfg.trace_sample_ratio == (None if ratio is None else float(ratio))
     assert (cfg.kv_streaming, cfg.kv_streaming_min_tokens) == (v["serve"]["kvStreaming"], v["serve"]["kvStreamingMinTokens"])
-    assert cfg.engine == {k: e for k, e in v["serve"]["engine"].items() if e is not None}
+    spec = {"speculative": v["serve"]["speculative"]} if v["serve"].get("speculative") is not None else {}
+    assert cfg.engine == {**{k: e for k, e in v["serve"]["engine"].items() if e is not None}, **spec}
+    assert "speculative" not in cfg.pool_engine("prefill")  # the decode pool's alone
     assert cfg.name == rendered.serve_config["applications"][0]["name"]  # `splitserve status --name` default
     if v["model"]["servedName"]:
         assert cfg.served_model_name == v["model"]["servedName"]
@@ -567,6 +569,16 @@ REFUSED = [
      "serve.extraArgs.api_keys is set by the chart"),
     (Case("kv-secret-twice", sets=("kvSecret.secretName=k", "serve.extraArgs.kv_secret=" + "ab" * 32)),
      "serve.extraArgs.kv_secret is set by the chart"),
+    (Case("speculative-k-zero", json_sets=('serve.speculative={"method": "ngram", "k": 0}',)), "serve.speculative"),
+    (Case("speculative-unknown-method", json_sets=('serve.speculative={"method": "medusa"}',)), "serve.speculative"),
+    (Case("speculative-typo", json_sets=('serve.speculative={"kk": 4}',)), "serve.speculative"),
+    (Case("speculative-min-over-max", json_sets=('serve.speculative={"min_n": 4, "max_n": 2}',)),
+     "serve.speculative.min_n (4) must not exceed max_n (2)"),
+    (Case("speculative-twice", json_sets=('serve.speculative={"k": 2}', 'serve.engine.speculative={"k": 3}')),
+     "serve.speculative and serve.engine.speculative are both set"),
+    (Case("speculative-decode-pp", ("values-gpu.yaml",), ("decode.pp=2", "decode.gpus=2", "prefill.replicas=0",
+                                                            "prefill.minReplicas=0", "autoscale.enabled=false"),
+          ('serve.speculative={"method": "ngram"}',)), "serve.speculative with decode.pp > 1"),
     (Case("monitor-without-operator-key", sets=("metrics.serviceMonitor.enabled=true", "apiKeys.secretName=k")),
      "metrics.serviceMonitor.bearerTokenSecret.name"),
 ]

@@ -139,6 +139,15 @@ object, quoted and escaped for the shell KubeRay hands it to, e.g. "{\"prefill_n
 {{- if and $v.metrics.serviceMonitor.enabled $v.apiKeys.secretName (not $v.metrics.serviceMonitor.bearerTokenSecret.name) -}}
 {{- fail "metrics.serviceMonitor.bearerTokenSecret.name: with API keys, /metrics answers an operator key only; name the Secret holding the one Prometheus presents" -}}
 {{- end -}}
+{{- if and (not (kindIs "invalid" $v.serve.speculative)) (not (kindIs "invalid" (dig "speculative" nil ($v.serve.engine | default dict)))) -}}
+{{- fail "serve.speculative and serve.engine.speculative are both set: set it once, as serve.speculative" -}}
+{{- end -}}
+{{- if and (not (kindIs "invalid" $v.serve.speculative)) (gt (int ($v.decode.pp | default 1)) 1) -}}
+{{- fail "serve.speculative with decode.pp > 1: speculative decoding does not run on pipeline-parallel decode workers yet" -}}
+{{- end -}}
+{{- with $v.serve.speculative }}{{ if gt (int (.min_n | default 2)) (int (.max_n | default 5)) -}}
+{{- fail (printf "serve.speculative.min_n (%d) must not exceed max_n (%d)" (int (.min_n | default 2)) (int (.max_n | default 5))) -}}
+{{- end }}{{ end -}}
 {{- if hasKey ($v.serve.engine | default dict) "model" -}}
 {{- fail "serve.engine.model: the model is set by model.*" -}}
 {{- end -}}
@@ -188,6 +197,7 @@ the groups' `replicas`, the autoscaler's bounds their minReplicas / maxReplicas.
 {{- if not (kindIs "invalid" $v.serve.traceSampleRatio) }}{{ $_ := set $args "trace_sample_ratio" (float64 $v.serve.traceSampleRatio) }}{{ end -}}
 {{- $engine := dict -}}
 {{- range $k, $val := ($v.serve.engine | default dict) }}{{ if not (kindIs "invalid" $val) }}{{ $_ := set $engine $k $val }}{{ end }}{{ end -}}
+{{- if not (kindIs "invalid" $v.serve.speculative) }}{{ $_ := set $engine "speculative" $v.serve.speculative }}{{ end -}}
 {{- $_ := set $args "engine" $engine -}}
 {{- if $v.autoscale.enabled -}}
 {{- $bounds := dict -}}
@@ -202,7 +212,7 @@ the groups' `replicas`, the autoscaler's bounds their minReplicas / maxReplicas.
 {{- end -}}
 {{- /* The keys set above from values (serve.extraArgs may not set them), and the engine keys
 DeployConfig also reads at the top level (they belong under serve.engine). */ -}}
-{{- $managed := list "model" "served_model_name" "prefill" "decode" "prefill_resources" "decode_resources" "prefill_tp" "decode_tp" "tensor_parallel_size" "policy" "transport" "kv_streaming" "kv_streaming_min_tokens" "ingress_replicas" "ttft_slo_ms" "tpot_slo_ms" "max_tokens_default" "otlp_traces_endpoint" "trace_sample_ratio" "engine" "autoscale" "name" "dtype" "kv_cache_dtype" "device" "attention_backend" "kv_cache_memory_gib" "gpu_memory_utilization" -}}
+{{- $managed := list "model" "served_model_name" "prefill" "decode" "prefill_resources" "decode_resources" "prefill_tp" "decode_tp" "tensor_parallel_size" "policy" "transport" "kv_streaming" "kv_streaming_min_tokens" "ingress_replicas" "ttft_slo_ms" "tpot_slo_ms" "max_tokens_default" "otlp_traces_endpoint" "trace_sample_ratio" "engine" "autoscale" "name" "dtype" "kv_cache_dtype" "device" "attention_backend" "kv_cache_memory_gib" "gpu_memory_utilization" "speculative" -}}
 {{- if $v.apiKeys.secretName -}}
 {{- /* the key file, from the operator's Secret mounted on the head (where the app is built) */ -}}
 {{- $_ := set $args "api_keys" (printf "%s/%s" (include "splitserve.apiKeysMount" .) $v.apiKeys.key) -}}
