@@ -87,6 +87,20 @@ class Metrics:
             "(ever); scope rank, its busiest expert-parallel rank's (summed over layers of each layer's busiest), "
             "since the last expert rebalance; scope rank_before_rebalance, the same over the window that rebalance "
             "was planned from (engine/expert_balance.py)", ["role", "worker", "scope"], registry=r)
+        # speculative decoding (engine/speculative/), per worker: its engine's totals, raised to
+        # each report (export_speculation)
+        self.spec_proposed = Counter(PREFIX + "worker_spec_proposed_tokens",
+                                     "Speculative decoding: tokens proposed and verified", ["role", "worker"],
+                                     registry=r)
+        self.spec_accepted = Counter(PREFIX + "worker_spec_accepted_tokens",
+                                     "Speculative decoding: proposed tokens the model accepted (each verifying step "
+                                     "also emits one token of its own per sequence)", ["role", "worker"], registry=r)
+        self.spec_verify_steps = Counter(PREFIX + "worker_spec_verify_steps",
+                                         "Speculative decoding: engine steps that verified any proposal",
+                                         ["role", "worker"], registry=r)
+        self.spec_acceptance = Gauge(PREFIX + "worker_spec_acceptance_ratio",
+                                     "Speculative decoding: accepted / proposed tokens, ever", ["role", "worker"],
+                                     registry=r)
         self.pool_size = Gauge(PREFIX + "pool_size", "Workers per role", ["role"], registry=r)
         self.autoscaler_target = Gauge(PREFIX + "autoscaler_target", "The autoscaler's target pool size", ["role"],
                                        registry=r)
@@ -100,16 +114,33 @@ class Metrics:
                 self.moves.labels(kind=kind.value, reason=why.value)
         self._decisions_seen: dict[tuple[str, str], int] = {}
         self._moves_seen: dict[tuple[str, str], int] = {}
+        # per counter: (role, worker) -> the total last seen
+        self._spec_seen: dict[str, dict[tuple[str, str], int]] = {
+            name: {} for name in ("spec_proposed", "spec_accepted", "spec_verify_steps")}
 
     def forget_workers(self, live: set[str]) -> None:
         """Drop every per-worker series of a worker not in `live` (one that stopped or died): a
         gone worker's last values must not be scraped, nor its series pile up forever."""
         for g in (self.kv_usage, self.queue, self.step_time, self.expert_tokens, self.expert_imbalance,
-                  self.prefix_query, self.prefix_hit):
+                  self.prefix_query, self.prefix_hit, self.spec_proposed, self.spec_accepted,
+                  self.spec_verify_steps, self.spec_acceptance):
             worker = g._labelnames.index("worker")
             for labels in list(g._metrics):  # prometheus_client lists a metric's series only here
                 if labels[worker] not in live:
                     g.remove(*labels)
+        for seen in self._spec_seen.values():
+            for key in [k for k in seen if k[1] not in live]:  # (role, worker)
+                del seen[key]
+
+    def export_speculation(self, role: str, worker: str, proposed: int, accepted: int, verify_steps: int) -> None:
+        """One worker's speculation totals (WorkerStats.spec_*) into its counters and ratio; a
+        worker that never proposed gets no series."""
+        if not proposed:
+            return
+        for name, total in (("spec_proposed", proposed), ("spec_accepted", accepted),
+                            ("spec_verify_steps", verify_steps)):
+            _add_up_to(getattr(self, name), self._spec_seen[name], total, role=role, worker=worker)
+        self.spec_acceptance.labels(role=role, worker=worker).set(accepted / proposed)
 
     def export_autoscale(self, report) -> None:
         """An AutoscaleReport (the Controller's totals) into the target gauge and the counter."""

@@ -47,7 +47,9 @@ class LocalBackend:
         s = self.loop.latest_stats
         return [WorkerView(LOCAL, "decode", "localhost", s.num_waiting, s.num_running, s.kv_usage,
                            step_time_coeffs=s.step_time_coeffs, expert_tokens=s.expert_tokens_total,
-                           expert_balance=s.expert_balance)]
+                           expert_balance=s.expert_balance, spec_proposed_tokens=s.spec_proposed_tokens_total,
+                           spec_accepted_tokens=s.spec_accepted_tokens_total,
+                           spec_verify_steps=s.spec_verify_steps_total)]
 
     async def generate(self, req: Request, plan: Plan | None = None) -> AsyncIterator[TokenChunk]:
         q = await self.loop.submit(req)

@@ -11,8 +11,9 @@ pairs) and its load, predict:
          + steps to get through them (token budget per step) × a step's decode cost
          (on the worker that computes the prompt: the first token comes from it, before any
          KV moves)
-  TPOT ≈ c0 + c2·(running + 1) + c3·(context of the running batch + this prompt)
-         (on the decode worker)
+  TPOT ≈ (c0 + c2·(running + 1) + c3·(context of the running batch + this prompt))
+         / tokens per step (on the decode worker; above 1 under speculative decoding, from its
+         measured acceptance once it has verified enough steps: router/spec_yield.py)
 A request with a structured-output grammar that its first worker has not compiled (as far as
 this router knows: it has not sent that spec there lately) adds that worker's measured compile
 time (`WorkerStats.grammar_compile_s`; a prior until it has compiled one) to its TTFT.
@@ -40,6 +41,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Hashable
 
+from splitserve.router.spec_yield import worker_tokens_per_step
 from splitserve.types import Priority, WorkerStats
 
 
@@ -110,7 +112,9 @@ def predict(stats: WorkerStats, prompt_tokens: int, cached_tokens: int) -> tuple
     # its own prompt's attention (each new token attends to what precedes it); the queue's
     # prompts are not known token by token, so theirs is left out
     ttft = c1 * tokens + c4 * new * (cached_tokens + (new + 1) / 2) + steps * step_cost
-    tpot = c0 + c2 * (stats.num_running + 1) + c3 * (stats.decode_context_tokens + prompt_tokens)
+    step = c0 + c2 * (stats.num_running + 1) + c3 * (stats.decode_context_tokens + prompt_tokens)
+    # speculative decoding: a step emits 1 + (accepted proposals) tokens per sequence, as measured
+    tpot = step / worker_tokens_per_step(stats)
     return ttft, tpot
 
 

@@ -7,7 +7,8 @@ computed per second; arriving = served + the growth of the queue per second (wha
 what was done plus what piled up). Over one short interval the queue's growth is noise — a new
 worker taking half the queue looks like nothing arriving — hence the window. The decode pool's own
 prompt work (the aggregated path) is counted the same way, from its workers' counters.
-A pool's step-time fit is the mean of its workers' fits that have seen steps.
+A pool's step-time fit is the mean of its workers' fits that have seen steps; the decode pool's
+tokens per step, its workers' measured speculative acceptance (router/spec_yield.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from splitserve.control.autoscale.signals import DecodeSignals, PrefillSignals, Signals, StepFit
 from splitserve.control.autoscale.window import LatencyWindow
+from splitserve.router.spec_yield import tokens_per_step
 from splitserve.types import Role, WorkerStats
 
 
@@ -61,13 +63,21 @@ class SignalObserver:
             DecodeSignals(targets[Role.DECODE], float(running), float(sum(s.num_waiting for s in decode.values())),
                           _mean([s.kv_usage for s in decode.values()]), context / running if running else 0.0,
                           window.p90("tpot_s", at), pool_fit(decode.values()), starting.get(Role.DECODE, 0),
-                          d_queued, d_arriving))
+                          d_queued, d_arriving, _tokens_per_step(decode.values())))
 
     def _base(self, at: float) -> _Seen | None:
         """The newest observation at least `rate_window_s` old (else the oldest one kept)."""
         while len(self._seen) > 1 and self._seen[1].at <= at - self.rate_window_s:
             self._seen.popleft()
         return self._seen[0] if self._seen else None
+
+
+def _tokens_per_step(stats) -> float:
+    """The decode pool's tokens per step per sequence, from its workers' speculation counters
+    summed (a worker without speculation adds nothing to either)."""
+    stats = list(stats)
+    return tokens_per_step(sum(s.spec_accepted_tokens_total for s in stats),
+                           sum(s.spec_verify_steps_total for s in stats))
 
 
 def _rate(now: dict, then: dict, dt: float) -> float:

@@ -9,7 +9,9 @@ step-time fits are the model).
     one worker when the decode pool misses its TTFT or TPOT target with prompts of its own
     queued (its prefills are what slows it).
   * Decode: every sequence in flight must fit a batch whose fitted step time stays under the
-    TPOT target, and its KV must fit: need = sequences / (the batch one worker can carry); plus,
+    TPOT target (per token: under speculative decoding a step yields the measured tokens per
+    step, `DecodeSignals.tokens_per_step`, so a step may take that many times the target), and
+    its KV must fit: need = sequences / (the batch one worker can carry); plus,
     for the prompts the decode workers compute themselves (aggregated path), the prefill
     pool's formula over their own queue and arrivals, in workers of their fitted prefill
     throughput.
@@ -225,7 +227,7 @@ class AutoscalePolicy:
             pool.fit = sig.fit
         seqs = sig.running + sig.waiting
         per_worker_kv = self._kv_batch(sig)
-        batch_up, batch_down = (self._tpot_batch(pool.fit, sig.mean_context, u)
+        batch_up, batch_down = (self._tpot_batch(pool.fit, sig.mean_context, u, sig.tokens_per_step)
                                 for u in (c.target_utilization, c.down_utilization))
         prompts = self._decode_prompt_workers(sig, pool.fit)  # workers' worth of prompt work, at full use
         up = _ceil(seqs / min(batch_up, per_worker_kv) + prompts / c.target_utilization)
@@ -248,12 +250,15 @@ class AutoscalePolicy:
             return 0.0
         return need / fit.prefill_tokens_per_s(self.config.chunk_tokens)
 
-    def _tpot_batch(self, fit: StepFit | None, context: float, utilization: float) -> float:
-        """The largest batch whose fitted step time stays within `utilization` of the TPOT SLO."""
+    def _tpot_batch(self, fit: StepFit | None, context: float, utilization: float,
+                    tokens_per_step: float = 1.0) -> float:
+        """The largest batch whose fitted step time per token stays within `utilization` of the
+        TPOT SLO: a step yields `tokens_per_step` tokens per sequence (speculative decoding),
+        so it may take that many times the SLO."""
         if fit is None:
             return math.inf
         per_seq = fit.per_decode_seq + context * fit.per_context_token
-        room = self.config.tpot_slo_s * utilization - fit.base
+        room = self.config.tpot_slo_s * utilization * max(1.0, tokens_per_step) - fit.base
         return max(1.0, room / per_seq) if per_seq > 0 else math.inf
 
     def _kv_batch(self, sig: DecodeSignals) -> float:

@@ -59,6 +59,9 @@ class DecodeSignals:
     starting: int = 0
     queued_prompt_tokens: float = 0.0  # prompt tokens the decode workers compute themselves (aggregated path)
     arriving_prompt_tokens_per_s: float = 0.0  # of those, arriving
+    # tokens a decode step yields per sequence (speculative decoding: 1 + accepted proposals per
+    # verified step, measured over the pool; 1 without it or before enough steps: router/spec_yield.py)
+    tokens_per_step: float = 1.0
 
 
 @dataclass(frozen=True)
