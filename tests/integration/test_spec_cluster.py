@@ -62,7 +62,7 @@ def test_disaggregated_greedy_tokens_equal_the_plain_engine_with_proposals_accep
 
 def test_a_speculating_decode_worker_killed_mid_stream_its_streams_migrate_and_continue_exactly(ray_session, model):
     n = 8
-    ps, sps = repetitive_prompts(n, seed=9), params(n, False, MAX_TOKENS)
+    ps, sps = repetitive_prompts(n, seed=9), params(n, False, 2 * MAX_TOKENS)  # long enough to be cut mid-stream
     ref = reference(model, ps, sps)
     with cluster(model, "spec-kill-decode", decode=2) as c:
         load = Load(c, ps, sps)
