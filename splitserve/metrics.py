@@ -96,7 +96,7 @@ class Metrics:
                                      "Speculative decoding: proposed tokens the model accepted (each verifying step "
                                      "also emits one token of its own per sequence)", ["role", "worker"], registry=r)
         self.spec_verify_steps = Counter(PREFIX + "worker_spec_verify_steps",
-                                         "Speculative decoding: engine steps that verified any proposal",
+                                         "Speculative decoding: verifications, one per sequence per step that verified its proposals",
                                          ["role", "worker"], registry=r)
         self.spec_acceptance = Gauge(PREFIX + "worker_spec_acceptance_ratio",
                                      "Speculative decoding: accepted / proposed tokens, ever", ["role", "worker"],

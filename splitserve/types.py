@@ -349,7 +349,8 @@ class WorkerStats:
     expert_balance: ExpertBalance | None = None  # where its experts sit and the rank load (None: not tracked)
     grammar_compile_s: float = 0.0  # a structured-output grammar's compile time on a cache miss (0: none yet)
     # speculative decoding (engine/speculative/): tokens proposed and verified, of which the model
-    # accepted (each step also emits one token of its own per row), and steps that verified any
+    # accepted (each step also emits one token of its own per row), and verifications: one per
+    # sequence per step that verified its proposals (accepted / verifications: per sequence)
     spec_proposed_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_verify_steps_total: int = 0

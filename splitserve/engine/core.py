@@ -415,6 +415,7 @@ class EngineCore:
             if proposed:
                 self._spec_proposed += proposed
                 self._spec_accepted += accepted
+                self._spec_steps += 1  # one sequence's verification (tokens per step are per sequence)
                 self._verified(seq, proposed, accepted)
             seq.spec_tokens = []
             chunk = None
@@ -430,7 +431,6 @@ class EngineCore:
             chunks.append(chunk)
         for seq, _ in sched.scheduled:  # rows that sampled nothing (a prefill chunk) carry none
             seq.spec_tokens = []
-        self._spec_steps += 1
         self._steps += 1
         return chunks
 

@@ -6,9 +6,8 @@ A step that verifies proposals emits the model's own token plus the accepted one
 of `a` accepted tokens per verified step, 1 + a tokens. Until a worker has verified enough
 steps the mean is noise, so it counts as 1 (no speculation: the step model alone, as before);
 and it is capped, so a burst of lucky acceptances cannot promise more than a few tokens per step.
-
-(`spec_verify_steps_total` counts engine steps that verified anything, not sequences: with
-several sequences verifying in one step the mean is theirs summed, which the cap bounds.)"""
+(`spec_verify_steps_total` counts one verification per sequence per step, so the mean is a
+sequence's, whatever the batch.)"""
 
 from __future__ import annotations
 
