@@ -33,24 +33,32 @@ class SpeculativeConfig:
     `k` proposed tokens, verified in the same forward pass. `ngram` (prompt lookup) matches the
     last n tokens, n from `max_n` down to `min_n`, against the sequence's earlier tokens.
     `adaptive`: each request's k follows its recent acceptance (down to 0, probing again now and
-    then; back up to `k`)."""
+    then; back up to `k`). `suffix` also matches against the recent prompts and outputs of the
+    request's tenant (its cache_salt) on this worker: at most `suffix_tokens_per_tenant` tokens
+    held per tenant, `suffix_tokens` in all, oldest evicted first."""
 
     method: str = "ngram"
     k: int = 4
     min_n: int = 2
     max_n: int = 5
     adaptive: bool = True
+    suffix_tokens_per_tenant: int = 1 << 15
+    suffix_tokens: int = 1 << 17  # about 1.5 KB of host memory each at the default n range
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                               f"got {self.method!r}")
-        for name, lo, hi in (("k", 1, 16), ("min_n", 1, 64), ("max_n", 1, 64)):
+        for name, lo, hi in (("k", 1, 16), ("min_n", 1, 64), ("max_n", 1, 64),
+                             ("suffix_tokens_per_tenant", 1, 1 << 26), ("suffix_tokens", 1, 1 << 28)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ConfigError(f"speculative.{name} must be an integer in [{lo}, {hi}], got {v!r}")
         if self.min_n > self.max_n:
             raise ConfigError(f"speculative.min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
+        if self.suffix_tokens_per_tenant > self.suffix_tokens:
+            raise ConfigError(f"speculative.suffix_tokens_per_tenant ({self.suffix_tokens_per_tenant}) must not exceed "
+                              f"suffix_tokens ({self.suffix_tokens}), the worker's bound")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"speculative.adaptive must be true or false, got {self.adaptive!r}")
 

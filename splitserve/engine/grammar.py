@@ -41,6 +41,18 @@ class GrammarMatcher:
         if not self._m.consume_token(token):  # the mask allowed it, so this is a bug, not input
             log.error("a sampled token left the request's grammar: %s", self._m.get_error())
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the grammar allows from here (the matcher does not move)."""
+        return self._m.validate_tokens(list(tokens))
+
+    def advanced(self, tokens: Sequence[int]) -> "GrammarMatcher":
+        """A copy of this matcher moved over `tokens` (speculative verification: the grammar's
+        state at a proposal's position; this one stays where it is)."""
+        m = self._m.deep_copy()
+        if tokens and not m.consume_tokens(list(tokens)):
+            log.error("a proposal the grammar validated left it: %s", m.get_error())
+        return GrammarMatcher(m)
+
     @property
     def done(self) -> bool:
         """The grammar is complete: nothing but the end of the sequence may follow."""

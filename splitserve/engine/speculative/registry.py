@@ -6,10 +6,10 @@ from __future__ import annotations
 from splitserve.config import SpeculativeConfig
 from splitserve.engine.speculative.ngram import NgramProposer
 from splitserve.engine.speculative.proposer import Proposer
+from splitserve.engine.speculative.suffix import SuffixProposer
 from splitserve.types import ConfigError
 
 NOT_BUILT = {
-    "suffix": "suffix speculation (a per-worker tree of recent outputs)",
     "draft": "draft-head speculation (an MTP layer or EAGLE head)",
 }
 
@@ -17,7 +17,9 @@ NOT_BUILT = {
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.min_n, config.max_n)
+    if config.method == "suffix":
+        return SuffixProposer(config.min_n, config.max_n, config.suffix_tokens_per_tenant, config.suffix_tokens)
     if config.method in NOT_BUILT:
         raise ConfigError(f"speculative method {config.method!r} ({NOT_BUILT[config.method]}) is not built yet; "
-                          "available: ngram")
-    raise ConfigError(f"unknown speculative method {config.method!r}; available: ngram")
+                          "available: ngram, suffix")
+    raise ConfigError(f"unknown speculative method {config.method!r}; available: ngram, suffix")

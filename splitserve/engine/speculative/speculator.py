@@ -1,8 +1,12 @@
 """The engine's side of speculation before a step: which sequences get proposals, and how many.
 
-A sequence is proposed for when it is decoding (all but its last token computed). Not for a
-prefill-only request (it stops after one token), nor for a grammar-constrained one: its
-proposals are not checked against the grammar in this version, so it runs with k = 0. k is
+A sequence is proposed for when it is decoding (all but its last token computed), not for a
+prefill-only request (it stops after one token). A grammar-constrained one's proposal is cut
+at the first token its grammar refuses from where the sequence stands (llguidance validates a
+run of tokens without moving the matcher); verification then masks each position by the
+grammar's state after the proposals before it (verify.py), so it emits what the
+non-speculative engine would. A suffix proposer learns from, and proposes to, the request's
+tenant only (its cache_salt). k is
 capped so that the accepted run plus the model's own token never passes max_tokens (and so
 the context length); EOS and stop ids cut the run in the core, exactly where the
 non-speculative engine stops."""
@@ -16,6 +20,7 @@ from splitserve.config import SpeculativeConfig
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.speculative.adaptive import AdaptiveK
 from splitserve.engine.speculative.registry import make_proposer
+from splitserve.engine.speculative.suffix import SuffixProposer
 
 
 @dataclass
@@ -48,12 +53,20 @@ class Speculator:
         if st is _NEVER:
             return []
         k = min(st.k.next_k(), seq.max_tokens - len(seq.output_token_ids) - 1)
-        return self.proposer.propose(seq.token_ids, st.proposer_state, k) if k > 0 else []
+        if k <= 0:
+            return []
+        proposal = self.proposer.propose(seq.token_ids, st.proposer_state, k)
+        grammar = seq.sampling.grammar
+        return proposal[:grammar.valid_prefix(proposal)] if grammar is not None and proposal else proposal
 
     def _state(self, seq: Sequence):
-        if seq.prefill_only or seq.request.params.grammar is not None:
+        if seq.prefill_only:
             return _NEVER
-        return SeqSpec(self.proposer.new_state(), AdaptiveK(self.config.k, self.config.adaptive))
+        if isinstance(self.proposer, SuffixProposer):  # keyed by tenant: never shared across them
+            state = self.proposer.new_state(seq.request.cache_salt)
+        else:
+            state = self.proposer.new_state()
+        return SeqSpec(state, AdaptiveK(self.config.k, self.config.adaptive))
 
     def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verified step's outcome for `seq`: the adaptive k learns from it."""

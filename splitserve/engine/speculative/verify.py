@@ -62,15 +62,19 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: Seq[Sequence], rows_per
 
 def _states(seqs: Seq[Sequence], rows_per_seq: Seq[int]) -> tuple[list[SamplingState], list[int]]:
     """One sampling state per logits row: row j of a sequence sees its proposals before j as
-    output already (penalties and min_tokens count them)."""
+    output already (penalties and min_tokens count them; a grammar has consumed them)."""
     states: list[SamplingState] = []
     starts = []
     for seq, rows in zip(seqs, rows_per_seq):
         starts.append(len(states))
         base = seq.sampling
         states.append(base)
+        grammar = base.grammar
         for j in range(1, rows):
-            s = replace(base, output_token_ids=base.output_token_ids + seq.spec_tokens[:j], generator=None)
+            # a grammar's mask at row j is its state after the proposals before j
+            grammar = None if grammar is None else grammar.advanced(seq.spec_tokens[j - 1:j])
+            s = replace(base, output_token_ids=base.output_token_ids + seq.spec_tokens[:j], generator=None,
+                        grammar=grammar)
             s._prompt_tensor = base._prompt_tensor  # built once per request, not per row
             states.append(s)
     return states, starts
