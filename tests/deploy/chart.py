@@ -157,6 +157,8 @@ def _matrix() -> list[Case]:
                        "autoscale.enabled=false")))
     cases.append(Case("gpu-speculative-ngram", ("values-gpu.yaml",),
                       json_sets=('serve.speculative={"method": "ngram", "k": 4, "max_n": 4}',)))
+    cases.append(Case("cpu-speculative-suffix", json_sets=(
+        'serve.speculative={"method": "suffix", "k": 4, "suffix_tokens_per_tenant": 4096, "suffix_tokens": 16384}',)))
     cases.append(Case("gpu-gcs-fault-tolerance", ("values-gpu.yaml",),
                       ("gcsFaultTolerance.enabled=true", "gcsFaultTolerance.redisAddress=redis-gcs:6379",
                        "gcsFaultTolerance.redisPasswordSecret.name=redis-gcs", "gcsFaultTolerance.externalStorageNamespace=llm")))

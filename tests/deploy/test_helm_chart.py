@@ -571,6 +571,7 @@ REFUSED = [
      "serve.extraArgs.kv_secret is set by the chart"),
     (Case("speculative-k-zero", json_sets=('serve.speculative={"method": "ngram", "k": 0}',)), "serve.speculative"),
     (Case("speculative-unknown-method", json_sets=('serve.speculative={"method": "medusa"}',)), "serve.speculative"),
+    (Case("speculative-draft-not-built", json_sets=('serve.speculative={"method": "draft"}',)), "serve.speculative"),
     (Case("speculative-typo", json_sets=('serve.speculative={"kk": 4}',)), "serve.speculative"),
     (Case("speculative-min-over-max", json_sets=('serve.speculative={"min_n": 4, "max_n": 2}',)),
      "serve.speculative.min_n (4) must not exceed max_n (2)"),
