@@ -8,7 +8,10 @@ sends it to the other ranks, and every rank runs the same forward pass on its sh
 A row that verifies proposals (speculative decoding, `seq.spec_tokens`) runs like a prefill
 chunk: its last token and the proposals after it, at the positions they would take, their KV
 written into the sequence's blocks (past what it has computed, so never into a shared or cached
-block), with logits for every one of those positions."""
+block), with logits for every one of those positions. The backends attend a step's verify rows
+batched, not one sequence at a time: torch/cpu gather them together as short multi-query rows
+(torch_backend.py), triton runs all of a step's chunks in one launch of its prefill kernel, and
+flash_attn's varlen call takes every row anyway; such a step skips the decode CUDA graphs."""
 
 from __future__ import annotations
 

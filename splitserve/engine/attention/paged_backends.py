@@ -75,7 +75,9 @@ class _PagedBackend:
 
 class TritonBackend(_PagedBackend):
     """store_kv, then decode rows through the split-K decode kernel and prefill rows through the
-    prefill kernel, each reading the cache in place. The kernels' device-reading checks are off:
+    prefill kernel, each reading the cache in place. A speculative verify step's rows (a short
+    chunk per sequence: its last token and k proposals) all go through one prefill launch, which
+    takes a batch of chunks with per-chunk causal offsets: verification is batched already. The kernels' device-reading checks are off:
     the metadata is built here from the scheduler's slices, and a check that reads the device
     would stall the host once per layer (and cannot run inside a CUDA graph).
 

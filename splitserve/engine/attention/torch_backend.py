@@ -7,6 +7,12 @@ heads grouped per KV head so GQA needs no K/V repetition. Prefill chunks run one
 time through SDPA's fused CPU kernel (K/V expanded for GQA: `enable_gqa` falls back to a slow
 unfused path on CPU); a chunk with no earlier context attends to its own fresh K/V (no gather).
 
+Short chunks that follow context (at most `multi_query_max` tokens: a speculative verify row, its
+last token and k proposals) are batched like decodes instead: one gather and one SDPA call over
+all of them, each sequence's queries padded to the longest, query j of a chunk seeing the context
+up to its own position (a per-row length mask). A verify step of B sequences is then one batched
+attention call per layer, not B small prefills.
+
 With an FP8 cache (kv_cache/fp8.py) K/V are encoded as they are stored and decoded as they are
 gathered; the fresh K/V a chunk attends to are the decoded ones too, so a token sees the same
 keys whether its context was computed in this step, an earlier chunk, or another worker.
@@ -32,6 +38,20 @@ class _PrefillMeta:
 
 
 @dataclass
+class _MultiQueryMeta:
+    """Short chunks attended together: [n, q_max] query rows (padding repeats a chunk's last row,
+    and its output is dropped)."""
+
+    rows: torch.Tensor  # [n * q_max] int64: flat rows to read queries from
+    dst: torch.Tensor  # [real rows] int64: flat rows the outputs go to
+    keep: torch.Tensor  # [real rows] int64: their index in the padded [n * q_max]
+    blocks: torch.Tensor  # [n * max_blocks] int64
+    q_max: int
+    max_ctx: int
+    mask: torch.Tensor  # [n, 1, q_max, max_ctx] additive: 0 or -inf
+
+
+@dataclass
 class TorchMeta:
     slot_mapping: torch.Tensor
     num_decodes: int
@@ -40,10 +60,12 @@ class TorchMeta:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_ctx] additive: 0 or -inf
     decode_ctx: torch.Tensor | None  # [num_decodes] int64
     prefills: list[_PrefillMeta]
+    multi: _MultiQueryMeta | None = None
 
 
 class TorchBackend:
     name = "torch"
+    multi_query_max = 16  # chunks this short that follow context attend batched (0: never)
 
     def __init__(self, dtype: torch.dtype = torch.float32, fp8: bool = False) -> None:
         self.dtype = dtype
@@ -58,8 +80,34 @@ class TorchBackend:
             decode_max_ctx=max_ctx,
             decode_mask=mask,
             decode_ctx=ctx,
-            prefills=[self._prepare_prefill(s, batch.slot_mapping.device) for s in batch.prefills],
+            prefills=[self._prepare_prefill(s, batch.slot_mapping.device) for s in batch.prefills
+                      if not self._is_multi(s)],
+            multi=self._prepare_multi([s for s in batch.prefills if self._is_multi(s)], batch.slot_mapping.device),
         )
+
+    def _is_multi(self, s: SeqSlice) -> bool:
+        return s.q_len <= self.multi_query_max and s.ctx_len > s.q_len
+
+    def _prepare_multi(self, seqs: list[SeqSlice], device: torch.device) -> _MultiQueryMeta | None:
+        if not seqs:
+            return None
+        q_max = max(s.q_len for s in seqs)
+        max_blocks = max(len(s.block_ids) for s in seqs)
+        max_ctx = max(s.ctx_len for s in seqs)
+        table = [list(s.block_ids) + [0] * (max_blocks - len(s.block_ids)) for s in seqs]
+        j = torch.arange(q_max)
+        q_len = torch.tensor([s.q_len for s in seqs])
+        jj = torch.minimum(j[None, :], q_len[:, None] - 1)  # padding: the chunk's last row again
+        rows = torch.tensor([s.q_start for s in seqs])[:, None] + jj
+        real = (j[None, :] < q_len[:, None]).reshape(-1)
+        past = torch.tensor([s.ctx_len - s.q_len for s in seqs])
+        sees = torch.arange(max_ctx)[None, None, :] <= (past[:, None] + jj)[:, :, None]  # [n, q_max, max_ctx]
+        mask = torch.zeros(sees.shape, dtype=self.dtype).masked_fill_(~sees, float("-inf"))
+        return _MultiQueryMeta(
+            rows=rows.reshape(-1).to(device), dst=rows.reshape(-1)[real].to(device),
+            keep=torch.nonzero(real).reshape(-1).to(device),
+            blocks=torch.tensor(table, dtype=torch.int64, device=device).reshape(-1),
+            q_max=q_max, max_ctx=max_ctx, mask=mask[:, None].to(device))
 
     def _prepare_decodes(self, batch: AttentionBatch):
         if not batch.decodes:
@@ -101,6 +149,8 @@ class TorchBackend:
             s = p.seq
             sl = slice(s.q_start, s.q_start + s.q_len)
             out[sl] = self._prefill(q[sl], k[sl], v[sl], k_cache, v_cache, p, scale)
+        if meta.multi is not None:
+            out.index_copy_(0, meta.multi.dst, self._multi(q, k_cache, v_cache, meta.multi, scale))
         return out
 
     def _store(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -128,6 +178,21 @@ class TorchBackend:
         qg = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         return o.reshape(nd, num_heads, head_dim)
+
+    def _multi(self, q, k_cache, v_cache, m: _MultiQueryMeta, scale: float) -> torch.Tensor:
+        """The short chunks' real rows, in `m.dst` order. GQA as `_decode`: each KV head's query
+        heads × the chunk's rows form one block of queries (group-major, like the mask's repeat)."""
+        _, num_heads, head_dim = q.shape
+        kvh = k_cache.shape[2]
+        group, n = num_heads // kvh, m.rows.numel() // m.q_max
+        kd = self._gather(k_cache, m.blocks, n, m.max_ctx)
+        vd = self._gather(v_cache, m.blocks, n, m.max_ctx)
+        qg = q.index_select(0, m.rows).view(n, m.q_max, kvh, group, head_dim)
+        qg = qg.permute(0, 2, 3, 1, 4).reshape(n, kvh, group * m.q_max, head_dim)
+        mask = m.mask.repeat(1, 1, group, 1) if group > 1 else m.mask
+        o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=mask, scale=scale)
+        o = o.view(n, kvh, group, m.q_max, head_dim).permute(0, 3, 1, 2, 4).reshape(n * m.q_max, num_heads, head_dim)
+        return o.index_select(0, m.keep)
 
     def _prefill(self, q, k, v, k_cache, v_cache, p: _PrefillMeta, scale: float) -> torch.Tensor:
         group = q.shape[1] // k_cache.shape[2]
