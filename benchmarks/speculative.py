@@ -7,8 +7,8 @@ one process, one engine each with and without speculation, greedy:
   (c) open chat: free text, little to look up (adaptive k must back off).
 
 Per workload, each prompt alone (batch 1: TPOT is what speculation buys) and then all of them
-together (a batch: on a CPU a verifying row runs the attention's per-sequence prefill path, so
-the batch shows the cost honestly). Reports TPOT (median over requests), output tok/s, the
+together (a batch: the verify rows of every sequence attend in one batched call, torch_backend.py;
+benchmarks/verify_step.py measures that step alone). Reports TPOT (median over requests), output tok/s, the
 acceptance rate (accepted / proposed) and tokens per verified row. The runs alternate plain /
 speculative, `--rounds` times, so the machine's drift and other load hit both alike; the JSON
 records the load average (on a shared machine wall-clock TPOT is noisy: read the ratios, and

@@ -23,6 +23,12 @@ the JSON.
             2K / 8K: step time and bandwidth utilization = (weight bytes + KV bytes read) /
             step time / copy bandwidth; backends: triton replayed from a CUDA graph, triton
             eager, torch (gather + SDPA), flash_attn when it imports
+  verify    a speculative verify step (issue 36): b sequences × (1 + k) query rows (the last
+            token and k proposals) at 2K context through the triton backend (one prefill-kernel
+            launch over the batch, logits for every row), k = 1..8 at batch 1 / 4 / 16 / 64,
+            against the plain decode step (eager, the same batch and context): step time and the
+            ratio verify / decode — the tokens a step must yield on average for speculation to
+            pay, (1 − α^(k+1)) / (1 − α) ≥ ratio (sim/speculation.py)
   prefill   one prompt of 512 / 2K / 8K tokens: time and MFU = (2 × non-embedding params ×
             tokens + causal attention FLOPs) / time / peak; triton vs torch SDPA (vs flash_attn)
   fused_ablation  decode (batch 64 × 2K) and a 2K prefill with the fused residual+RMSNorm and
@@ -369,6 +375,44 @@ class Bench:
         return {"batch": b, "context": c, "step_ms": t * 1e3, "prepare_ms": t_prep * 1e3, "bytes_read": read,
                 "bandwidth_util": read / t / self.copy_bw, "tokens_per_s": b / t, "kv_blocks_shared": shared}
 
+    def verify(self) -> None:
+        be = self.backends().get("triton")
+        rows: list[dict] = []
+        self.result["verify"] = rows
+        if be is None:
+            return
+        batches, ks = ((2,), (2,)) if self.smoke else ((1, 4, 16, 64), tuple(range(1, 9)))
+        c, iters = (40, 1) if self.smoke else (2048, 10)
+        for b in batches:
+            if self.time_left() < 30:
+                rows.append({"batch": b, "skipped": "budget"})
+                continue
+            decode = self.guarded(f"verify.decode.b{b}", lambda: self._step_s(b, c, 1, be[0], iters))
+            for k in ks:
+                verify = self.guarded(f"verify.b{b}.k{k}", lambda: self._step_s(b, c, k + 1, be[0], iters))
+                if decode is None or verify is None:
+                    rows.append({"batch": b, "k": k, "skipped": "error"})
+                    continue
+                rows.append({"batch": b, "k": k, "context": c, "decode_ms": decode * 1e3, "verify_ms": verify * 1e3,
+                             "verify_over_decode": verify / decode})
+                print(f"verify b={b:3d} k={k} decode {decode * 1e3:7.2f} ms verify {verify * 1e3:7.2f} ms "
+                      f"x{verify / decode:.2f}", flush=True)
+
+    def _step_s(self, b: int, c: int, q_len: int, be, iters: int) -> float:
+        """Eager forward + logits of every new row: b sequences of c cached tokens + q_len new."""
+        torch = self.torch
+        batch, _ = self.batch(b, c + q_len, q_len, self.block_size)
+        kv = self.layers(self.block_size)
+        ids = torch.randint(0, self.cfg.vocab_size, (b * q_len,), device=self.device)
+        pos = torch.arange(c, c + q_len, device=self.device).repeat(b)
+        meta = be.prepare(batch)
+
+        def step():
+            return self.model.compute_logits(self.model(ids, pos, kv, be, meta))
+
+        with torch.inference_mode():
+            return self.timeit(step, iters, warmup=1 if self.smoke else 2)
+
     def prefill(self) -> None:
         lengths = (16, 32) if self.smoke else (512, 2048, 8192)
         rows: list[dict] = []
@@ -509,6 +553,9 @@ class Bench:
         for r in self.result.get("prefill", []):
             if (r.get("tokens"), r.get("backend")) == (8192, "triton"):
                 out["prefill_mfu_8k"] = r.get("mfu")
+        for r in self.result.get("verify", []):
+            if (r.get("batch"), r.get("k")) == (16, 4) and "verify_over_decode" in r:
+                out["verify_over_decode_b16_k4"] = r["verify_over_decode"]
         for r in self.result.get("fp8_kv_decode", []):
             if (r.get("batch"), r.get("context")) == (64, 32768) and "speedup_vs_plain" in r:
                 out["fp8_kv_decode_speedup_b64_ctx32k"] = r["speedup_vs_plain"]
@@ -966,7 +1013,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, if the GPU name is not known")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     ap.add_argument("--sections",
-                    default="kernels,quant_gemm,fp8_kv_decode,decode,prefill,fused_ablation,host_tier,streaming,tp")
+                    default="kernels,quant_gemm,fp8_kv_decode,decode,verify,prefill,fused_ablation,host_tier,streaming,tp")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -983,12 +1030,12 @@ def main(argv: list[str] | None = None) -> int:
         bench.guarded("quant_gemm", bench.quant_gemm)
     if "fp8_kv_decode" in sections:  # before the model: its caches are freed before the pool is sized
         bench.guarded("fp8_kv_decode", bench.fp8_kv_decode)
-    if {"decode", "prefill", "fused_ablation", "host_tier", "streaming"} & set(sections):
+    if {"decode", "verify", "prefill", "fused_ablation", "host_tier", "streaming"} & set(sections):
         bench.guarded("model", bench.build_model)
         need = 512 if args.smoke else 256 * (8192 + 16)  # the largest batch x context (capped by memory)
         if hasattr(bench, "model"):
             bench.guarded("kv", lambda: bench.allocate_kv(need))
-        for name in ("decode", "prefill", "fused_ablation", "host_tier", "streaming"):
+        for name in ("decode", "verify", "prefill", "fused_ablation", "host_tier", "streaming"):
             if name in sections and hasattr(bench, "kv_storage"):
                 bench.guarded(name, getattr(bench, name))
     if "tp" in sections:

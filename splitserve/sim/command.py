@@ -24,6 +24,7 @@ from splitserve.sim.cost.shapes import ModelShape, model_shape
 from splitserve.sim.pools import LAYOUTS
 from splitserve.sim.report import format_summary, plot, summarize
 from splitserve.sim.simulation import SimConfig, Simulation
+from splitserve.sim.speculation import SpecSim
 from splitserve.sim.workload import Workload, from_bench, from_trace
 from splitserve.types import ConfigError
 
@@ -92,6 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--dtype", default="auto", help="--calibrate: the engine's dtype")
     e.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="--calibrate: the engine's KV cache")
     e.add_argument("--threads", type=int, default=None, help="--calibrate: torch threads (a Ray worker has 1)")
+    e.add_argument("--spec-k", type=int, default=0,
+                   help="speculative decoding: proposals per sequence and step (default 0: none)")
+    e.add_argument("--spec-acceptance", type=float, default=0.0,
+                   help="speculative decoding: each proposal's acceptance rate, i.i.d. (e.g. 0.7 code edits, "
+                        "0.4 tool JSON, 0.15 open chat with the n-gram proposer, results/speculative.json)")
     r = p.add_argument_group("router")
     r.add_argument("--policy", default="cache_aware", help="round_robin, least_loaded, power_of_two, cache_aware")
     r.add_argument("--disagg-min-tokens", type=int, default=32)
@@ -187,7 +193,8 @@ def config_of(a: argparse.Namespace) -> SimConfig:
                      max_inflight=a.max_inflight, autoscale=autoscale, gpus_per_node=a.gpus_per_node,
                      layout=a.layout, worker_start_s=a.worker_start_s, ingress_s=a.ingress_ms / 1e3,
                      handoff_s=a.handoff_ms / 1e3, stream_s=a.stream_ms / 1e3, host_cores=a.host_cores,
-                     grammar_compile_s=a.grammar_compile_ms / 1e3)
+                     grammar_compile_s=a.grammar_compile_ms / 1e3,
+                     speculation=SpecSim(a.spec_k, a.spec_acceptance))
 
 
 def run_once(config: SimConfig, cost, workload: Workload) -> tuple[dict[str, Any], Simulation]:

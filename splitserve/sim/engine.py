@@ -2,7 +2,8 @@
 prefill, the KV hand-over, stop rules — with the model replaced by a cost model. A step is
 split in two around simulated time: `begin` schedules it and says how long it takes, `finish`
 applies it when that time has passed. Sampling draws nothing: every sampled token is the same
-id, and outputs end by length (the trace's output length), as a benchmark's ignore_eos does."""
+id, and outputs end by length (the trace's output length), as a benchmark's ignore_eos does.
+Speculative decoding, if configured, changes only the step's time (sim/speculation.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_shape import shape_of
 from splitserve.sim.cost import CostModel
+from splitserve.sim.speculation import SpecSim
 from splitserve.types import GRAMMAR_CACHE_SIZE, Request, SamplingParams, TokenChunk
 
 TOKEN = 1  # the id every simulated sample draws
@@ -51,13 +53,14 @@ class GrammarCache:
 class SimEngine(EngineCore):
     def __init__(self, cost: CostModel, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_prefix_caching: bool = True, num_blocks: int | None = None,
-                 compile_s: float = 0.0) -> None:
+                 compile_s: float = 0.0, speculation: SpecSim = SpecSim()) -> None:
         super().__init__(block_size=block_size, num_blocks=num_blocks or cost.kv_blocks(block_size),
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching)
         self.cost = cost
         self._coeffs = tuple(cost.coeffs())
         self.grammars = GrammarCache(compile_s)
+        self.speculation = speculation  # priced by the step's time only (sim/speculation.py)
 
     def grammar_compile_s(self) -> float:
         return self.grammars.compile_s if self.grammars.compiles else 0.0
@@ -77,7 +80,7 @@ class SimEngine(EngineCore):
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return None
-        return sched, self.cost.step_s(shape_of(sched))
+        return sched, self.speculation.step_s(self.cost.step_s, shape_of(sched))
 
     def finish(self, sched: SchedulerOutput) -> list[TokenChunk]:
         """The step `begin` scheduled has run: apply it."""

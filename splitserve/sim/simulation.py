@@ -27,6 +27,7 @@ from splitserve.sim.engine import SimEngine
 from splitserve.sim.events import EventLoop
 from splitserve.sim.pools import SimPools
 from splitserve.sim.router import SimRouter
+from splitserve.sim.speculation import SpecSim
 from splitserve.sim.worker import HostCPU, SimWorker
 from splitserve.sim.workload import PrefixHasher, SimRequestSpec, Workload
 from splitserve.types import ConfigError, PromptHashes, Request, Role, SamplingParams, TokenChunk, WorkerId, WorkerState
@@ -64,6 +65,7 @@ class SimConfig:
     # a structured-output grammar's compile on a worker that has not cached it (llguidance, the
     # demo model: p50 1.1 ms, results/structured_output)
     grammar_compile_s: float = 0.0011
+    speculation: SpecSim = SpecSim()  # k proposals at acceptance α (sim/speculation.py); k = 0: none
 
     def __post_init__(self) -> None:
         if self.decode < 1 and self.autoscale is None:
@@ -174,7 +176,7 @@ class Simulation:
         c = self.config
         engine = SimEngine(self.costs.of_role(role), block_size=c.block_size, max_num_seqs=c.max_num_seqs,
                            max_num_batched_tokens=self._budget(role), max_model_len=c.max_model_len,
-                           compile_s=c.grammar_compile_s)
+                           compile_s=c.grammar_compile_s, speculation=c.speculation)
         host = None
         if c.host_cores is not None:
             host = self._hosts.setdefault(node, HostCPU(c.host_cores))

@@ -87,3 +87,20 @@ def test_the_batched_path_writes_each_new_token_at_its_slot():
     backend.forward(q, k, v, kc, vc, backend.prepare(batch), 0.25)
     torch.testing.assert_close(kc.view(-1, 2, D)[batch.slot_mapping], k)
     torch.testing.assert_close(vc.view(-1, 2, D)[batch.slot_mapping], v)
+
+
+def test_the_triton_backend_verifies_a_batch_in_one_prefill_launch():
+    """The triton backend (its interpreter on CPU) takes the same step through its prefill kernel
+    over all the chunks at once; its output matches dense attention."""
+    pytest.importorskip("triton")
+    from splitserve.engine.attention.paged_backends import triton_unavailable
+
+    if triton_unavailable(torch.device("cpu")) and not torch.cuda.is_available():
+        pytest.skip("triton runs on CUDA or under TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    step = _step(2, 4, [9, 17, 6, 13], [5, 3, 2], decodes=1, seed=2)
+    q, k, v, k_cache, v_cache, batch = (x.to(device) if isinstance(x, torch.Tensor) else x for x in step)
+    batch = AttentionBatch(batch.num_tokens, batch.slot_mapping.to(device), batch.decodes, batch.prefills, BS)
+    backend = get_backend("triton", torch.float32, device, block_size=BS, head_dim=D)
+    out = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), backend.prepare(batch), 1 / math.sqrt(D))
+    torch.testing.assert_close(out.cpu(), _dense(*step), rtol=1e-4, atol=1e-4)
