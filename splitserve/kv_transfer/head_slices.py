@@ -113,26 +113,34 @@ def _copy_shm(ep: TransportEndpoint, src_blocks: Sequence[int], storage: torch.T
 
 def _copy_tcp(h: KVHandoff, ep: TransportEndpoint, storage: torch.Tensor, dst_blocks: Sequence[int], sl,
               secret: str | None) -> int:
-    from splitserve.kv_transfer.tcp import TcpTransport
-
-    lay = ep.layout
-    n = len(h.block_ids)
-    staging = torch.empty((lay.num_layers, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim), dtype=storage.dtype)
-    local = KVLayout(lay.num_layers, n, lay.block_size, lay.num_kv_heads, lay.head_dim, lay.dtype,
-                     lay.element_size, lay.model_fingerprint)
-    t = TcpTransport(secret=secret)
-    try:
-        t.register(staging, local, "", serve=False)
-        status = wait_transfer(t, t.read(from_endpoint(h, ep), range(n)))
-        if status.reason is not None:
-            raise status.reason
-    finally:
-        t.close()
+    staging = fetch_tcp(h, ep, storage.dtype, secret)
     ids = torch.as_tensor(list(dst_blocks), dtype=torch.int64, device=storage.device)
     part = staging[:, :, :, :, sl.src_heads.start: sl.src_heads.stop].to(storage.device)
     view = storage[:, :, :, :, sl.dst_heads.start: sl.dst_heads.stop]
     view.index_copy_(2, ids, part)
     return staging.numel() * staging.element_size()
+
+
+def fetch_tcp(h: KVHandoff, ep: TransportEndpoint, dtype: torch.dtype, secret: str | None,
+              layers: range | None = None) -> torch.Tensor:
+    """The handoff's whole blocks from the source cache behind `ep`, over tcp, into a staging
+    tensor of that source's geometry (`layers`: only those are read; the rest stay unset)."""
+    from splitserve.kv_transfer.tcp import TcpTransport
+
+    lay = ep.layout
+    n = len(h.block_ids)
+    staging = torch.empty((lay.num_layers, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim), dtype=dtype)
+    local = KVLayout(lay.num_layers, n, lay.block_size, lay.num_kv_heads, lay.head_dim, lay.dtype,
+                     lay.element_size, lay.model_fingerprint)
+    t = TcpTransport(secret=secret)
+    try:
+        t.register(staging, local, "", serve=False)
+        status = wait_transfer(t, t.read(from_endpoint(h, ep), range(n), layers))
+        if status.reason is not None:
+            raise status.reason
+    finally:
+        t.close()
+    return staging
 
 
 def from_endpoint(h: KVHandoff, ep: TransportEndpoint) -> KVHandoff:

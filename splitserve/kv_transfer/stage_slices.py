@@ -25,8 +25,7 @@ from typing import Sequence
 import torch
 
 from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, TransportEndpoint
-from splitserve.kv_transfer.head_slices import PEER_MAPS, cache_view, from_endpoint
-from splitserve.kv_transfer.jobs import wait_transfer
+from splitserve.kv_transfer.head_slices import PEER_MAPS, cache_view, fetch_tcp
 from splitserve.kv_transfer.regions import block_runs, dtype_name, kv_checksum
 
 
@@ -138,21 +137,7 @@ def _copy_shm(ep: TransportEndpoint, src_blocks: Sequence[int], storage: torch.T
 
 def _copy_tcp(h: KVHandoff, ep: TransportEndpoint, storage: torch.Tensor, dst_blocks: Sequence[int],
               sl: LayerSlice, secret: str | None) -> int:
-    from splitserve.kv_transfer.tcp import TcpTransport
-
-    lay = ep.layout
-    n = len(h.block_ids)
-    staging = torch.empty((lay.num_layers, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim), dtype=storage.dtype)
-    local = KVLayout(lay.num_layers, n, lay.block_size, lay.num_kv_heads, lay.head_dim, lay.dtype,
-                     lay.element_size, lay.model_fingerprint)
-    t = TcpTransport(secret=secret)
-    try:
-        t.register(staging, local, "", serve=False)
-        status = wait_transfer(t, t.read(from_endpoint(h, ep), range(n), sl.src_layers))
-        if status.reason is not None:
-            raise status.reason
-    finally:
-        t.close()
+    staging = fetch_tcp(h, ep, storage.dtype, secret, sl.src_layers)
     ids = torch.as_tensor(list(dst_blocks), dtype=torch.int64, device=storage.device)
     part = staging[sl.src_layers.start: sl.src_layers.stop].to(storage.device)
     storage[sl.dst_layers.start: sl.dst_layers.stop].index_copy_(2, ids, part)
