@@ -22,6 +22,7 @@ by the config."""
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import ray
 from ray.util.placement_group import get_current_placement_group
@@ -66,123 +67,80 @@ class DPReplica:
 
 
 class RayRanks:
-    def __init__(self, actors: list, runs: list, places: tuple[RankPlace, ...]) -> None:
-        self.actors, self.runs, self._places = actors, runs, places
+    """The processes 1..N-1 a worker actor started: where they run, which one is gone."""
+
+    def __init__(self, actors: list, runs: list, places: tuple[RankPlace, ...], name: Callable[[int], str]) -> None:
+        self.actors, self.runs, self._places, self._name = actors, runs, places, name
 
     def places(self) -> tuple[RankPlace, ...]:
         return self._places
 
     def lost(self) -> str | None:
         done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
-        if not done:
-            return None
-        return f"tensor-parallel rank {self.runs.index(done[0]) + 1} exited"
+        return f"{self._name(self.runs.index(done[0]) + 1)} exited" if done else None
 
     def stop(self, tp: TPGroup, timeout_s: float = 10.0) -> None:
         end_followers(tp)
         ray.wait(self.runs, num_returns=len(self.runs), timeout=timeout_s)
-        for a in self.actors:
-            ray.kill(a, no_restart=True)
-        tp.close()
+        self.abandon(tp)
 
-
-def start_ray_group(config) -> tuple[DistGroup, RayRanks]:
-    """Ranks 1..T-1 in this actor's placement group, rank r in bundle r; joined as rank 0."""
-    pg = get_current_placement_group()
-    size = config.tensor_parallel_size
-    if pg is None or pg.bundle_count < size:
-        raise RuntimeError(f"a tensor-parallel worker of {size} ranks must run in a placement group of "
-                           f"{size} bundles")
-    spec = pg.bundle_specs[1]  # every rank's bundle is alike
-    address = free_address(ray.util.get_node_ip_address())
-    backend = "nccl" if on_cuda(config) else "gloo"
-    actors = [TPRank.options(num_cpus=spec.get("CPU", 1), num_gpus=spec.get("GPU", 0),
-                             scheduling_strategy=placement(pg, r)).remote() for r in range(1, size)]
-    places = tuple(RankPlace(r, p.node_id, p.node_ip, p.pid) for r, p in
-                   enumerate(ray.get([a.where.remote() for a in actors]), 1))
-    runs = [a.run.remote(config, GroupSpec(r, size, address, backend)) for r, a in enumerate(actors, 1)]
-    try:
-        return DistGroup(GroupSpec(0, size, address, backend)), RayRanks(actors, runs, places)
-    except Exception:
-        for a in actors:
-            ray.kill(a, no_restart=True)
-        raise
-
-
-class RayStages(RayRanks):
-    def __init__(self, actors: list, runs: list, places: tuple[RankPlace, ...], tp_size: int) -> None:
-        super().__init__(actors, runs, places)
-        self.tp_size = tp_size
-
-    def lost(self) -> str | None:
-        done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
-        if not done:
-            return None
-        stage, rank = divmod(self.runs.index(done[0]) + 1, self.tp_size)
-        return f"pipeline stage {stage} exited" + (f" (its tensor-parallel rank {rank})" if self.tp_size > 1 else "")
-
-
-def start_ray_stages(config, timeout_s: float = 60.0) -> tuple[PipeGroup, RayStages]:
-    """Processes 1..S*T-1 of a pipeline-parallel engine in this actor's placement group, process
-    r in bundle r; joined as process 0 (stage 0, TP rank 0)."""
-    pg = get_current_placement_group()
-    t = config.tensor_parallel_size
-    size = config.pipeline_parallel_size * t
-    if pg is None or pg.bundle_count < size:
-        raise RuntimeError(f"a pipeline-parallel worker of {size} processes ({config.pipeline_parallel_size} stages x "
-                           f"{t} ranks) must run in a placement group of {size} bundles")
-    spec = pg.bundle_specs[1]
-    # other stages may be on other nodes: they reach process 0 at this node's address
-    address = free_address(ray.util.get_node_ip_address())
-    backend = "nccl" if on_cuda(config) else "gloo"
-    actors = [PipeStage.options(num_cpus=spec.get("CPU", 1), num_gpus=spec.get("GPU", 0),
-                                scheduling_strategy=placement(pg, r)).remote() for r in range(1, size)]
-    try:
-        places = tuple(RankPlace(r, p.node_id, p.node_ip, p.pid) for r, p in
-                       enumerate(ray.get([a.where.remote() for a in actors]), 1))
-        runs = [a.run.remote(config, GroupSpec(r, size, address, backend, timeout_s), t)
-                for r, a in enumerate(actors, 1)]
-        return PipeGroup(GroupSpec(0, size, address, backend, timeout_s), t), RayStages(actors, runs, places, t)
-    except Exception:
-        for a in actors:
-            ray.kill(a, no_restart=True)
-        raise
-
-
-class RayReplicas(RayRanks):
-    def lost(self) -> str | None:
-        done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
-        return f"data-parallel replica {self.runs.index(done[0]) + 1} exited" if done else None
-
-    def abandon(self, group: DPGroup) -> None:
-        """End the replicas of a broken group without a word (they would wait on it)."""
+    def abandon(self, group) -> None:
+        """End the processes without a word (those of a broken group would wait on it)."""
         for a in self.actors:
             ray.kill(a, no_restart=True)
         group.close()
 
 
-def start_ray_replicas(config, timeout_s: float = 60.0) -> tuple[DPGroup, RayReplicas]:
-    """Replicas 1..D-1 of a data-parallel engine in this actor's placement group, replica r in
-    bundle r; joined as replica 0 (the front's own)."""
+def _start(config, actor, size: int, what: str, join: Callable[[GroupSpec], object], name: Callable[[int], str],
+           timeout_s: float, *run_args) -> tuple[object, RayRanks]:
+    """Processes 1..size-1 of `what` in this actor's placement group, process r in bundle r, each
+    running `actor.run(config, its spec, *run_args)`; this actor joins as process 0 (`join`).
+    What it started is killed if any of that fails."""
     pg = get_current_placement_group()
-    size = config.data_parallel_size
     if pg is None or pg.bundle_count < size:
-        raise RuntimeError(f"a data-parallel worker of {size} replicas must run in a placement group of "
-                           f"{size} bundles")
-    spec = pg.bundle_specs[1]
+        raise RuntimeError(f"{what} must run in a placement group of {size} bundles")
+    bundle = pg.bundle_specs[1]  # every process's bundle is alike
+    # processes on other nodes (pipeline stages may be) reach process 0 at this node's address
     address = free_address(ray.util.get_node_ip_address())
     backend = "nccl" if on_cuda(config) else "gloo"
-    actors = [DPReplica.options(num_cpus=spec.get("CPU", 1), num_gpus=spec.get("GPU", 0),
-                                scheduling_strategy=placement(pg, r)).remote() for r in range(1, size)]
+    actors = [actor.options(num_cpus=bundle.get("CPU", 1), num_gpus=bundle.get("GPU", 0),
+                            scheduling_strategy=placement(pg, r)).remote() for r in range(1, size)]
     try:
         places = tuple(RankPlace(r, p.node_id, p.node_ip, p.pid) for r, p in
                        enumerate(ray.get([a.where.remote() for a in actors]), 1))
-        runs = [a.run.remote(config, GroupSpec(r, size, address, backend, timeout_s)) for r, a in enumerate(actors, 1)]
-        return DPGroup(GroupSpec(0, size, address, backend, timeout_s)), RayReplicas(actors, runs, places)
+        runs = [a.run.remote(config, GroupSpec(r, size, address, backend, timeout_s), *run_args)
+                for r, a in enumerate(actors, 1)]
+        return join(GroupSpec(0, size, address, backend, timeout_s)), RayRanks(actors, runs, places, name)
     except Exception:
         for a in actors:
             ray.kill(a, no_restart=True)
         raise
+
+
+def start_ray_group(config, timeout_s: float = 60.0) -> tuple[DistGroup, RayRanks]:
+    size = config.tensor_parallel_size
+    return _start(config, TPRank, size, f"a tensor-parallel worker of {size} ranks", DistGroup,
+                  lambda r: f"tensor-parallel rank {r}", timeout_s)
+
+
+def start_ray_stages(config, timeout_s: float = 60.0) -> tuple[PipeGroup, RayRanks]:
+    """Process r is stage r // T, its TP rank r % T; process 0 is stage 0's TP rank 0."""
+    t = config.tensor_parallel_size
+    size = config.pipeline_parallel_size * t
+
+    def name(r: int) -> str:
+        stage, rank = divmod(r, t)
+        return f"pipeline stage {stage}" + (f" (its tensor-parallel rank {rank})" if t > 1 else "")
+
+    return _start(config, PipeStage, size,
+                  f"a pipeline-parallel worker of {size} processes ({config.pipeline_parallel_size} stages x {t} ranks)",
+                  lambda spec: PipeGroup(spec, t), name, timeout_s, t)
+
+
+def start_ray_replicas(config, timeout_s: float = 60.0) -> tuple[DPGroup, RayRanks]:
+    size = config.data_parallel_size
+    return _start(config, DPReplica, size, f"a data-parallel worker of {size} replicas", DPGroup,
+                  lambda r: f"data-parallel replica {r}", timeout_s)
 
 
 def start_ray_ranks(config):
