@@ -35,7 +35,11 @@ class SpeculativeConfig:
     `adaptive`: each request's k follows its recent acceptance (down to 0, probing again now and
     then; back up to `k`). `suffix` also matches against the recent prompts and outputs of the
     request's tenant (its cache_salt) on this worker: at most `suffix_tokens_per_tenant` tokens
-    held per tenant, `suffix_tokens` in all, oldest evicted first."""
+    held per tenant, `suffix_tokens` in all, oldest evicted first. `draft` runs a draft head,
+    one decoder layer over the target's hidden states (engine/speculative/draft.py): the
+    EAGLE-style head in the directory `draft_path`, or with `draft_path` null the checkpoint's own
+    multi-token-prediction layer (DeepSeek-V3's `num_nextn_predict_layers`); its KV is one more
+    layer of the paged cache, so a PD handoff carries it and both pools need this same config."""
 
     method: str = "ngram"
     k: int = 4
@@ -44,6 +48,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     suffix_tokens_per_tenant: int = 1 << 15
     suffix_tokens: int = 1 << 17  # about 1.5 KB of host memory each at the default n range
+    draft_path: str | None = None  # method draft: an EAGLE head's directory; None: the checkpoint's MTP layer
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -61,6 +66,12 @@ class SpeculativeConfig:
                               f"suffix_tokens ({self.suffix_tokens}), the worker's bound")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"speculative.adaptive must be true or false, got {self.adaptive!r}")
+        if self.draft_path is not None:
+            if self.method != "draft":
+                raise ConfigError(f"speculative.draft_path is for method draft, not {self.method!r}")
+            if not isinstance(self.draft_path, str) or not Path(self.draft_path).is_dir():
+                raise ConfigError(f"speculative.draft_path {self.draft_path!r} is not a directory (an EAGLE head's: "
+                                  "config.json and its weights)")
 
     @classmethod
     def of(cls, v: Any) -> "SpeculativeConfig | None":
@@ -143,6 +154,9 @@ class EngineConfig:
         if self.speculative is not None and self.data_parallel_size > 1:
             raise ConfigError("speculative decoding is not supported with data_parallel_size > 1 "
                               "(data-parallel attention) yet")
+        if self.speculative is not None and self.speculative.method == "draft" and self.tensor_parallel_size > 1:
+            raise ConfigError("speculative method draft (a draft head) is not supported with tensor_parallel_size > 1 "
+                              "yet: the head runs in one process; use ngram or suffix there")
         if self.pipeline_parallel_size > 1 and self.host_kv_blocks:
             raise ConfigError("host_kv_blocks is not supported with pipeline_parallel_size > 1 yet")
         if self.pipeline_micro_batches > 1 and self.pipeline_parallel_size == 1:

@@ -43,6 +43,7 @@ from splitserve.engine.quant.linear import keep_quantized
 from splitserve.engine.sampler import Sampler, SamplingState, make_generator
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.speculative.draft import DraftProposer, load_draft_head
 from splitserve.engine.speculative.speculator import Speculator
 from splitserve.engine.speculative.verify import verify
 from splitserve.engine.step_model import StepTimeModel
@@ -96,8 +97,11 @@ class Engine(EngineCore):
         self.dtype = resolve_dtype(config.dtype, mc)
         max_model_len = _max_model_len(config, mc)
         torch.manual_seed(config.seed)
-        # before any rank starts: an unknown or unbuilt method fails here
-        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+        # before any rank starts: an unknown or unbuilt method fails here (a draft head's proposer
+        # needs the model and its cache: built with them, _build)
+        spec = config.speculative
+        self.speculator = Speculator(spec) if spec is not None and spec.method != "draft" else None
+        self.draft: DraftProposer | None = None
         size = config.tensor_parallel_size
         check_tp(mc, size, config.expert_parallel)  # before any rank is started
         check_pp(mc.num_layers, config.pipeline_parallel_size)
@@ -137,12 +141,17 @@ class Engine(EngineCore):
         model = load_model(Path(config.model), mc, self.dtype, max_model_len, self.device, self.tp, shard, keep,
                            self.stage)
         self.tp.wait_all()  # the slowest rank's load is no collective's timeout
+        spec = config.speculative
+        head = None
+        if spec is not None and spec.method == "draft":  # before the KV is sized: its weights take memory
+            head = load_draft_head(spec, config.model, mc, model, max_model_len, self.dtype, self.device)
         # experts in slots, with replicas and a placement rebalanced between steps (None: off)
         self.expert_balancer = ExpertBalancer.attach(model, mc, config, shard)
         if self.dp is not None:  # each MoE layer's tokens go to their experts' replicas and back
             ExpertDispatch.attach(model, self.dp)
         kv_heads = mc.num_kv_heads if shard is None else len(shard.kv_heads)
         kv_layers = mc.num_layers if self.stage is None else len(self.stage.layers)
+        kv_layers += head is not None  # a draft head's KV: one more layer, index num_layers (speculative/draft.py)
         # every rank's pool has rank 0's block count: its block ids index them all (every stage's:
         # the fewest any stage's memory holds)
         num_blocks = config.num_kv_blocks
@@ -166,7 +175,7 @@ class Engine(EngineCore):
                          max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                          eos_token_ids=mc.eos_token_ids, enable_prefix_caching=config.enable_prefix_caching,
                          host=host, in_flight=in_flight)
-        self.scheduler.speculative = self.speculator is not None
+        self.scheduler.speculative = spec is not None
         cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         if config.fused_kernels and self.device.type == "cuda" and triton_unavailable(self.device) is None:
             model.use_triton_kernels()  # fused residual + RMSNorm and rotary: fewer passes, same rounding
@@ -183,6 +192,11 @@ class Engine(EngineCore):
         else:
             self.runner = PipelineRunner(model, self.kv, backend, config.block_size, self.device, self.dtype, pp,
                                          self.stage, config.pipeline_micro_batches)
+        if head is not None:
+            self.draft = DraftProposer(head, model, self.kv.layers[mc.num_layers], backend, config.block_size,
+                                       self.device, self.dtype, config.fp8_kv)
+            self.speculator = Speculator(spec, self.draft)
+            self.runner.keep_hidden = True
         # a graph cannot capture the experts' dispatch (which experts a batch needs is read back),
         # nor a gloo collective
         if (config.cuda_graphs and self.device.type == "cuda" and backend.name == "triton" and mc.moe is None
@@ -226,6 +240,12 @@ class Engine(EngineCore):
             self.host.drain_events()
         self.scheduler.prefix_query_tokens = self.scheduler.prefix_hit_tokens = 0
         self._spec_proposed = self._spec_accepted = self._spec_steps = 0
+
+    @property
+    def cache_layers(self) -> int:
+        """The whole model's KV layers: its decoder layers, and a draft head's one more
+        (speculative/draft.py; a pipeline stage's cache holds only its own share of them)."""
+        return self.model_config.num_layers + (self.draft is not None)
 
     def grammar_masks(self) -> GrammarMasks:
         """This model's grammar compiler, made on first use (most engines never need one)."""
@@ -291,9 +311,16 @@ class Engine(EngineCore):
             model.after_layer = self._layer_progress(sched, len(self.runner.kv_layers), KV_LAYER_GROUPS)
         try:
             result = self.runner.run(sched)
+            sampled = self._sample(result, ahead)
+            if self.draft is not None:  # the draft layer's KV for what the step computed, and the tails
+                self.draft.update(sched, self.runner.last_hidden, {s: t if isinstance(t, tuple) else (t,)
+                                                                   for s, t, _ in sampled})
+                if model.after_layer is not None:
+                    model.after_layer(len(self.runner.kv_layers) - 1)  # the draft layer, the cache's last
         finally:
             model.after_layer = None
-        return self._sample(result, ahead)
+            self.runner.last_hidden = None
+        return sampled
 
     def _launch(self, sched: SchedulerOutput):
         """A pipeline's step started (parallel/pipeline.py), its logits not waited for."""

@@ -59,6 +59,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.graphs: DecodeGraphs | None = None
+        # a draft head reads every row's hidden state of the last step (speculative/draft.py)
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None  # [rows, hidden], before the final norm
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int, capture: Capture) -> None:
         """Capture decode steps of up to `max_batch` sequences (triton backend only: its step
@@ -100,6 +103,8 @@ class ModelRunner:
             hidden = self.graphs.run(ids_t, pos_t, meta)
         if hidden is None:
             hidden = self.model(ids_t, pos_t, self.kv_layers, self.backend, meta)
+        if self.keep_hidden:
+            self.last_hidden = hidden
         if not step.sample_rows:
             return None
         return self.model.compute_logits(hidden[self._tensor(step.sample_rows)])

@@ -45,6 +45,8 @@ class Sequence:
     # scheduler may shorten them; every step consumes them), and the proposer's state for it
     spec_tokens: list[int] = field(default_factory=list)
     spec_state: object = None
+    # a draft head's output at the last computed position (speculative/draft.py), or None
+    draft_tail: object = None
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     added_at: float = field(default_factory=time.monotonic)

@@ -29,6 +29,17 @@ from typing import Protocol, Sequence
 from splitserve.types import TokenLogprob
 
 
+def layers_differ(source: int, local: int) -> str:
+    """The words for two caches of different layer counts. One layer apart is what a draft head's
+    KV makes (speculative method draft caches it as one more layer): the pools' speculative
+    configs differ, not their models."""
+    why = f"num_layers: source {source!r}, local {local!r}"
+    if abs(source - local) == 1:
+        why += (" — one side caches a draft head's layer (speculative method draft: its KV is the cache's last "
+                "layer) and the other does not: give the prefill and decode pools the same speculative config")
+    return why
+
+
 class TransferError(RuntimeError):
     """A transfer failed or delivered data that must not be used. `kind` says why, for metrics
     and tests: corrupt | truncated | header | lease_expired | unreachable | aborted | internal."""

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from splitserve.kv_transfer.base import KVLayout, TransferError
+from splitserve.kv_transfer.base import KVLayout, TransferError, layers_differ
 from splitserve.types import KV_FP8
 
 try:  # xxh3: ~10x faster than crc32 here; crc32 keeps things working without it
@@ -96,6 +96,8 @@ def plan_transfer(src_layout: KVLayout, dst_layout: KVLayout, src: Sequence[int]
 def check_transfer(src_layout: KVLayout, dst_layout: KVLayout, src: Sequence[int], dst: Sequence[int],
                    layers: range | None = None) -> range:
     """The checks of `plan_transfer` alone; returns the layer range (default: all layers)."""
+    if src_layout.num_layers != dst_layout.num_layers:
+        raise TransferError("header", layers_differ(src_layout.num_layers, dst_layout.num_layers))
     for name in _GEOMETRY:
         if getattr(src_layout, name) != getattr(dst_layout, name):
             raise TransferError("header", f"{name} differs: source {getattr(src_layout, name)!r}, "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError
+from splitserve.kv_transfer.base import KVHandoff, KVLayout, TransferError, layers_differ
 from splitserve.kv_transfer.regions import kv_checksum, storage_tensor
 
 # (header field, local layout field) pairs that must be equal. The KV dtype first: the model's
@@ -33,6 +33,8 @@ def check_header(handoff: KVHandoff, local_layout: KVLayout, heads_may_differ: b
     if h.request_id != handoff.request_id:
         raise TransferError("header", f"request_id: header says {h.request_id!r}, handoff {handoff.request_id!r}")
     for hf, lf in _HEADER_FIELDS:
+        if hf == "num_layers" and h.num_layers != local_layout.num_layers:
+            raise TransferError("header", layers_differ(h.num_layers, local_layout.num_layers))
         if getattr(h, hf) != getattr(local_layout, lf):
             raise TransferError("header", f"{hf}: source {getattr(h, hf)!r}, local {getattr(local_layout, lf)!r}")
     if h.num_blocks != len(handoff.block_ids):

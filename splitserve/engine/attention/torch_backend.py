@@ -170,6 +170,12 @@ class TorchBackend:
             g = kv_fp8.decode(g, self.dtype)
         return g.transpose(1, 2).contiguous()
 
+    def gather_context(self, cache: torch.Tensor, blocks: torch.Tensor, rows: int, ctx: int) -> torch.Tensor:
+        """`rows` sequences' context from their whole `blocks` (padded tables, flat), as attention
+        reads it: [rows, kv_heads, ctx, head_dim], FP8 rows decoded (a draft chain's scratch
+        attention reads the cache so: speculative/chain_attention.py)."""
+        return self._gather(cache, blocks, rows, ctx)
+
     def _decode(self, q, k_cache, v_cache, meta: TorchMeta, scale: float) -> torch.Tensor:
         nd, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]

@@ -144,22 +144,49 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, Region] | None:
         if int(idx) >= cfg.num_layers + cfg.extra_layers:
             return f"layers.{idx}.{rest}", (None, None)  # no such layer: refused by the caller, named
         if int(idx) >= cfg.num_layers:
-            return None  # a multi-token-prediction module (ModelConfig.extra_layers)
-        rest = rest.replace("block_sparse_moe.", "mlp.", 1)  # Mixtral's name for its sparse block
-        rest = rest.replace("mlp.shared_experts.", "mlp.shared_expert.", 1)  # DeepSeek's for its shared one
-        e = _EXPERT.fullmatch(rest)
-        if e is not None:
-            ours, shard = _EXPERT_PART[e[2]]
-            return f"layers.{idx}.mlp.experts.{ours}", (int(e[1]), shard)
-        stem, _, kind = rest.rpartition(".")
-        head, _, proj = stem.rpartition(".")
-        if proj in _FUSED and not (cfg.mla is not None and head == "self_attn"):  # MLA's q_proj stands alone
-            ours, shard = _FUSED[proj]
-            return f"layers.{idx}.{head}.{ours}.{kind}", (None, shard)
-        return f"layers.{idx}.{rest}", (None, None)
+            return None  # a multi-token-prediction module (ModelConfig.extra_layers; model/mtp.py)
+        pname, region = layer_param(rest, cfg)
+        return f"layers.{idx}.{pname}", region
     if name == "lm_head.weight":
         return None if cfg.tie_word_embeddings else (name, (None, None))
     return None
+
+
+def layer_param(rest: str, cfg: ModelConfig) -> tuple[str, Region]:
+    """A decoder layer's checkpoint tensor (`rest`: its name after `layers.N.`) -> our
+    DecoderLayer's parameter it fills, and which part of it (a draft head's layer too)."""
+    rest = rest.replace("block_sparse_moe.", "mlp.", 1)  # Mixtral's name for its sparse block
+    rest = rest.replace("mlp.shared_experts.", "mlp.shared_expert.", 1)  # DeepSeek's for its shared one
+    e = _EXPERT.fullmatch(rest)
+    if e is not None:
+        ours, shard = _EXPERT_PART[e[2]]
+        return f"mlp.experts.{ours}", (int(e[1]), shard)
+    stem, _, kind = rest.rpartition(".")
+    head, _, proj = stem.rpartition(".")
+    if proj in _FUSED and not (cfg.mla is not None and head == "self_attn"):  # MLA's q_proj stands alone
+        ours, shard = _FUSED[proj]
+        return f"{head}.{ours}.{kind}", (None, shard)
+    return rest, (None, None)
+
+
+def fill_params(params: dict[str, torch.Tensor], tensors, cfg: ModelConfig, where: str) -> None:
+    """Copy (our parameter name, region, checkpoint name, tensor) items into `params` (a
+    module's own, one process: no shard), then refuse any parameter left unfilled, naming
+    `where` the weights came from."""
+    filled: dict[str, int] = {}
+    for pname, region, name, tensor in tensors:
+        if pname not in params:
+            raise ConfigError(f"{where}: tensor {name!r} has no place in the draft head (mapped to {pname!r})")
+        dst = _region(pname, params[pname], region, cfg)
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ConfigError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+        filled[pname] = filled.get(pname, 0) + dst.numel()
+    missing = [pname for pname, p in params.items() if filled.get(pname, 0) != p.numel()]
+    if missing:
+        raise ConfigError(f"{where} is missing weights for: {', '.join(missing[:8])}"
+                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
 
 
 def _held_target(name: str, cfg: ModelConfig, stage: Stage | None) -> tuple[str, Region] | None:

@@ -279,6 +279,10 @@ class DataParallelEngine:
         return 0.0
 
     @property
+    def cache_layers(self) -> int:
+        return self.engine.cache_layers
+
+    @property
     def step_time_coeffs(self) -> tuple[float, ...]:
         return self.engine.step_time_coeffs
 

@@ -19,6 +19,7 @@ from typing import Iterable
 from splitserve.config import SpeculativeConfig
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.speculative.adaptive import AdaptiveK
+from splitserve.engine.speculative.proposer import BatchProposer, Proposer
 from splitserve.engine.speculative.registry import make_proposer
 from splitserve.engine.speculative.suffix import SuffixProposer
 
@@ -35,27 +36,42 @@ _NEVER = object()  # spec_state of a sequence that never gets proposals
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    """`proposer`: one built by the engine (a draft head's, which needs the model); None: the
+    config's by name (registry.py)."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | BatchProposer | None = None) -> None:
         self.config = config
-        self.proposer = make_proposer(config)
+        self.proposer = proposer if proposer is not None else make_proposer(config)
 
     def propose(self, running: Iterable[Sequence]) -> None:
         """Set every running sequence's proposals for the coming step ([] for none)."""
+        batched = hasattr(self.proposer, "propose_batch")
+        wants = []
         for seq in running:
-            seq.spec_tokens = self._proposal(seq)
+            k = self._k(seq)
+            if k and batched:
+                wants.append((seq, k))
+                seq.spec_tokens = []
+            else:
+                seq.spec_tokens = self._cut(seq, self.proposer.propose(seq.token_ids, seq.spec_state.proposer_state, k)
+                                            ) if k else []
+        if wants:
+            for (seq, _), proposal in zip(wants, self.proposer.propose_batch(wants)):
+                seq.spec_tokens = self._cut(seq, proposal)
 
-    def _proposal(self, seq: Sequence) -> list[int]:
+    def _k(self, seq: Sequence) -> int:
+        """How many tokens to propose for `seq` this step (0: none)."""
         if seq.num_computed_tokens != seq.num_tokens - 1:
-            return []  # a prefill still running
+            return 0  # a prefill still running
         st = seq.spec_state
         if st is None:
             st = seq.spec_state = self._state(seq)
         if st is _NEVER:
-            return []
-        k = min(st.k.next_k(), seq.max_tokens - len(seq.output_token_ids) - 1)
-        if k <= 0:
-            return []
-        proposal = self.proposer.propose(seq.token_ids, st.proposer_state, k)
+            return 0
+        return max(0, min(st.k.next_k(), seq.max_tokens - len(seq.output_token_ids) - 1))
+
+    @staticmethod
+    def _cut(seq: Sequence, proposal: list[int]) -> list[int]:
         grammar = seq.sampling.grammar
         return proposal[:grammar.valid_prefix(proposal)] if grammar is not None and proposal else proposal
 

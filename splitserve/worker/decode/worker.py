@@ -96,7 +96,7 @@ class DecodeWorker(KVWorker):
                 return
             phases, emitted = None, 0
             if handoff is not None:
-                moved = (len(handoff.block_ids) - self._kept.pop(rid, 0)) * self.engine.model_config.num_layers \
+                moved = (len(handoff.block_ids) - self._kept.pop(rid, 0)) * self.engine.cache_layers \
                     * 2 * self.layout.block_bytes
                 exposed = time.time() - handoff.computed_at if handoff.computed_at else None
                 phases = PhaseTimes(transfer_s=time.monotonic() - started, transfer_bytes=moved,
@@ -392,7 +392,7 @@ class DecodeWorker(KVWorker):
     @property
     def _whole_layout(self):
         """This worker's layout as the whole model's (a stage's cache holds only its layers)."""
-        return dataclasses.replace(self.layout, num_layers=self.engine.model_config.num_layers)
+        return dataclasses.replace(self.layout, num_layers=self.engine.cache_layers)
 
     async def _read_staged(self, h: KVHandoff, dst: list[int], prefill: Any, ho: Handoff) -> None:
         """The pull by stage: each stage here (one engine: itself) takes its layers from the

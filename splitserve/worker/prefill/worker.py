@@ -274,8 +274,9 @@ class PrefillWorker(KVWorker):
 
     @property
     def num_layers(self) -> int:
-        """The model's layers (a stage's cache, `layout`, holds only its own)."""
-        return self.engine.model_config.num_layers
+        """The whole model's cache layers, a draft head's included (a stage's cache, `layout`,
+        holds only its own)."""
+        return self.engine.cache_layers
 
     @property
     def _others(self):

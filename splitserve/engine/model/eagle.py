@@ -1,0 +1,131 @@
+"""An EAGLE(-1)-style draft head given as a directory (speculative `draft_path`;
+engine/speculative/draft.py runs it), and its loader.
+
+The directory holds a config.json of a one-layer Llama decoder and its weights
+(`*.safetensors`, or `pytorch_model.bin` as EAGLE's releases ship them; names with or without a
+`model.` prefix): `fc` [H, 2H] (a bias if it ships one), `layers.0.*`, and optionally its own
+`embed_tokens` and `lm_head` — else it shares the target's. At position i it reads the target's
+hidden state h_i (after the target's final norm) and the embedding of token i+1:
+
+    x = fc(cat(embed(t_{i+1}), h_i));  x = layer(x);  logits = lm_head(x)
+
+— the guess for token i+2, with no norm before the LM head (EAGLE's training); x is what the
+next step of a chain reads in place of h. EAGLE-1 heads ship no `input_layernorm` for their
+layer (the fc output enters attention unnormed); where one ships it, it is used.
+
+Its KV is one more layer of the target's paged cache, so its attention must have the target
+layers' geometry (KV heads, head dim) — refused by name otherwise."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.layers import RotaryEmbedding
+from splitserve.engine.model.llama import DecoderLayer, LlamaModel
+from splitserve.engine.model.loader import fill_params, layer_param
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.types import ConfigError
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, target: LlamaModel, max_positions: int, *, own_embedding: bool,
+                 own_lm_head: bool, fc_bias: bool, input_norm: bool) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self._target = (target,)  # a tuple: not registered, so not this module's parameters
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, h, _weight=torch.empty(cfg.vocab_size, h))
+                             if own_embedding else None)
+        self.fc = nn.Linear(2 * h, h, bias=fc_bias)
+        self.layer = DecoderLayer(cfg, 0, TPGroup(), None)
+        if not input_norm:
+            self.layer.input_layernorm = nn.Identity()
+        self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False) if own_lm_head else None
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_dim, max_positions)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids) if self.embed_tokens is not None else self._target[0].embed(ids)
+
+    def forward(self, ids, feature, cos, sin, kv, backend, meta) -> torch.Tensor:
+        """The head's output at each row (token `ids`, the hidden state `feature` before it)."""
+        x = self.fc(torch.cat((self.embed(ids), feature), dim=-1))
+        return self.layer(x, cos, sin, kv, backend, meta)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        head = self.lm_head if self.lm_head is not None else self._target[0].lm_head
+        return head(out).float()
+
+
+def load_eagle(head_dir: str | Path, target_cfg: ModelConfig, target: LlamaModel, max_positions: int,
+               dtype: torch.dtype, device: torch.device) -> EagleHead:
+    head_dir = Path(head_dir)
+    cfg = ModelConfig.from_dir(head_dir)
+    where = f"the EAGLE head in {head_dir}"
+    _check_geometry(cfg, target_cfg, where)
+    with ExitStack() as files:
+        tensors = _read(head_dir, files, where)
+        names = set(tensors)
+        if "fc.weight" not in names:
+            raise ConfigError(f"{where} has no fc.weight (the [hidden, 2 * hidden] projection of an EAGLE head)")
+        with torch.device("meta"):
+            head = EagleHead(cfg, target, max_positions, own_embedding="embed_tokens.weight" in names,
+                             own_lm_head="lm_head.weight" in names, fc_bias="fc.bias" in names,
+                             input_norm="layers.0.input_layernorm.weight" in names)
+        head = head.to_empty(device=device)
+        head.rotary.__init__(cfg.rope, cfg.rope_dim, max_positions)  # buffers are computed, not loaded
+        head.rotary.to(device)
+        if "lm_head.weight" not in names and target.lm_head is None:
+            raise ConfigError(f"{where} ships no lm_head and the target holds none here")
+        items = []
+        for name in sorted(names):
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name.startswith("layers.0."):
+                pname, region = layer_param(name[len("layers.0."):], cfg)
+                pname = f"layer.{pname}"
+            else:
+                pname, region = name, (None, None)
+            items.append((pname, region, name, tensors[name]()))
+        params = {n: p for n, p in head.named_parameters()}
+        fill_params(params, items, cfg, where)
+    return head.to(dtype).eval()
+
+
+def _check_geometry(cfg: ModelConfig, target: ModelConfig, where: str) -> None:
+    """The head's KV is a layer of the target's cache, and its fc reads the target's hidden states."""
+    if cfg.num_layers != 1:
+        raise ConfigError(f"{where} has {cfg.num_layers} decoder layers; an EAGLE head has one")
+    if cfg.mla is not None or cfg.moe is not None:
+        raise ConfigError(f"{where} is not a dense Llama layer ({cfg.architecture})")
+    if target.mla is not None:
+        raise ConfigError(f"{where}: the target ({target.architecture}) caches one latent per token, which an EAGLE "
+                          "head's attention cannot share a cache layer with; run its MTP layer (no draft_path)")
+    for name, ours, theirs in (("hidden_size", cfg.hidden_size, target.hidden_size),
+                               ("num_key_value_heads", cfg.num_kv_heads, target.num_kv_heads),
+                               ("head_dim", cfg.head_dim, target.head_dim),
+                               ("vocab_size", cfg.vocab_size, target.vocab_size)):
+        if ours != theirs:
+            raise ConfigError(f"{where}: its {name} is {ours}, the target's {theirs}; its KV is one more layer of "
+                              "the target's cache and it reads the target's hidden states, so they must be equal")
+
+
+def _read(head_dir: Path, files: ExitStack, where: str) -> dict:
+    """name (without a `model.` prefix) -> a thunk reading its tensor."""
+    out = {}
+    shards = sorted(head_dir.glob("*.safetensors"))
+    if shards:
+        for path in shards:
+            f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            for n in f.keys():
+                out[n.removeprefix("model.")] = (lambda f=f, n=n: f.get_tensor(n))
+        return out
+    bin_path = head_dir / "pytorch_model.bin"
+    if not bin_path.is_file():
+        raise ConfigError(f"{where} has no weights (*.safetensors or pytorch_model.bin)")
+    state = torch.load(bin_path, map_location="cpu", weights_only=True)
+    return {n.removeprefix("model."): (lambda t=t: t) for n, t in state.items()}

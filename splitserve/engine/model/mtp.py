@@ -1,0 +1,107 @@
+"""DeepSeek-V3's multi-token-prediction (MTP) module, run as a draft head (speculative method
+`draft` with no draft_path; engine/speculative/draft.py runs it).
+
+The checkpoint holds it as layer L = num_hidden_layers (`num_nextn_predict_layers` of them; the
+first is run): `model.layers.{L}.` enorm, hnorm (RMSNorm), eh_proj [H, 2H], embed_tokens,
+shared_head.norm + shared_head.head (an LM head), and a full decoder layer (latent attention,
+DeepSeek's MoE) under the usual names. At position i it reads the target's hidden state h_i
+(after the target's final norm) and the embedding of token i+1:
+
+    x = eh_proj(cat(enorm(embed(t_{i+1})), hnorm(h_i)));  x = layer(x);  logits = head(norm(x))
+
+— the guess for token i+2; x itself is what the next step of a chain reads in place of h (as
+vLLM and SGLang chain the module). Built from our own layer classes, so its KV has the target
+layers' geometry (one latent per token) and lives as one more layer of the same paged cache."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.layers import RMSNorm
+from splitserve.engine.model.llama import DecoderLayer, LlamaModel
+from splitserve.engine.model.loader import fill_params, layer_param, safetensors_files
+from splitserve.engine.model.moe import SparseMoE
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.quant.checkpoint import dense_tensors
+from splitserve.types import ConfigError
+
+_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
+        "embed_tokens.weight")
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+class MTPHead(nn.Module):
+    """`target`: the model it drafts for; its embedding is used where the checkpoint ships the
+    module without one (DeepSeek ships a copy), its rotary tables always."""
+
+    rotary = None  # the target's positions: the proposer uses the target's tables
+
+    def __init__(self, cfg: ModelConfig, index: int, target: LlamaModel, own_embedding: bool) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self._target = (target,)  # a tuple: not registered, so not this module's parameters
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, h, _weight=torch.empty(cfg.vocab_size, h))
+                             if own_embedding else None)
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(cfg, index, TPGroup(), None)
+        self.shared_head = SharedHead(cfg)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids) if self.embed_tokens is not None else self._target[0].embed(ids)
+
+    def forward(self, ids, feature, cos, sin, kv, backend, meta) -> torch.Tensor:
+        """The module's output at each row (token `ids`, the hidden state `feature` before it)."""
+        x = self.eh_proj(torch.cat((self.enorm(self.embed(ids)), self.hnorm(feature)), dim=-1))
+        return self.layer(x, cos, sin, kv, backend, meta)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(out)).float()
+
+
+def load_mtp(model_dir: str | Path, cfg: ModelConfig, target: LlamaModel, dtype: torch.dtype,
+             device: torch.device) -> MTPHead:
+    """The checkpoint's first MTP module (dequantized where stored quantized)."""
+    if cfg.extra_layers < 1:
+        raise ConfigError(f"speculative method draft with no draft_path runs the checkpoint's multi-token-prediction "
+                          f"layer, and {model_dir} has none (num_nextn_predict_layers is 0): give draft_path an "
+                          "EAGLE head's directory")
+    index = cfg.num_layers
+    prefix = f"model.layers.{index}."
+    where = f"{model_dir}: the multi-token-prediction layer {index}"
+    with ExitStack() as files:
+        found = {}
+        for path in safetensors_files(Path(model_dir)):
+            f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            found.update({n: f for n in f.keys() if n.startswith(prefix)})
+        if not found:
+            raise ConfigError(f"{where}: config.json says num_nextn_predict_layers {cfg.extra_layers}, but the "
+                              f"checkpoint holds no {prefix}* tensors")
+        with torch.device("meta"):
+            head = MTPHead(cfg, index, target, own_embedding=f"{prefix}embed_tokens.weight" in found)
+        head = head.to_empty(device=device)
+        for m in head.modules():  # counters are state, not weights
+            if isinstance(m, SparseMoE):
+                m.expert_tokens.zero_()
+        items = []
+        for name, tensor in dense_tensors(found, lambda n: found[n].get_tensor(n), cfg.quant):
+            rest = name[len(prefix):]
+            if rest.endswith("rotary_emb.inv_freq"):
+                continue
+            pname, region = (rest, (None, None)) if rest in _OWN else layer_param(rest, cfg)
+            items.append((pname if rest in _OWN else f"layer.{pname}", region, name, tensor))
+        fill_params(dict(head.named_parameters()), items, cfg, where)
+    return head.to(dtype).eval()
