@@ -1,8 +1,10 @@
 """Draft heads for tests, built from transformers' own modules (an independent reference for
 engine/model/mtp.py and eagle.py): an EAGLE head directory for a tiny Llama, a DeepSeek-V3
-checkpoint with its multi-token-prediction layer, and `train` — a few hundred Adam steps that
-distil the target's own next-next token into the head, so that its proposals are accepted
-often enough to test both outcomes (a random head's almost never are)."""
+checkpoint with its multi-token-prediction layer. A random head's proposals are almost never
+accepted, and a tiny random target is too chaotic for a head trained for seconds to predict
+(tried: it memorises its training set, ~1% on new text); so `predictable` quiets a target's
+layers (mostly a bigram model then) and `agree` builds a head that proposes that bigram's
+answer — accepted often, rejected where the layers tip the target elsewhere."""
 
 from __future__ import annotations
 
@@ -106,36 +108,44 @@ class RefMTP(nn.Module):
         return out_dir
 
 
-def target_data(hf, n: int = 48, prompt_len: int = 12, new: int = 36, seed: int = 0):
-    """Sequences the target continues greedily from random prompts, its hidden states (after
-    the final norm) and its argmax at every position."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, hf.config.vocab_size, (n, prompt_len), generator=g)
+def predictable(checkpoint: Path, out_dir: Path, scale: float = 0.1) -> Path:
+    """A copy of `checkpoint` whose layers write 10x less into the residual stream (o_proj and
+    the feed-forward's down projections scaled): its next token depends mostly on the current
+    one, which a one-layer head can learn in seconds — a random tiny model's is chaotic, and no
+    head trained briefly predicts it. Its logits stay as decisive as the original's."""
+    from safetensors import safe_open
+
+    shutil.copytree(checkpoint, out_dir)
+    for f in sorted(out_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as src:
+            sd = {k: src.get_tensor(k) for k in src.keys()}
+            meta = src.metadata()
+        for k, v in sd.items():
+            if k.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                sd[k] = (v * scale).contiguous()
+        save_file(sd, str(f), metadata=meta)
+    return out_dir
+
+
+def agree(head: nn.Module, hf) -> nn.Module:
+    """Make `head` propose what a bigram target says: its argmax at i+1 from token i+1 alone.
+    On a `predictable` target that is right most of the time (not always: the layers still add
+    a little), so proposals are both accepted and rejected. The head's own layer keeps small
+    random weights (its attention and feed-forward still run and move the result a little)."""
+    norm_w = hf.model.norm.weight.detach()
+    h = norm_w.shape[0]
     with torch.no_grad():
-        seqs = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=new,
-                           min_new_tokens=new, pad_token_id=0)
-        out = hf.model(seqs)
-        hidden = out.last_hidden_state
-        argmax = hf.lm_head(hidden).argmax(-1)
-    return seqs, hidden, argmax
-
-
-def draft_inputs(seqs, hidden, argmax):
-    """Draft position i: (h_i, t_{i+1}) -> the target's argmax at i + 1."""
-    return seqs[:, 1:], hidden[:, :-1], argmax[:, 1:]
-
-
-def train(head: nn.Module, hf, steps: int = 300, lr: float = 3e-3) -> float:
-    """Distil the target's next-next token into `head`; its final training accuracy."""
-    torch.manual_seed(0)
-    ids, hidden, labels = draft_inputs(*target_data(hf))
-    params = [p for n, p in head.named_parameters() if not n.startswith("shared_head.head")]
-    opt = torch.optim.Adam(params, lr=lr)
-    for _ in range(steps):
-        logits = head.logits(head(ids, hidden))
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    with torch.no_grad():
-        return float((head.logits(head(ids, hidden)).argmax(-1) == labels).float().mean())
+        for name, p in head.layer.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
+                p.normal_(0, 1e-3)
+        if isinstance(head, RefEagle):  # logits = lm_head(out), no norm: fold the target's into fc
+            head.fc.weight.zero_()
+            head.fc.weight[:, :h] = torch.diag(norm_w)
+            if head.fc.bias is not None:
+                head.fc.bias.zero_()
+        else:  # eh_proj passes enorm(embed) on; shared_head.norm is the target's final norm
+            head.eh_proj.weight.zero_()
+            head.eh_proj.weight[:, :h] = torch.eye(h)
+            head.enorm.weight.fill_(1.0)
+            head.shared_head.norm.weight.copy_(norm_w)
+    return head

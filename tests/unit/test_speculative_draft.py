@@ -1,0 +1,270 @@
+"""Speculative method `draft` (engine/speculative/draft.py): a draft head — an EAGLE head
+directory, or DeepSeek-V3's multi-token-prediction layer — whose KV is one more layer of the
+paged cache. Its forward against a reference built from transformers' own modules; greedy
+output exactly the plain engine's and Hugging Face's, with proposals both accepted and rejected
+(through chunked prefill, prefix hits, preemption); a PD handoff carries its KV; a seeded
+sampled request is reproducible; and the refusals, by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+from draft_heads import RefEagle, RefMTP, agree, predictable
+from greedy_parity import assert_greedy_equal, drained, hf_greedy, make_prompts
+
+from splitserve import LLM, SamplingParams
+from splitserve.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.kv_transfer.base import TransferError
+from splitserve.kv_transfer.regions import check_transfer
+from splitserve.types import ConfigError, Request
+
+MAX_NEW = 24
+QUIET = 0.003  # the target's layers scaled by this: mostly a bigram model (draft_heads.predictable)
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_checkpoint, tmp_path_factory):
+    """kind -> (model dir, speculative config, hf target) for a constructed head that agrees
+    with the target often ("eagle" on Llama, "mtp" on DeepSeek-V3), and "*_random" for a head of
+    random weights on the same target."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for kind, shape, ref_cls in (("eagle", "llama", RefEagle), ("mtp", "deepseek_v3", RefMTP)):
+        root = tmp_path_factory.mktemp(kind)
+        target = predictable(tiny_checkpoint(shape), root / "target", QUIET)
+        hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        for name, make in ((kind, lambda: agree(ref_cls(hf), hf)), (f"{kind}_random", lambda: ref_cls(hf))):
+            torch.manual_seed(1)
+            ref = make()
+            if kind == "eagle":
+                path, spec = target, {"method": "draft", "k": 3, "draft_path": str(ref.save(root / name))}
+            else:
+                path, spec = ref.save_into(target, root / name), {"method": "draft", "k": 3}
+            out[name] = (str(path), spec, hf, ref)
+    return out
+
+
+@pytest.fixture(scope="module")
+def refs(heads):
+    """kind -> (prompts, HF greedy continuations)."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            prompts = make_prompts(seed=7)
+            cache[kind] = (prompts, hf_greedy(heads[kind][2], prompts, MAX_NEW))
+        return cache[kind]
+
+    return get
+
+
+def greedy(llm, prompts):
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+# -- the head's forward against transformers' modules -----------------------------------------------
+
+@pytest.mark.parametrize("kind", ["eagle_random", "mtp_random"])
+def test_head_forward_and_chain_match_a_transformers_reference(heads, kind):
+    """Per-position draft logits over a prompt prefilled in chunks (the update's positions: the
+    target's hidden state at i, token i+1 — the sampled one at the end), then the k-step chain's
+    proposals, against the same head built from transformers' modules, run without cache."""
+    path, spec, hf, ref = heads[kind]
+    eng = Engine(EngineConfig(path, num_kv_blocks=64, max_num_batched_tokens=16, speculative=spec))
+    outs = []
+    forward = eng.draft.head.forward
+    eng.draft.head.forward = lambda *a: outs.append(forward(*a)) or outs[-1]
+    prompt = make_prompts(seed=3, lengths=(37,))[0]
+    eng.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=8)))
+    first = None
+    while first is None:
+        chunks = eng.step()
+        first = chunks[0].token_ids[0] if chunks else None
+    assert len(outs) == -(-len(prompt) // 16) > 1  # one update per chunk of 16
+    seq = eng.scheduler.running[0]
+    with torch.inference_mode():
+        ours = eng.draft.head.logits(torch.cat(outs))
+    proposals = eng.draft.propose_batch([(seq, 4)])[0]
+    ids = torch.tensor([prompt + [first]])
+    with torch.no_grad():
+        h = hf.model(ids).last_hidden_state
+        feats, toks = h[:, :-1], ids[:, 1:]
+        want = ref.logits(ref(toks, feats))[0]
+        chain = [int(want[-1].argmax())]
+        out = ref(toks, feats)
+        for _ in range(3):  # the chain: the head's own output and guess at the next position
+            feats = torch.cat((feats, out[:, -1:]), dim=1)
+            toks = torch.cat((toks, torch.tensor([[chain[-1]]])), dim=1)
+            out = ref(toks, feats)
+            chain.append(int(ref.logits(out)[0, -1].argmax()))
+    assert torch.allclose(ours, want, atol=1e-4, rtol=1e-4), float((ours - want).abs().max())
+    assert proposals == chain
+    eng.abort("r")
+    eng.check_invariants()
+    eng.close()
+
+
+# -- greedy exactness -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,case", [("eagle", "plain"), ("eagle", "chunked_prefill"), ("eagle", "prefix_hits"),
+                                       ("eagle", "preemption"), ("mtp", "plain")])
+def test_greedy_with_a_draft_head_equals_plain_engine_and_hf(heads, refs, kind, case):
+    path, spec, hf, _ = heads[kind]
+    prompts, want = refs(kind)
+    kw = {"chunked_prefill": dict(max_num_batched_tokens=24),
+          "preemption": dict(num_kv_blocks=24, max_num_batched_tokens=64)}.get(case, {})
+    plain = greedy(LLM(path, num_kv_blocks=256), prompts)
+    llm = LLM(path, **{"num_kv_blocks": 256, **kw}, speculative=dict(spec, adaptive=False))
+    if case == "prefix_hits":
+        greedy(llm, prompts)
+        hits = llm.engine.stats().prefix_hit_tokens_total
+    outs = greedy(llm, prompts)
+    assert outs == plain
+    for p, o, r in zip(prompts, outs, want):
+        assert_greedy_equal(hf, p, o, r)
+    s = llm.engine.stats()
+    assert s.spec_proposed_tokens_total > s.spec_accepted_tokens_total > 0
+    if case == "prefix_hits":
+        assert s.prefix_hit_tokens_total > hits
+    if case == "preemption":
+        assert s.num_preempted_total > 0, "the pool was meant to be too small for the batch"
+    if case == "plain":  # a head of random weights on the same target is accepted far less
+        rnd = LLM(heads[f"{kind}_random"][0], num_kv_blocks=256,
+                  speculative=dict(heads[f"{kind}_random"][1], adaptive=False))
+        assert greedy(rnd, prompts) == plain
+        r = rnd.engine.stats()
+        assert r.spec_proposed_tokens_total > 0
+        rate, random_rate = (x.spec_accepted_tokens_total / x.spec_proposed_tokens_total for x in (s, r))
+        print(f"{kind}: acceptance {rate:.2f}, a random head's {random_rate:.2f}")
+        assert rate > random_rate + 0.2
+        drained(rnd)
+    drained(llm)
+
+
+def test_a_grammar_request_with_a_draft_head_equals_the_plain_engine(heads):
+    from splitserve.types import GrammarKind, GrammarSpec
+
+    path, spec, _, _ = heads["eagle"]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, grammar=GrammarSpec(GrammarKind.REGEX, "[a-z ]{4,40}")),
+              SamplingParams(temperature=0.0, max_tokens=16)]
+    prompts = ["the cat sat on", "the cat sat on"]
+    plain = [o.outputs[0].token_ids for o in LLM(path, num_kv_blocks=64).generate(prompts, params)]
+    llm = LLM(path, num_kv_blocks=64, speculative=dict(spec, adaptive=False))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert llm.engine.stats().spec_proposed_tokens_total > 0
+    drained(llm)
+
+
+# -- across a PD handoff ---------------------------------------------------------------------------
+
+def test_the_handoff_carries_the_draft_layer_and_decode_proposes_from_it(heads, refs):
+    """A prefill engine computes the prompt's draft KV (the cache's last layer) and hands it over
+    with the rest; it equals what an aggregated engine computes; the decode side's proposals
+    attend over it and the output is the aggregated run's."""
+    path, spec, _, _ = heads["eagle"]
+    prompts, _ = refs("eagle")
+    prompts = prompts[:6]
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    spec = dict(spec, adaptive=False)
+    agg = Engine(EngineConfig(path, num_kv_blocks=128, speculative=spec))
+    pre = Engine(EngineConfig(path, num_kv_blocks=128, speculative=spec))
+    dec = Engine(EngineConfig(path, num_kv_blocks=128, speculative=spec))
+    L = agg.model_config.num_layers
+    assert agg.kv.storage.shape[0] == L + 1 and agg.cache_layers == L + 1
+    expected, agg_draft = {}, {}
+    for i, p in enumerate(prompts):
+        agg.add_request(Request(str(i), p, sp))
+        for c in agg.step():  # each prompt prefilled alone, as the prefill engine does below
+            expected.setdefault(c.request_id, []).extend(c.token_ids)
+        seq = agg._seqs[str(i)]
+        full = len(p) // agg.block_size
+        agg_draft[str(i)] = agg.kv.storage[L, :, seq.block_ids[:full]].clone()
+    while agg.has_unfinished():
+        for c in agg.step():
+            expected.setdefault(c.request_id, []).extend(c.token_ids)
+    firsts = {}
+    for i, p in enumerate(prompts):
+        pre.add_request(Request(str(i), p, sp), prefill_only=True)
+        for c in pre.step():
+            firsts[c.request_id] = (c.token_ids[0], c.kv_blocks)
+    got = {}
+    for i, p in enumerate(prompts):
+        rid = str(i)
+        first, src = firsts[rid]
+        got[rid] = [first]
+        dst = dec.add_pulled(Request(rid, p, sp), first)
+        dec.kv.storage[:, :, dst] = pre.kv.storage[:, :, list(src)]
+        full = len(p) // dec.block_size
+        assert torch.allclose(dec.kv.storage[L, :, dst[:full]], agg_draft[rid], atol=1e-5)
+        dec.kv_ready(rid)
+        assert pre.release_detached(rid)
+    while dec.has_unfinished():
+        for c in dec.step():
+            got[c.request_id].extend(c.token_ids)
+    assert got == {k: [*v] for k, v in expected.items()}
+    s = dec.stats()
+    assert s.spec_proposed_tokens_total > s.spec_accepted_tokens_total > 0
+    for e in (agg, pre, dec):
+        e.check_invariants()
+        assert e.pool.num_in_use == 0
+        e.close()
+
+
+def test_a_handoff_between_pools_of_different_speculative_configs_names_the_draft_layer(heads):
+    from splitserve.worker.kv_layout import layout_of
+
+    eng = Engine(EngineConfig(heads["eagle"][0], num_kv_blocks=8, speculative=heads["eagle"][1]))
+    with_draft = layout_of(eng)
+    without = dataclasses.replace(with_draft, num_layers=with_draft.num_layers - 1)
+    with pytest.raises(TransferError, match="draft head's layer"):
+        check_transfer(with_draft, without, [0], [0])
+    eng.close()
+
+
+# -- sampling ------------------------------------------------------------------------------------
+
+def test_a_seeded_sampled_request_is_reproducible(heads):
+    path, spec, _, _ = heads["eagle"]
+    prompts = make_prompts(seed=5)[:4]
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_NEW, seed=3)
+    runs = []
+    for _ in range(2):
+        llm = LLM(path, num_kv_blocks=128, speculative=dict(spec, adaptive=False))
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert llm.engine.stats().spec_proposed_tokens_total > 0
+        drained(llm)
+    assert runs[0] == runs[1]
+
+
+# -- refusals, by name ----------------------------------------------------------------------------
+
+def test_a_draft_head_that_is_missing_or_does_not_fit_is_refused_by_name(heads, tiny_checkpoint, tmp_path):
+    llama = str(tiny_checkpoint("llama"))
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers is 0"):
+        LLM(llama, num_kv_blocks=8, speculative={"method": "draft"})
+    with pytest.raises(ConfigError, match="holds no model.layers.2"):  # the config says 1, no weights
+        LLM(str(tiny_checkpoint("deepseek_v3")), num_kv_blocks=8, speculative={"method": "draft"})
+    eagle_dir = heads["eagle"][1]["draft_path"]
+    with pytest.raises(ConfigError, match="num_key_value_heads"):  # Qwen3's cache has one KV head of 32
+        LLM(str(tiny_checkpoint("qwen3")), num_kv_blocks=8, speculative={"method": "draft", "draft_path": eagle_dir})
+    with pytest.raises(ConfigError, match="caches one latent per token"):
+        LLM(str(tiny_checkpoint("deepseek_v3")), num_kv_blocks=8,
+            speculative={"method": "draft", "draft_path": eagle_dir})
+    with pytest.raises(ConfigError, match="draft_path is for method draft"):
+        EngineConfig(llama, speculative={"method": "ngram", "draft_path": eagle_dir})
+    with pytest.raises(ConfigError, match="not a directory"):
+        EngineConfig(llama, speculative={"method": "draft", "draft_path": str(tmp_path / "nowhere")})
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        EngineConfig(llama, speculative={"method": "draft"}, tensor_parallel_size=2)
+    two = tmp_path / "two_layers"
+    shutil.copytree(eagle_dir, two)
+    (two / "config.json").write_text((two / "config.json").read_text().replace('"num_hidden_layers": 1',
+                                                                               '"num_hidden_layers": 2'))
+    with pytest.raises(ConfigError, match="an EAGLE head has one"):
+        LLM(llama, num_kv_blocks=8, speculative={"method": "draft", "draft_path": str(two)})
