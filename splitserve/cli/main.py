@@ -184,7 +184,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative", type=_speculative, default=None, metavar="YAML",
                    help="speculative decoding on the decode workers: a mapping such as '{method: ngram, k: 4}' "
                         "(also min_n, max_n, adaptive; see the README); each decode step verifies up to k "
-                        "proposed tokens per sequence in the same forward pass, exactly (default: off)")
+                        "proposed tokens per sequence in the same forward pass, exactly; '{method: draft, k: 3}' "
+                        "runs the checkpoint's MTP layer, or an EAGLE head with draft_path: DIR, and reaches the "
+                        "prefill pool too (default: off)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many rank processes (gloo on a CPU, NCCL on GPUs); on a "
                         "cluster: both pools' size unless --prefill-tp / --decode-tp say (default: %(default)s)")

@@ -22,7 +22,9 @@ ENGINE_FLAG_KEYS = ("dtype", "kv_cache_dtype", "device", "attention_backend", "k
                     "gpu_memory_utilization", "host_kv_blocks", "tensor_parallel_size", "speculative")
 # engine settings only the decode pool's workers take: speculative decoding verifies proposals in
 # decode steps, and a prefill worker runs none (it computes the prompt, samples the first token
-# and hands the KV over), so there a proposer would only cost memory and a config to check
+# and hands the KV over), so there a proposer would only cost memory and a config to check —
+# except a draft head's (method draft): the prefill worker runs the head over the prompt, whose
+# draft KV (one more cache layer) the handoff carries, so both pools take that config
 DECODE_ONLY_ENGINE_KEYS = ("speculative",)
 
 
@@ -303,13 +305,16 @@ class DeployConfig:
     def pool_engine(self, role: str) -> dict:
         """The engine settings of pool `role`'s workers (tensor_parallel_size aside): its stages;
         pipeline_micro_batches applies to pools with stages only, speculative to the decode pool
-        only (DECODE_ONLY_ENGINE_KEYS; with prefill 0 the decode workers compute prompts too)."""
+        only (DECODE_ONLY_ENGINE_KEYS; with prefill 0 the decode workers compute prompts too) —
+        but to both pools with method draft: the prefill worker computes the prompt's draft KV,
+        and the two caches must have the same layers for the handoff."""
         engine = {**self.engine, "pipeline_parallel_size": self.pp(role)}
         if self.pp(role) == 1:
             engine.pop("pipeline_micro_batches", None)
         if role != "decode":
             for key in DECODE_ONLY_ENGINE_KEYS:
-                engine.pop(key, None)
+                if not (key == "speculative" and _draft_head(engine.get(key))):
+                    engine.pop(key, None)
         return engine
 
     def ranks(self, prefill: int, decode: int) -> int:
@@ -320,6 +325,12 @@ class DeployConfig:
     def dp(self) -> int:
         """Data-parallel replicas per worker (engine data_parallel_size; aggregated apps only)."""
         return self.engine.get("data_parallel_size", 1)
+
+
+def _draft_head(speculative: Any) -> bool:
+    """Whether a speculative setting (a mapping, a SpeculativeConfig or None) runs a draft head."""
+    method = speculative.get("method") if isinstance(speculative, dict) else getattr(speculative, "method", None)
+    return method == "draft"
 
 
 def _as_value(value: Any, key: str) -> Any:

@@ -98,7 +98,7 @@ def test_serve_args_are_a_deploy_config(rendered: Rendered, tmp_path: Path) -> N
     assert (cfg.kv_streaming, cfg.kv_streaming_min_tokens) == (v["serve"]["kvStreaming"], v["serve"]["kvStreamingMinTokens"])
     spec = {"speculative": v["serve"]["speculative"]} if v["serve"].get("speculative") is not None else {}
     assert cfg.engine == {**{k: e for k, e in v["serve"]["engine"].items() if e is not None}, **spec}
-    assert "speculative" not in cfg.pool_engine("prefill")  # the decode pool's alone
+    assert "speculative" not in cfg.pool_engine("prefill") or spec["speculative"]["method"] == "draft"  # decode's alone
     assert cfg.name == rendered.serve_config["applications"][0]["name"]  # `splitserve status --name` default
     if v["model"]["servedName"]:
         assert cfg.served_model_name == v["model"]["servedName"]
@@ -571,7 +571,11 @@ REFUSED = [
      "serve.extraArgs.kv_secret is set by the chart"),
     (Case("speculative-k-zero", json_sets=('serve.speculative={"method": "ngram", "k": 0}',)), "serve.speculative"),
     (Case("speculative-unknown-method", json_sets=('serve.speculative={"method": "medusa"}',)), "serve.speculative"),
-    (Case("speculative-draft-not-built", json_sets=('serve.speculative={"method": "draft"}',)), "serve.speculative"),
+    (Case("speculative-draft-prefill-pp", ("values-gpu.yaml",), ("prefill.pp=2", "prefill.gpus=2"),
+          ('serve.speculative={"method": "draft"}',)),
+     "serve.speculative method draft with prefill.pp > 1"),
+    (Case("speculative-draft-path-empty", json_sets=('serve.speculative={"method": "draft", "draft_path": ""}',)),
+     "serve.speculative"),
     (Case("speculative-typo", json_sets=('serve.speculative={"kk": 4}',)), "serve.speculative"),
     (Case("speculative-min-over-max", json_sets=('serve.speculative={"min_n": 4, "max_n": 2}',)),
      "serve.speculative.min_n (4) must not exceed max_n (2)"),

@@ -78,6 +78,19 @@ def test_decode_pipeline_stages_refuse_it_by_name(tiny_checkpoint):
     DeployConfig(model=str(tiny_checkpoint("llama")), prefill=1, decode=1, prefill_pp=2, engine={"speculative": SPEC})
 
 
+def test_a_draft_head_reaches_both_pools(tiny_checkpoint):
+    """The prefill worker computes the prompt's draft KV (one more cache layer), so both pools
+    take method draft; its refusals (pipeline stages, tensor parallelism) then name the pool."""
+    model = str(tiny_checkpoint("llama"))
+    draft = {"method": "draft", "k": 3}
+    cfg = DeployConfig(model=model, prefill=1, decode=1, engine={"speculative": draft})
+    assert cfg.pool_engine("prefill")["speculative"] == cfg.pool_engine("decode")["speculative"] == draft
+    with pytest.raises(ConfigError, match="pipeline_parallel_size > 1"):
+        DeployConfig(model=model, prefill=1, decode=1, prefill_pp=2, engine={"speculative": draft})
+    with pytest.raises(ConfigError, match="method draft .* tensor_parallel_size > 1"):
+        DeployConfig(model=model, prefill=1, decode=1, prefill_tp=2, engine={"speculative": draft})
+
+
 # -- /metrics -----------------------------------------------------------------------------------
 
 

@@ -145,6 +145,9 @@ object, quoted and escaped for the shell KubeRay hands it to, e.g. "{\"prefill_n
 {{- if and (not (kindIs "invalid" $v.serve.speculative)) (gt (int ($v.decode.pp | default 1)) 1) -}}
 {{- fail "serve.speculative with decode.pp > 1: speculative decoding does not run on pipeline-parallel decode workers yet" -}}
 {{- end -}}
+{{- if and (not (kindIs "invalid" $v.serve.speculative)) (eq (dig "method" "" ($v.serve.speculative | default dict)) "draft") (gt (int ($v.prefill.pp | default 1)) 1) -}}
+{{- fail "serve.speculative method draft with prefill.pp > 1: the prefill workers run the draft head too, and speculative decoding does not run on pipeline-parallel workers yet" -}}
+{{- end -}}
 {{- with $v.serve.speculative }}{{ if gt (int (.min_n | default 2)) (int (.max_n | default 5)) -}}
 {{- fail (printf "serve.speculative.min_n (%d) must not exceed max_n (%d)" (int (.min_n | default 2)) (int (.max_n | default 5))) -}}
 {{- end }}{{ end -}}
