@@ -58,4 +58,14 @@ def layout_of(engine: Engine) -> KVLayout:
     dtype = engine.kv.dtype_name
     return KVLayout(num_layers=s.shape[0], num_blocks=s.shape[2], block_size=s.shape[3], num_kv_heads=s.shape[4],
                     head_dim=s.shape[5], dtype=dtype, element_size=s.element_size(),
-                    model_fingerprint=model_fingerprint(engine.config.model, dtype))
+                    model_fingerprint=_fingerprint(engine, dtype))
+
+
+def _fingerprint(engine: Engine, dtype: str) -> str:
+    """The model's; with an EAGLE head's KV in the cache (speculative draft_path), the head's too:
+    two pools with different heads have equal geometry, and their draft layers must not mix."""
+    fp = model_fingerprint(engine.config.model, dtype)
+    spec = engine.config.speculative
+    if spec is None or spec.method != "draft" or spec.draft_path is None:
+        return fp
+    return hashlib.sha256((fp + model_fingerprint(spec.draft_path, dtype)).encode()).hexdigest()[:32]

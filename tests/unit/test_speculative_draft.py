@@ -51,12 +51,13 @@ def heads(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def refs(heads):
-    """kind -> (prompts, HF greedy continuations)."""
+    """kind -> (prompts, HF greedy continuations); fewer for the MoE target (transformers' MoE
+    generation is the slow part)."""
     cache = {}
 
     def get(kind):
         if kind not in cache:
-            prompts = make_prompts(seed=7)
+            prompts = make_prompts(seed=7)[:16 if kind == "eagle" else 6]
             cache[kind] = (prompts, hf_greedy(heads[kind][2], prompts, MAX_NEW))
         return cache[kind]
 
@@ -216,14 +217,54 @@ def test_the_handoff_carries_the_draft_layer_and_decode_proposes_from_it(heads, 
         e.close()
 
 
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_prefill_and_a_decode_worker_hand_the_draft_layer_over_a_transport(heads, kind):
+    """Real workers in this process: the handoff's checksum covers every layer, the draft
+    layer's included, so the decode side proposes from exactly the bytes the prefill side made."""
+    import asyncio
+
+    from splitserve.worker.decode.handoff import HandoffState
+    from splitserve.worker.decode.worker import DecodeWorker
+    from splitserve.worker.prefill.worker import PrefillWorker
+    from tests.unit.test_decode_lifecycle import Local, collect
+
+    path, spec, _, _ = heads["eagle"]
+    prompts = make_prompts(seed=7)[:4]
+    want = greedy(LLM(path, num_kv_blocks=64), prompts)
+    cfg = EngineConfig(path, num_kv_blocks=64, kv_shared_memory=kind == "shm", speculative=dict(spec, adaptive=False))
+    pre, dec = PrefillWorker(cfg, [kind]), DecodeWorker(cfg, [kind])
+    try:
+        async def go():
+            got = []
+            for i, p in enumerate(prompts):
+                req = Request(f"{kind}-{i}", p, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+                r = await pre.prefill(req, kind)
+                assert r.handoff.header.num_layers == pre.engine.model_config.num_layers + 1
+                chunks = await collect(dec.generate(req, r.handoff, Local(pre)))
+                got.append([r.handoff.first_token] + [t for c in chunks for t in c.token_ids])
+            await asyncio.sleep(0.05)  # fire-and-forget acks settle
+            assert (await pre.check_invariants())["in_use"] == 0 and (await dec.check_invariants())["in_use"] == 0
+            return got
+
+        assert asyncio.run(go()) == want
+        assert dec.handoff_outcomes[HandoffState.READY] == len(prompts) and not dec.transfer_failures
+        s = dec.engine.stats()
+        assert s.spec_proposed_tokens_total > s.spec_accepted_tokens_total > 0
+    finally:
+        pre.close()
+        dec.close()
+
+
 def test_a_handoff_between_pools_of_different_speculative_configs_names_the_draft_layer(heads):
-    from splitserve.worker.kv_layout import layout_of
+    from splitserve.worker.kv_layout import layout_of, model_fingerprint
 
     eng = Engine(EngineConfig(heads["eagle"][0], num_kv_blocks=8, speculative=heads["eagle"][1]))
     with_draft = layout_of(eng)
     without = dataclasses.replace(with_draft, num_layers=with_draft.num_layers - 1)
     with pytest.raises(TransferError, match="draft head's layer"):
         check_transfer(with_draft, without, [0], [0])
+    # and two pools with different EAGLE heads (equal geometry) do not take each other's KV
+    assert with_draft.model_fingerprint != model_fingerprint(heads["eagle"][0], with_draft.dtype)
     eng.close()
 
 
