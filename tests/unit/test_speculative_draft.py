@@ -217,6 +217,36 @@ def test_the_handoff_carries_the_draft_layer_and_decode_proposes_from_it(heads, 
         e.close()
 
 
+def test_a_streamed_prefill_reports_the_draft_layer_last(heads):
+    """A streamed prefill's blocks go out layer group by layer group as the forward runs; the
+    draft layer is the cache's last, written after the target's: its report comes after the
+    head ran (the tiny model: 2 layers + the draft's, each its own group)."""
+    path, spec, _, _ = heads["eagle"]
+    pre = Engine(EngineConfig(path, num_kv_blocks=64, max_num_batched_tokens=16, speculative=spec))
+    seen = []
+
+    def sink(p):
+        if p.computing:
+            seen.append((pre._steps, p.layers, pre.kv.storage[:, :, list(p.computing)].clone(), p.computing))
+
+    pre.kv_progress = sink
+    prompt = make_prompts(seed=3, lengths=(50,))[0][:48]  # three steps of 16, a block each
+    pre.add_request(Request("s", prompt, SamplingParams(temperature=0.0, max_tokens=2)), prefill_only=True,
+                    stream_kv=True)
+    while pre.has_unfinished():
+        pre.step()
+    assert [(step, k) for step, k, _, _ in seen] == [(s, k) for s in range(3) for k in (1, 2, 3)]
+    for _, k, snap, blocks in seen:
+        final = pre.kv.storage[:, :, list(blocks)]
+        assert torch.equal(snap[:k], final[:k])  # done layers: as they stay
+        if k < 3:  # the draft layer (index 2): not written yet
+            assert not snap[2:].any() and final[2:].any()
+    pre.release_detached("s")
+    pre.check_invariants()
+    assert pre.pool.num_in_use == 0
+    pre.close()
+
+
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
 def test_a_prefill_and_a_decode_worker_hand_the_draft_layer_over_a_transport(heads, kind):
     """Real workers in this process: the handoff's checksum covers every layer, the draft

@@ -104,4 +104,15 @@ def load_mtp(model_dir: str | Path, cfg: ModelConfig, target: LlamaModel, dtype:
             pname, region = (rest, (None, None)) if rest in _OWN else layer_param(rest, cfg)
             items.append((pname if rest in _OWN else f"layer.{pname}", region, name, tensor))
         fill_params(dict(head.named_parameters()), items, cfg, where)
-    return head.to(dtype).eval()
+    head = head.to(dtype).eval()
+    _share_copies(head, target)
+    return head
+
+
+def _share_copies(head: MTPHead, target: LlamaModel) -> None:
+    """DeepSeek ships the target's embedding and LM head again inside the MTP layer: where the
+    copy is equal, the head uses the target's (2 x vocab x hidden fewer weights held)."""
+    if head.embed_tokens is not None and torch.equal(head.embed_tokens.weight, target.embed_tokens.weight):
+        head.embed_tokens = None
+    if target.lm_head is not None and torch.equal(head.shared_head.head.weight, target.lm_head.weight):
+        head.shared_head.head = target.lm_head
