@@ -9,7 +9,8 @@ non-speculative engine would. A suffix proposer learns from, and proposes to, th
 tenant only (its cache_salt). k is
 capped so that the accepted run plus the model's own token never passes max_tokens (and so
 the context length); EOS and stop ids cut the run in the core, exactly where the
-non-speculative engine stops."""
+non-speculative engine stops. A draft head (draft.py, a `BatchProposer`) is asked once for all
+the step's decoding sequences: its chain runs batched."""
 
 from __future__ import annotations
 
@@ -49,12 +50,11 @@ class Speculator:
         wants = []
         for seq in running:
             k = self._k(seq)
-            if k and batched:
+            seq.spec_tokens = []
+            if k and batched:  # a draft head: every sequence in one chain, below
                 wants.append((seq, k))
-                seq.spec_tokens = []
-            else:
-                seq.spec_tokens = self._cut(seq, self.proposer.propose(seq.token_ids, seq.spec_state.proposer_state, k)
-                                            ) if k else []
+            elif k:
+                seq.spec_tokens = self._cut(seq, self.proposer.propose(seq.token_ids, seq.spec_state.proposer_state, k))
         if wants:
             for (seq, _), proposal in zip(wants, self.proposer.propose_batch(wants)):
                 seq.spec_tokens = self._cut(seq, proposal)
