@@ -16,6 +16,7 @@ from typing import Callable
 
 import ray
 
+from splitserve.config import EngineConfig
 from splitserve.control.deploy_config import DeployConfig
 from splitserve.types import ConfigError, Role
 
@@ -145,6 +146,11 @@ def _quiet_stderr():
 def precheck(cfg: DeployConfig, joined: bool) -> None:
     """What every worker would refuse, refused here (before any actor starts)."""
     from splitserve.control.actors import gpu_share, resolve_transports, worker_placement  # torch: not for `status`
+    from splitserve.engine.speculative.draft import check_draft_head
+
+    spec = EngineConfig.from_dict({"model": cfg.model, **cfg.pool_engine("decode")}).speculative
+    if spec is not None and spec.method == "draft":  # a head that cannot fit: refused in seconds, not after the pools
+        check_draft_head(spec, cfg.model)
     share = gpu_share(str(cfg.engine.get("device", "auto")), ray.cluster_resources().get("GPU", 0.0),
                       cfg.ranks(cfg.prefill, cfg.decode), joined, growing=cfg.autoscale is not None)
     for role in Role:

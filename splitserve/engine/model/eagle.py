@@ -64,9 +64,8 @@ class EagleHead(nn.Module):
 def load_eagle(head_dir: str | Path, target_cfg: ModelConfig, target: LlamaModel, max_positions: int,
                dtype: torch.dtype, device: torch.device) -> EagleHead:
     head_dir = Path(head_dir)
-    cfg = ModelConfig.from_dir(head_dir)
+    cfg = eagle_config(head_dir, target_cfg)
     where = f"the EAGLE head in {head_dir}"
-    _check_geometry(cfg, target_cfg, where)
     with ExitStack() as files:
         tensors = _read(head_dir, files, where)
         names = set(tensors)
@@ -94,6 +93,21 @@ def load_eagle(head_dir: str | Path, target_cfg: ModelConfig, target: LlamaModel
         params = {n: p for n, p in head.named_parameters()}
         fill_params(params, items, cfg, where)
     return head.to(dtype).eval()
+
+
+def eagle_config(head_dir: str | Path, target_cfg: ModelConfig) -> ModelConfig:
+    """The head's config, checked against the target's from the files' names and configs alone
+    (no weights read): what a driver refuses before any worker starts (control/launch.py)."""
+    head_dir = Path(head_dir)
+    where = f"the EAGLE head in {head_dir}"
+    if not (head_dir / "config.json").is_file():
+        raise ConfigError(f"speculative.draft_path {str(head_dir)!r} holds no EAGLE head: no config.json (an EAGLE "
+                          "head's directory holds the config.json of a one-layer Llama decoder and its weights)")
+    cfg = ModelConfig.from_dir(head_dir)
+    _check_geometry(cfg, target_cfg, where)
+    if not any(head_dir.glob("*.safetensors")) and not (head_dir / "pytorch_model.bin").is_file():
+        raise ConfigError(f"{where} has no weights (*.safetensors or pytorch_model.bin)")
+    return cfg
 
 
 def _check_geometry(cfg: ModelConfig, target: ModelConfig, where: str) -> None:

@@ -72,13 +72,18 @@ class MTPHead(nn.Module):
         return self.shared_head.head(self.shared_head.norm(out)).float()
 
 
-def load_mtp(model_dir: str | Path, cfg: ModelConfig, target: LlamaModel, dtype: torch.dtype,
-             device: torch.device) -> MTPHead:
-    """The checkpoint's first MTP module (dequantized where stored quantized)."""
+def check_mtp(model_dir: str | Path, cfg: ModelConfig) -> None:
+    """From the config alone: what a driver refuses before any worker starts (control/launch.py)."""
     if cfg.extra_layers < 1:
         raise ConfigError(f"speculative method draft with no draft_path runs the checkpoint's multi-token-prediction "
                           f"layer, and {model_dir} has none (num_nextn_predict_layers is 0): give draft_path an "
                           "EAGLE head's directory")
+
+
+def load_mtp(model_dir: str | Path, cfg: ModelConfig, target: LlamaModel, dtype: torch.dtype,
+             device: torch.device) -> MTPHead:
+    """The checkpoint's first MTP module (dequantized where stored quantized)."""
+    check_mtp(model_dir, cfg)
     index = cfg.num_layers
     prefix = f"model.layers.{index}."
     where = f"{model_dir}: the multi-token-prediction layer {index}"

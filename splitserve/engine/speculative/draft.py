@@ -41,9 +41,9 @@ from splitserve.config import SpeculativeConfig
 from splitserve.engine.attention import AttentionBackend, AttentionBatch, SeqSlice
 from splitserve.engine.attention.torch_backend import TorchBackend
 from splitserve.engine.model.config import ModelConfig
-from splitserve.engine.model.eagle import load_eagle
+from splitserve.engine.model.eagle import eagle_config, load_eagle
 from splitserve.engine.model.llama import LlamaModel
-from splitserve.engine.model.mtp import load_mtp
+from splitserve.engine.model.mtp import check_mtp, load_mtp
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.speculative.chain_attention import ChainAttention
@@ -66,6 +66,17 @@ def load_draft_head(config: SpeculativeConfig, model_dir: str | Path, mc: ModelC
     if config.draft_path is not None:
         return load_eagle(config.draft_path, mc, target, max_positions, dtype, device)
     return load_mtp(model_dir, mc, target, dtype, device)
+
+
+def check_draft_head(config: SpeculativeConfig, model_dir: str | Path) -> None:
+    """What `load_draft_head` refuses from the configs alone (no weights read): a driver's
+    check before any worker starts, so a head that cannot fit fails in seconds, not after the
+    pools came up (control/launch.py `precheck`)."""
+    mc = ModelConfig.from_dir(model_dir)
+    if config.draft_path is not None:
+        eagle_config(config.draft_path, mc)
+    else:
+        check_mtp(model_dir, mc)
 
 
 @dataclass
