@@ -2,17 +2,23 @@
 which only the decode pool takes): every prompt goes through the prefill worker and its KV to a
 decode worker that verifies n-gram proposals; the greedy tokens equal one plain engine's, with
 proposals accepted on the decode worker. With two decode workers, one SIGKILLed mid-stream: its
-streams migrate to the other and continue exactly."""
+streams migrate to the other and continue exactly. The same for method `draft` (an EAGLE head,
+whose KV is one more cache layer): the prefill worker computes the prompt's draft KV and the
+handoff carries it to the decode workers, which propose from it."""
 
+import json
+import shutil
 import signal
 
 import pytest
 import ray
 import torch
 
+from splitserve.engine.model.config import ModelConfig
 from splitserve.orchestrator import Cluster
-from tests.chaos.harness import Load, assert_nothing_held, assert_outcomes, migration_report, params, reference, \
-    signal_worker
+from tests.chaos.harness import Load, assert_nothing_held, assert_outcomes, migration_report, params, prompts, \
+    reference, signal_worker
+from tests.draft_heads import RefEagle, agree, predictable
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,3 +78,89 @@ def test_a_speculating_decode_worker_killed_mid_stream_its_streams_migrate_and_c
         assert_outcomes(outcomes, ref, min_exact=n)
         assert migration_report(c)["migrated"] >= 1
         assert_nothing_held(c, load)
+
+
+# -- method draft: an EAGLE head across the split ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def eagle(tiny_checkpoint, tmp_path_factory):
+    """(target dir, speculative config): a tiny Llama made mostly a bigram model and an EAGLE head
+    that proposes that bigram's answer (tests/draft_heads.py): accepted often."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("spec-draft")
+    target = predictable(tiny_checkpoint("llama"), root / "target", 0.003)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    head = agree(RefEagle(hf), hf).save(root / "head")
+    return str(target), {"method": "draft", "k": 3, "draft_path": str(head)}
+
+
+@pytest.fixture(scope="module")
+def draft_app(ray_session, eagle):
+    """One 1P + 2D app for the draft cases (the second SIGKILLs a decode worker: it runs last)."""
+    target, spec = eagle
+    with Cluster.start(model=target, name="spec-draft", prefill=1, decode=2, disagg_min_tokens=0, num_kv_blocks=256,
+                       decode_inactivity_timeout_s=1.5, speculative=spec) as c:
+        yield c
+
+
+def test_a_draft_head_that_cannot_fit_is_refused_before_any_worker_starts(ray_session, eagle, tmp_path, monkeypatch):
+    from splitserve.control import controller
+    from splitserve.types import ConfigError
+
+    def no_controller(*a, **k):
+        raise AssertionError("a Controller started for a configuration every worker would refuse")
+
+    monkeypatch.setattr(controller, "get_or_create", no_controller)
+    target, spec = eagle
+    wide = tmp_path / "wide"
+    shutil.copytree(spec["draft_path"], wide)
+    cfg = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 2 * cfg["num_key_value_heads"]}))
+    (tmp_path / "empty").mkdir()
+    for bad, why in (({"draft_path": str(tmp_path / "empty")}, "holds no EAGLE head: no config.json"),
+                     ({"draft_path": str(wide)}, "num_key_value_heads"),
+                     ({"draft_path": None}, "num_nextn_predict_layers is 0")):
+        with pytest.raises(ConfigError, match=why):
+            Cluster.start(model=target, name="spec-draft-bad", prefill=1, decode=1, speculative={**spec, **bad})
+
+
+def test_a_draft_head_across_the_split_equals_the_plain_engine_with_the_draft_layer_handed_over(eagle, draft_app):
+    target, spec = eagle
+    c, n = draft_app, 8
+    ps, sps = prompts(n, seed=21), params(n, False, MAX_TOKENS)
+    ref = reference(target, ps, sps)
+    assert c.cfg.pool_engine("prefill")["speculative"] == c.cfg.pool_engine("decode")["speculative"] == spec
+    outs = c.generate([list(p) for p in ps], sps)
+    assert [tuple(o.outputs[0].token_ids) for o in outs] == ref
+    # both pools' caches hold the head's layer, and every prompt's KV (that layer's too: the
+    # handoff walks and checksums every layer) came from the prefill worker — none recomputed
+    layers = ModelConfig.from_dir(target).num_layers + 1
+    for w in [*c.prefills, *c.decodes]:
+        assert ray.get(w.describe.remote()).endpoints[0].layout.num_layers == layers
+    decodes = [d for d in c.check_invariants() if "transfers_by_transport" in d]
+    assert len(decodes) == 2, decodes
+    assert sum(sum(d["transfers_by_transport"].values()) for d in decodes) == n
+    assert all(d["transfer_failures"] == {} for d in decodes)
+    stats = spec_stats(c)
+    assert sum(s.spec_proposed_tokens_total for s in stats) >= sum(s.spec_accepted_tokens_total for s in stats) > 0
+    assert ray.get(c.prefills[0].stats.remote()).spec_proposed_tokens_total == 0  # it runs no decode step
+    for inv in c.check_invariants():
+        assert inv["in_use"] == 0, inv
+
+
+def test_a_draft_decode_worker_killed_mid_stream_its_streams_migrate_and_continue_exactly(eagle, draft_app):
+    target, _ = eagle
+    c, n = draft_app, 8
+    ps, sps = prompts(n, seed=23), params(n, False, 2 * MAX_TOKENS)  # long enough to be cut mid-stream
+    ref = reference(target, ps, sps)
+    survivor = c.decodes[1]
+    accepted = ray.get(survivor.stats.remote()).spec_accepted_tokens_total
+    load = Load(c, ps, sps)
+    load.wait_progress(2)
+    signal_worker(c.decodes[0], signal.SIGKILL)
+    assert_outcomes(load.result(), ref, min_exact=n)
+    assert migration_report(c)["migrated"] >= 1
+    assert ray.get(survivor.stats.remote()).spec_accepted_tokens_total > accepted
+    assert_nothing_held(c, load)

@@ -339,3 +339,28 @@ def test_a_draft_head_that_is_missing_or_does_not_fit_is_refused_by_name(heads, 
                                                                                '"num_hidden_layers": 2'))
     with pytest.raises(ConfigError, match="an EAGLE head has one"):
         LLM(llama, num_kv_blocks=8, speculative={"method": "draft", "draft_path": str(two)})
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="holds no EAGLE head: no config.json"):
+        LLM(llama, num_kv_blocks=8, speculative={"method": "draft", "draft_path": str(empty)})
+
+
+def test_a_driver_refuses_a_head_that_cannot_fit_from_its_config_alone(heads, tiny_checkpoint, tmp_path):
+    """`check_draft_head` (a driver's precheck, before any worker starts): the loaders' refusals
+    that need no weights read."""
+    from splitserve.config import SpeculativeConfig
+    from splitserve.engine.speculative.draft import check_draft_head
+
+    llama, eagle_dir = heads["eagle"][0], heads["eagle"][1]["draft_path"]
+    check_draft_head(SpeculativeConfig("draft", draft_path=eagle_dir), llama)
+    empty, unweighted = tmp_path / "empty", tmp_path / "unweighted"
+    empty.mkdir()
+    unweighted.mkdir()
+    shutil.copy(f"{eagle_dir}/config.json", unweighted)
+    for head, why in ((empty, "holds no EAGLE head: no config.json"), (unweighted, "has no weights")):
+        with pytest.raises(ConfigError, match=why):
+            check_draft_head(SpeculativeConfig("draft", draft_path=str(head)), llama)
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        check_draft_head(SpeculativeConfig("draft", draft_path=eagle_dir), str(tiny_checkpoint("qwen3")))
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers is 0"):
+        check_draft_head(SpeculativeConfig("draft"), llama)
