@@ -202,7 +202,11 @@ class DeployConfig:
             raise ConfigError("tensor_parallel_size is set per pool on a cluster: prefill_tp and decode_tp "
                               "(serve --prefill-tp / --decode-tp)")
         for role in POOL_KEYS:
-            EngineConfig.from_dict({"model": self.model, **self.pool_engine(role), "tensor_parallel_size": self.tp(role)})
+            try:
+                EngineConfig.from_dict({"model": self.model, **self.pool_engine(role),
+                                        "tensor_parallel_size": self.tp(role)})
+            except ConfigError as e:  # the engine's words name its own keys, not the pool they came from
+                raise ConfigError(f"the {role} pool ({role}_tp {self.tp(role)}, {role}_pp {self.pp(role)}): {e}") from None
         self._check_pp()
         if self.transport == "nixl" and self.prefill and max(self.prefill_tp, self.decode_tp) > 1:
             raise ConfigError("the KV handoff between tensor-parallel groups moves over shm or tcp (transport auto "

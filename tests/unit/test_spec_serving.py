@@ -87,8 +87,11 @@ def test_a_draft_head_reaches_both_pools(tiny_checkpoint):
     assert cfg.pool_engine("prefill")["speculative"] == cfg.pool_engine("decode")["speculative"] == draft
     with pytest.raises(ConfigError, match="pipeline_parallel_size > 1"):
         DeployConfig(model=model, prefill=1, decode=1, prefill_pp=2, engine={"speculative": draft})
-    with pytest.raises(ConfigError, match="method draft .* tensor_parallel_size > 1"):
+    with pytest.raises(ConfigError, match=r"^the prefill pool \(prefill_tp 2, prefill_pp 1\): .*method draft .* "
+                                          "tensor_parallel_size > 1"):
         DeployConfig(model=model, prefill=1, decode=1, prefill_tp=2, engine={"speculative": draft})
+    with pytest.raises(ConfigError, match=r"^the decode pool \(decode_tp 2, decode_pp 1\): .*method draft"):
+        DeployConfig(model=model, prefill=0, decode=1, decode_tp=2, engine={"speculative": draft})
 
 
 # -- /metrics -----------------------------------------------------------------------------------
