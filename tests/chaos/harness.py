@@ -96,6 +96,13 @@ class Load:
             assert time.time() < deadline, f"no progress: {self.progress}"
             time.sleep(0.001)
 
+    def wait_progress_past(self, marks: list[int], timeout: float = 60.0) -> None:
+        """Until every stream has delivered more than `marks[i]` tokens (or the load is done)."""
+        deadline = time.time() + timeout
+        while any(p <= m for p, m in zip(self.progress, marks)) and not self.future.done():
+            assert time.time() < deadline, f"no progress past {marks}: {self.progress}"
+            time.sleep(0.01)
+
     def result(self, timeout: float = 180.0) -> list[Outcome]:
         return self.future.result(timeout)
 
@@ -108,6 +115,23 @@ def pid_of(worker) -> int:
 
 def signal_worker(worker, sig) -> None:
     os.kill(pid_of(worker), sig)
+
+
+def replaced(c, before: set, role: str | None = None, timeout: float = 120.0) -> tuple[list, list]:
+    """Until the Controller's status shows a worker of `before` (of `role`, if given) dead and a
+    new one READY: (the dead, the fresh), as WorkerStatus entries."""
+    import ray
+
+    deadline = time.time() + timeout
+    while True:
+        st = ray.get(c.controller.status.remote())
+        mine = [w for w in st.workers if role is None or w.role == role]
+        dead = [w for w in mine if w.id in before and w.state == "dead"]
+        fresh = [w for w in mine if w.id not in before and w.state == "ready"]
+        if dead and fresh:
+            return dead, fresh
+        assert time.time() < deadline, st.workers
+        time.sleep(0.1)
 
 
 def migration_report(c) -> dict:

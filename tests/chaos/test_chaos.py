@@ -111,7 +111,9 @@ def test_sigstop_a_decode_worker_past_the_inactivity_timeout(ray_session, model,
         pid = pid_of(rec.handle)
         os.kill(pid, signal.SIGSTOP)
         try:
-            time.sleep(3.0)  # twice the inactivity timeout: its streams move on
+            # its streams move on once silent for the inactivity timeout: resumed only after every
+            # stream has delivered past where it stood at the stop (the stopped worker's, elsewhere)
+            load.wait_progress_past(list(load.progress))
         finally:
             os.kill(pid, signal.SIGCONT)
         outcomes = load.result()

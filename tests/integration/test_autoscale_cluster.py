@@ -76,10 +76,13 @@ def test_prefill_pool_follows_a_burst_of_long_prompts(ray_session, tiny_checkpoi
                        worker_classes={"prefill": "tests.fakes.workers:PacedPrefill",
                                        "decode": "tests.fakes.workers:PacedDecode"}) as c:
         failures, stop = [], []
+        first = {w.id for w in pool(c, "prefill")}
         load = asyncio.run_coroutine_threadsafe(burst(c, 10, stop, failures), c._loop.loop)
         try:
             wait_for(lambda: len(pool(c, "prefill")) == 2, 90, "a second prefill worker", c)
-            time.sleep(2)  # it takes requests while the load lasts
+            (new,) = {w.id for w in pool(c, "prefill")} - first
+            wait_for(lambda: any(t.prefill_worker == new for t in list(c.timings)), 60,
+                     "the new prefill worker to take requests while the load lasts", c)
             under_load(c)
         finally:
             stop.append(True)

@@ -33,15 +33,15 @@ def cli(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(["splitserve", *args], env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_scale_and_status_reach_the_app_serve_started(demo_model_dir, tmp_path):
+def test_scale_and_status_reach_the_app_serve_started(tiny_checkpoint, tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths live under it
     env = a_fresh_shell(home, ray_tmp)
-    port = free_port()
+    port, model = free_port(), str(tiny_checkpoint("llama"))  # what model it serves does not matter here
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
-        serve = subprocess.Popen(["splitserve", "serve", "--model", str(demo_model_dir), "--prefill", "0",
+        serve = subprocess.Popen(["splitserve", "serve", "--model", model, "--prefill", "0",
                                   "--decode", "1", "--port", str(port), "--grpc-port", str(free_port())],
                                  env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         try:

@@ -126,7 +126,8 @@ def test_scaling_under_load(ray_session, model):
                 return done if len(done) == 2 else None
 
             drained = wait_for(drained_ones, timeout=60, state=lambda: (c.status(), c.run(_ended(c))))
-            time.sleep(1.0)  # a little more load on the two that are left
+            served = len(load.outputs)  # a little more load on the two that are left
+            wait_for(lambda: len(load.outputs) >= served + 16, timeout=60)
         finally:
             load.stop()
         print(f"scale: {len(load.outputs)} requests, first request on a new worker after READY: {report} s")

@@ -15,7 +15,7 @@ import ray
 
 from splitserve.orchestrator import Cluster
 from splitserve.router.policy import NoCapacity
-from tests.chaos.harness import params, prompts, reference
+from tests.chaos.harness import params, prompts, reference, replaced
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,15 +48,8 @@ def test_a_data_parallel_decode_worker_serves_exactly_and_is_replaced_when_a_rep
 
         before = {w.id for w in ready}
         os.kill(info.ranks[0].pid, signal.SIGKILL)  # replica 1, idle: found by the health probes
-        deadline = time.time() + 120
-        while True:
-            st = ray.get(c.controller.status.remote())
-            dead = [w for w in st.workers if w.id in before and w.state == "dead"]
-            fresh = [w for w in st.workers if w.id not in before and w.state == "ready"]
-            if dead and fresh:
-                break
-            assert time.time() < deadline, st.workers
-            time.sleep(0.5)
+        dead, fresh = replaced(c, before)
+        deadline = time.time() + 60
         assert "data-parallel replica 1 exited" in dead[0].reason, dead
         assert len(fresh[0].ranks) == 2
         while True:  # the new worker serves exactly too, once the router has seen it
@@ -65,5 +58,5 @@ def test_a_data_parallel_decode_worker_serves_exactly_and_is_replaced_when_a_rep
                 break
             except NoCapacity:
                 assert time.time() < deadline, "the router never saw the new worker"
-                time.sleep(0.5)
+                time.sleep(0.1)
         assert [tuple(o.outputs[0].token_ids) for o in outs] == ref

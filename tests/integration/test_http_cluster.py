@@ -1,6 +1,7 @@
 """The HTTP ingress over the disaggregated cluster: the openai SDK gets the same greedy text as
 the single engine, streaming works, a stop string ends the request early on every worker."""
 
+import asyncio
 
 import httpx
 import pytest
@@ -76,25 +77,33 @@ def test_structured_output_and_tools_over_the_split(ray_session, demo_model_dir)
             http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
             c = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http)
             ask = [{"role": "user", "content": "Name a planet and how many moons it has."}]
-            parsed = await c.chat.completions.parse(model=name, messages=ask, response_format=Planet, temperature=0,
-                                                    max_tokens=60)
-            sampled = await c.chat.completions.create(
-                model=name, messages=ask, n=3, temperature=1.0, seed=9, max_tokens=60,
-                response_format={"type": "json_schema", "json_schema": {"name": "planet", "schema": schema}})
-            called = await c.chat.completions.create(
-                model=name, messages=[{"role": "user", "content": "Weather in Lima?"}], tools=[weather],
-                tool_choice="required", temperature=0, max_tokens=60)
-            streamed = await c.chat.completions.create(
-                model=name, messages=[{"role": "user", "content": "Weather in Quito?"}], tools=[weather], stream=True,
-                tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=1.0, seed=4,
-                max_tokens=60)
-            args, reasons = "", []
-            async for ev in streamed:
-                for ch in ev.choices:
-                    reasons.append(ch.finish_reason)
-                    for d in ch.delta.tool_calls or []:
-                        args += d.function.arguments or ""
-            return parsed, sampled, called, (args, reasons), await app_clients.agent_runs_a_tool(app, name)
+
+            async def streamed_call():
+                streamed = await c.chat.completions.create(
+                    model=name, messages=[{"role": "user", "content": "Weather in Quito?"}], tools=[weather],
+                    stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                    temperature=1.0, seed=4, max_tokens=60)
+                args, reasons = "", []
+                async for ev in streamed:
+                    for ch in ev.choices:
+                        reasons.append(ch.finish_reason)
+                        for d in ch.delta.tool_calls or []:
+                            args += d.function.arguments or ""
+                return args, reasons
+
+            # all at once, as clients send them: the workers batch their steps (one after another, each
+            # request would pay for its steps alone)
+            return await asyncio.gather(
+                c.chat.completions.parse(model=name, messages=ask, response_format=Planet, temperature=0,
+                                         max_tokens=60),
+                c.chat.completions.create(
+                    model=name, messages=ask, n=3, temperature=1.0, seed=9, max_tokens=60,
+                    response_format={"type": "json_schema", "json_schema": {"name": "planet", "schema": schema}}),
+                c.chat.completions.create(
+                    model=name, messages=[{"role": "user", "content": "Weather in Lima?"}], tools=[weather],
+                    tool_choice="required", temperature=0, max_tokens=60),
+                streamed_call(),
+                app_clients.agent_runs_a_tool(app, name))
 
         parsed, sampled, called, (args, reasons), (asked, final) = cluster.run(go())
         assert isinstance(parsed.choices[0].message.parsed, Planet), parsed.choices[0].message.content

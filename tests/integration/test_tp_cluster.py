@@ -7,7 +7,6 @@ group and brings up a new group."""
 
 import os
 import signal
-import time
 
 import pytest
 import ray
@@ -15,7 +14,7 @@ import ray
 from splitserve.orchestrator import Cluster
 from splitserve.control.admin import status_table
 from tests.chaos.harness import (Load, assert_nothing_held, assert_outcomes, migration_report, params, prompts,
-                                 reference)
+                                 reference, replaced)
 from tests.conftest import DECODE_IP, HEAD_IP, PREFILL_IP
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,15 +59,7 @@ def test_killing_one_rank_under_load_replaces_the_group(ray_session, model):
               f"explicit error, {r['migrated']} migrated")
         assert_outcomes(outcomes, ref, min_exact=n // 2)
         assert r["migrated"] >= 1
-        deadline = time.time() + 120
-        while True:  # the broken group is dead, a new one READY with both ranks
-            st = groups_of(c)
-            dead = [w for w in st.workers if w.id in before and w.state == "dead"]
-            fresh = [w for w in st.workers if w.id not in before and w.state == "ready"]
-            if dead and fresh:
-                break
-            assert time.time() < deadline, st.workers
-            time.sleep(0.5)
+        dead, fresh = replaced(c, before)  # the broken group is dead, a new one READY with both ranks
         assert len(dead) == 1 and "tensor-parallel" in dead[0].reason, dead
         assert len(fresh[0].ranks) == 2 and len(set(fresh[0].ranks)) == 1  # both ranks on one node
         removed = [g for g in ray.util.placement_group_table().values() if g["state"] == "REMOVED"]
@@ -133,15 +124,7 @@ def test_killing_a_prefill_rank_under_load_replaces_its_group(ray_session, model
         errors = [o.error for o in outcomes if o.error is not None]
         print(f"\nprefill TP rank killed: {len(errors)} of {n} streams ended with the explicit error")
         assert_outcomes(outcomes, ref, min_exact=n // 2)
-        deadline = time.time() + 120
-        while True:
-            st = groups_of(c)
-            dead = [w for w in st.workers if w.id in before and w.role == "prefill" and w.state == "dead"]
-            fresh = [w for w in st.workers if w.id not in before and w.role == "prefill" and w.state == "ready"]
-            if dead and fresh:
-                break
-            assert time.time() < deadline, st.workers
-            time.sleep(0.5)
+        dead, fresh = replaced(c, before, role="prefill")
         assert len(fresh[0].ranks) == 2
         assert c.check_invariants()[-1]["transfer_failures"].get("corrupt", 0) == 0  # nothing landed wrong
         assert_nothing_held(c, load)
