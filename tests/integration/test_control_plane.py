@@ -164,13 +164,13 @@ def test_worker_loss_and_a_worker_that_stops_answering(ray_session, model, workl
         wait_for(lambda: any(w.id == str(victim.id) and w.state == "dead" for w in c.status().workers))
         marked_dead_s = time.time() - killed
         codes = [c.run(ready_code())]
+        c.scale(decode=2)  # for the second half: it starts beside the replacement, not after it
         wait_for(lambda: codes.append(c.run(ready_code())) or codes[-1] == 200, timeout=90)
         assert 503 in codes and codes[-1] == 200  # not ready while no decode worker is READY, ready again after
         assert victim.id not in c.directory.records
         outs = c.generate(ps, SP)
         assert [o.outputs[0].token_ids for o in outs] == ref
 
-        c.scale(decode=2)
         wait_for(lambda: len(c.decodes) == 2, timeout=90)
         hung, other = [r for r in c.directory.records.values() if r.role is Role.DECODE]
         os.kill(hung.info.pid, signal.SIGSTOP)
