@@ -180,7 +180,7 @@ def answer(url: str, within_s: float) -> str:
             last = f"{r.status_code} {r.text[:300]}"
         except httpx.HTTPError as e:
             last = repr(e)
-        time.sleep(0.5)
+        time.sleep(0.2)
     raise AssertionError(f"the app did not answer within {within_s:g} s: {last}")
 
 

@@ -54,7 +54,7 @@ def test_scale_and_status_reach_the_app_serve_started(tiny_checkpoint, tmp_path)
                         break
                 except httpx.HTTPError:
                     pass
-                time.sleep(0.5)
+                time.sleep(0.2)
             assert (home / ".ray" / "auth_token").is_file()  # Ray turned token auth on and wrote the token
             # where `ray start` notes its cluster, serve noted the one it started: with another Ray
             # cluster on this machine (the tests' own), "auto" still finds this one

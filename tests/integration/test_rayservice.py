@@ -85,7 +85,7 @@ def test_serve_run_of_a_config_file(ray_session, tiny_checkpoint, tmp_path):
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.2)
         else:
             raise AssertionError(f"the app never became ready:\n{tail()}")
         sees_both_pools(url)
@@ -109,11 +109,11 @@ def test_serve_run_of_a_config_file(ray_session, tiny_checkpoint, tmp_path):
                 controller.find("rayservice-test")
             except ValueError:
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
         with pytest.raises(ValueError, match="no splitserve app"):
             controller.find("rayservice-test")
         while time.time() < deadline and ray_session.available_resources().get("CPU", 0) < cpus:
-            time.sleep(0.5)
+            time.sleep(0.2)
         assert ray_session.available_resources().get("CPU", 0) >= cpus  # every worker's CPU is back
     finally:
         if proc.poll() is None:
