@@ -53,6 +53,14 @@ class GrammarMatcher:
             log.error("a proposal the grammar validated left it: %s", m.get_error())
         return GrammarMatcher(m)
 
+    def forced(self) -> list[int]:
+        """The tokens every continuation from here begins with (llguidance's fast-forward
+        tokens: the bytes the grammar forces, tokenized canonically, a last token that could
+        merge with what follows held back); [] where the grammar leaves a choice or is complete.
+        The mask may still allow another tokenization of those bytes, so the model can, rarely,
+        take a different token than the one proposed here."""
+        return [] if self._m.is_stopped() else list(self._m.compute_ff_tokens())
+
     @property
     def done(self) -> bool:
         """The grammar is complete: nothing but the end of the sequence may follow."""

@@ -1,7 +1,8 @@
 """The engine's side of speculation before a step: which sequences get proposals, and how many.
 
 A sequence is proposed for when it is decoding (all but its last token computed), not for a
-prefill-only request (it stops after one token). A grammar-constrained one's proposal is cut
+prefill-only request (it stops after one token). A grammar-constrained one is proposed the
+tokens its grammar forces first (forced.py), and its proposal is cut
 at the first token its grammar refuses from where the sequence stands (llguidance validates a
 run of tokens without moving the matcher); verification then masks each position by the
 grammar's state after the proposals before it (verify.py), so it emits what the
@@ -20,6 +21,7 @@ from typing import Iterable
 from splitserve.config import SpeculativeConfig
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.speculative.adaptive import AdaptiveK
+from splitserve.engine.speculative.forced import with_forced
 from splitserve.engine.speculative.proposer import BatchProposer, Proposer
 from splitserve.engine.speculative.registry import make_proposer
 from splitserve.engine.speculative.suffix import SuffixProposer
@@ -31,6 +33,7 @@ class SeqSpec:
 
     proposer_state: object
     k: AdaptiveK
+    forced: int = 0  # the current proposal's leading tokens its grammar forces (forced.py)
 
 
 _NEVER = object()  # spec_state of a sequence that never gets proposals
@@ -47,20 +50,27 @@ class Speculator:
     def propose(self, running: Iterable[Sequence]) -> None:
         """Set every running sequence's proposals for the coming step ([] for none)."""
         batched = hasattr(self.proposer, "propose_batch")
-        wants = []
+        wants, rooms = [], []
         for seq in running:
-            k = self._k(seq)
             seq.spec_tokens = []
+            room = self._room(seq)
+            if not room:
+                continue
+            st = seq.spec_state
+            k = min(st.k.next_k(), room)  # the proposer's guess; a grammar's forced tokens fill up to room
             if k and batched:  # a draft head: every sequence in one chain, below
                 wants.append((seq, k))
-            elif k:
-                seq.spec_tokens = self._cut(seq, self.proposer.propose(seq.token_ids, seq.spec_state.proposer_state, k))
+                rooms.append(room)
+            else:
+                guess = self.proposer.propose(seq.token_ids, st.proposer_state, k) if k else []
+                seq.spec_tokens = self._cut(seq, guess, room)
         if wants:
-            for (seq, _), proposal in zip(wants, self.proposer.propose_batch(wants)):
-                seq.spec_tokens = self._cut(seq, proposal)
+            for (seq, _), room, proposal in zip(wants, rooms, self.proposer.propose_batch(wants)):
+                seq.spec_tokens = self._cut(seq, proposal, room)
 
-    def _k(self, seq: Sequence) -> int:
-        """How many tokens to propose for `seq` this step (0: none)."""
+    def _room(self, seq: Sequence) -> int:
+        """The most tokens `seq` may be proposed this step (0: none): k, less where the accepted
+        run plus the model's own token would pass max_tokens."""
         if seq.num_computed_tokens != seq.num_tokens - 1:
             return 0  # a prefill still running
         st = seq.spec_state
@@ -68,12 +78,20 @@ class Speculator:
             st = seq.spec_state = self._state(seq)
         if st is _NEVER:
             return 0
-        return max(0, min(st.k.next_k(), seq.max_tokens - len(seq.output_token_ids) - 1))
+        return max(0, min(self.config.k, seq.max_tokens - len(seq.output_token_ids) - 1))
 
     @staticmethod
-    def _cut(seq: Sequence, proposal: list[int]) -> list[int]:
+    def _cut(seq: Sequence, guess: list[int], room: int) -> list[int]:
+        """The proposal: a grammar-constrained sequence's forced tokens first (forced.py), the
+        whole cut at the first token its grammar refuses."""
         grammar = seq.sampling.grammar
-        return proposal[:grammar.valid_prefix(proposal)] if grammar is not None and proposal else proposal
+        seq.spec_state.forced = 0
+        if grammar is None:
+            return guess
+        proposal, forced = with_forced(grammar.forced(), guess, room)
+        proposal = proposal[:grammar.valid_prefix(proposal)] if proposal else proposal
+        seq.spec_state.forced = min(forced, len(proposal))
+        return proposal
 
     def _state(self, seq: Sequence):
         if seq.prefill_only:
@@ -87,5 +105,5 @@ class Speculator:
     def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verified step's outcome for `seq`: the adaptive k learns from it."""
         st = seq.spec_state
-        if isinstance(st, SeqSpec):
-            st.k.observe(proposed, accepted)
+        if isinstance(st, SeqSpec) and accepted >= st.forced:  # k learns from the guesses alone
+            st.k.observe(proposed - st.forced, accepted - st.forced)
