@@ -3,7 +3,8 @@ its last token and k proposals (k + 1 query rows, logits for every row) against 
 (k = 0), at batch 1 / 4 / 16 and 512 tokens of context, on this machine's attention backends.
 `per_sequence` is the path before batched verification (each verify row through the attention's
 one-sequence prefill path; `multi_query_max = 0`), `batched` the path now (torch_backend.py).
-Forward + logits only, synthetic block tables over the engine's own cache; median of `--iters`.
+Forward + logits only, synthetic block tables over the engine's own cache; median of `--iters`,
+after one untimed pass over every cell of the backend (warm-up).
 
     python benchmarks/verify_step.py   # -> results/verify_step.json
 """
@@ -46,6 +47,12 @@ def step_fn(runner, b: int, ctx: int, q_len: int):
     return step
 
 
+def once(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def timed(fn, iters: int) -> float:
     fn()
     ts = []
@@ -54,6 +61,16 @@ def timed(fn, iters: int) -> float:
         fn()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
+
+
+def cells(runner, b: int, a, measure) -> dict:
+    """A plain decode step and the verify step by each path, at batch b, each through `measure`."""
+    row = {"decode_ms": measure(step_fn(runner, b, a.context, 1))}
+    for path, mq in (("per_sequence", 0), ("batched", type(runner.backend).multi_query_max)):
+        runner.backend.multi_query_max = mq
+        row[f"verify_{path}_ms"] = measure(step_fn(runner, b, a.context, a.k + 1))
+    del runner.backend.multi_query_max  # back to the class's value
+    return row
 
 
 def main() -> None:
@@ -71,13 +88,12 @@ def main() -> None:
         runner = llm.engine.runner
         report["dtype"] = str(llm.engine.dtype)
         with torch.inference_mode():
+            # every cell once before any is timed (warm-up: a fresh engine's first steps are slower
+            # than its later ones); those first calls' times are kept in the row, to show it
+            first = {b: cells(runner, b, a, lambda fn: once(fn) * 1e3) for b in (1, 4, 16)}
             for b in (1, 4, 16):
-                decode = timed(step_fn(runner, b, a.context, 1), a.iters)
-                row = {"backend": backend, "batch": b, "decode_ms": decode * 1e3}
-                for path, mq in (("per_sequence", 0), ("batched", type(runner.backend).multi_query_max)):
-                    runner.backend.multi_query_max = mq
-                    row[f"verify_{path}_ms"] = timed(step_fn(runner, b, a.context, a.k + 1), a.iters) * 1e3
-                del runner.backend.multi_query_max  # back to the class's value
+                row = {"backend": backend, "batch": b, "first_call_ms": first[b]}
+                row.update(cells(runner, b, a, lambda fn: timed(fn, a.iters) * 1e3))
                 row["speedup_batched_vs_per_sequence"] = row["verify_per_sequence_ms"] / row["verify_batched_ms"]
                 row["verify_over_decode"] = row["verify_batched_ms"] / row["decode_ms"]
                 rows.append(row)

@@ -98,6 +98,15 @@ class Metrics:
         self.spec_verify_steps = Counter(PREFIX + "worker_spec_verify_steps",
                                          "Speculative decoding: verifications, one per sequence per step that verified its proposals",
                                          ["role", "worker"], registry=r)
+        self.spec_step_seconds = Counter(
+            PREFIX + "worker_spec_verify_step_seconds",
+            "Speculative decoding: wall seconds of the engine steps that verified proposals (from its step-time "
+            "fit's 32nd step on)", ["role", "worker"], registry=r)
+        self.spec_plain_seconds = Counter(
+            PREFIX + "worker_spec_verify_step_plain_seconds",
+            "Speculative decoding: the engine's step-time fit's seconds for those same steps without their "
+            "proposals (each verifying row a one-token decode); verify_step_seconds minus this is the estimated "
+            "cost of verification, their ratio its factor on a step's time", ["role", "worker"], registry=r)
         self.spec_acceptance = Gauge(PREFIX + "worker_spec_acceptance_ratio",
                                      "Speculative decoding: accepted / proposed tokens, ever", ["role", "worker"],
                                      registry=r)
@@ -116,14 +125,15 @@ class Metrics:
         self._moves_seen: dict[tuple[str, str], int] = {}
         # per counter: (role, worker) -> the total last seen
         self._spec_seen: dict[str, dict[tuple[str, str], int]] = {
-            name: {} for name in ("spec_proposed", "spec_accepted", "spec_verify_steps")}
+            name: {} for name in ("spec_proposed", "spec_accepted", "spec_verify_steps", "spec_step_seconds",
+                                  "spec_plain_seconds")}
 
     def forget_workers(self, live: set[str]) -> None:
         """Drop every per-worker series of a worker not in `live` (one that stopped or died): a
         gone worker's last values must not be scraped, nor its series pile up forever."""
         for g in (self.kv_usage, self.queue, self.step_time, self.expert_tokens, self.expert_imbalance,
                   self.prefix_query, self.prefix_hit, self.spec_proposed, self.spec_accepted,
-                  self.spec_verify_steps, self.spec_acceptance):
+                  self.spec_verify_steps, self.spec_step_seconds, self.spec_plain_seconds, self.spec_acceptance):
             worker = g._labelnames.index("worker")
             for labels in list(g._metrics):  # prometheus_client lists a metric's series only here
                 if labels[worker] not in live:
@@ -132,13 +142,16 @@ class Metrics:
             for key in [k for k in seen if k[1] not in live]:  # (role, worker)
                 del seen[key]
 
-    def export_speculation(self, role: str, worker: str, proposed: int, accepted: int, verify_steps: int) -> None:
+    def export_speculation(self, role: str, worker: str, proposed: int, accepted: int, verify_steps: int,
+                           step_seconds: float = 0.0, plain_seconds: float = 0.0) -> None:
         """One worker's speculation totals (WorkerStats.spec_*) into its counters and ratio; a
         worker that never proposed gets no series."""
         if not proposed:
             return
         for name, total in (("spec_proposed", proposed), ("spec_accepted", accepted),
-                            ("spec_verify_steps", verify_steps)):
+                            ("spec_verify_steps", verify_steps), ("spec_step_seconds", step_seconds),
+                            ("spec_plain_seconds", plain_seconds)):
+            getattr(self, name).labels(role=role, worker=worker)  # present at 0 until it first grows
             _add_up_to(getattr(self, name), self._spec_seen[name], total, role=role, worker=worker)
         self.spec_acceptance.labels(role=role, worker=worker).set(accepted / proposed)
 
@@ -158,7 +171,7 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _add_up_to(counter: Counter, seen: dict, total: int, **labels: str) -> None:
+def _add_up_to(counter: Counter, seen: dict, total: float, **labels: str) -> None:
     """A counter's series raised to `total`, a count kept elsewhere (the Controller's, the
     orchestrator's) that only grows; one that starts again (a restart) is skipped to."""
     key = tuple(labels.values())

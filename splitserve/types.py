@@ -354,6 +354,11 @@ class WorkerStats:
     spec_proposed_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_verify_steps_total: int = 0
+    # ... and what verification costs: the seconds of the engine steps that verified proposals, and
+    # the step-time fit's seconds for those same steps without their proposals (each verifying row
+    # a one-token decode); both from the fit's 32nd step on (engine/core.py `_verify_cost`)
+    spec_verify_step_seconds_total: float = 0.0
+    spec_verify_step_plain_seconds_total: float = 0.0
 
     @property
     def kv_usage(self) -> float:

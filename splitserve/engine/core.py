@@ -92,6 +92,7 @@ class EngineCore:
         self._steps = 0
         self._prefill_tokens = 0  # prompt tokens computed, ever (the autoscaler's served rate)
         self._spec_proposed = self._spec_accepted = self._spec_steps = 0  # speculative decoding
+        self._spec_step_s = self._spec_plain_s = 0.0  # verifying steps: measured, and the fit's without proposals
 
     # -- what a subclass provides ----------------------------------------------------------------
     def _forward(self, sched: SchedulerOutput) -> list[Sampled]:
@@ -137,6 +138,21 @@ class EngineCore:
 
     def _verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A speculative step verified `proposed` tokens of `seq`, of which it accepted `accepted`."""
+
+    def _predict(self, shape: StepShape) -> float | None:
+        """The step-time fit's time for a step of this shape (None: no fit yet)."""
+        return None
+
+    def _verify_cost(self, plain: StepShape, seconds: float) -> None:
+        """A step that verified proposals took `seconds`; `plain` is its shape without them. Its
+        time and the fit's time for `plain` add up (once there is a fit) to the two totals whose
+        difference is what verification cost: the extra query rows in the forward pass, the
+        proposals and the acceptance (the fit learns from these steps too, as prefill chunks of
+        k + 1 tokens; a plain decode's terms from the steps without proposals)."""
+        estimate = self._predict(plain)
+        if estimate is not None:
+            self._spec_step_s += seconds
+            self._spec_plain_s += estimate
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = (),
@@ -299,8 +315,12 @@ class EngineCore:
         if not sched.scheduled:
             return []
         shape = shape_of(sched)  # before the step advances what it counts
+        plain = shape_of(sched, proposals=False) if sched.speculative else None
         chunks = self._complete(sched, self._forward(sched))
-        self._observe(shape, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        if plain is not None:
+            self._verify_cost(plain, seconds)
+        self._observe(shape, seconds)
         return chunks
 
     def _step_in_flight(self) -> list[TokenChunk]:
@@ -503,6 +523,8 @@ class EngineCore:
             spec_proposed_tokens_total=self._spec_proposed,
             spec_accepted_tokens_total=self._spec_accepted,
             spec_verify_steps_total=self._spec_steps,
+            spec_verify_step_seconds_total=self._spec_step_s,
+            spec_verify_step_plain_seconds_total=self._spec_plain_s,
         )
 
     def block_counts(self) -> dict[str, int]:

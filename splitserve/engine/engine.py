@@ -46,7 +46,7 @@ from splitserve.engine.sequence import Sequence
 from splitserve.engine.speculative.draft import DraftProposer, load_draft_head
 from splitserve.engine.speculative.speculator import Speculator
 from splitserve.engine.speculative.verify import verify
-from splitserve.engine.step_model import StepTimeModel
+from splitserve.engine.step_model import MIN_FIT_SAMPLES, StepTimeModel
 from splitserve.engine.step_shape import StepShape
 from splitserve.engine.parallel.dp_group import DPGroup
 from splitserve.engine.parallel.dp_group import check as check_dp
@@ -363,6 +363,9 @@ class Engine(EngineCore):
 
     def _observe(self, shape: StepShape, seconds: float) -> None:
         self.step_model.observe(shape, seconds)
+
+    def _predict(self, shape: StepShape) -> float | None:
+        return self.step_model.predict(shape) if self.step_model.num_samples >= MIN_FIT_SAMPLES else None
 
     @property
     def step_time_coeffs(self) -> tuple[float, ...]:

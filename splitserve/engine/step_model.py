@@ -18,6 +18,7 @@ from splitserve.engine.step_shape import StepShape
 from splitserve.types import STEP_TERMS
 
 FEATURES = STEP_TERMS
+MIN_FIT_SAMPLES = 32  # steps seen before a prediction is read as a counterfactual (the verification's cost)
 
 
 def features(s: StepShape) -> tuple[float, ...]:

@@ -18,11 +18,16 @@ class StepShape(NamedTuple):  # a tuple: one per step, cheap to make
     sampled: int = 0  # rows that go through the LM head
 
 
-def shape_of(sched: "SchedulerOutput") -> StepShape:
-    """The shape of a step, before it runs (each sequence's computed count is the one before)."""
+def shape_of(sched: "SchedulerOutput", proposals: bool = True) -> StepShape:
+    """The shape of a step, before it runs (each sequence's computed count is the one before).
+    `proposals=False`: the same step had its rows carried no speculative proposals — each
+    verifying row (last token + k proposals, a chunk of k + 1) a one-token decode, what the
+    non-speculative engine would have run (the verification's cost, core.py)."""
     pt = pc = ds = dc = sampled = 0
     attended = 0.0
     for seq, n in sched.scheduled:
+        if not proposals:
+            n -= len(seq.spec_tokens)
         ctx = seq.num_computed_tokens
         if ctx + n == seq.num_tokens:
             sampled += 1

@@ -359,7 +359,7 @@ class Frontend:
                 m.expert_imbalance.labels(role=w.role, worker=w.worker_id, scope="rank_before_rebalance").set(
                     b.imbalance_before)
             m.export_speculation(w.role, w.worker_id, w.spec_proposed_tokens, w.spec_accepted_tokens,
-                                 w.spec_verify_steps)
+                                 w.spec_verify_steps, w.spec_verify_step_seconds, w.spec_verify_step_plain_seconds)
             roles[w.role] = roles.get(w.role, 0) + (1 if w.healthy else 0)
         for role, n in roles.items():
             m.pool_size.labels(role=role).set(n)

@@ -49,7 +49,9 @@ class LocalBackend:
                            step_time_coeffs=s.step_time_coeffs, expert_tokens=s.expert_tokens_total,
                            expert_balance=s.expert_balance, spec_proposed_tokens=s.spec_proposed_tokens_total,
                            spec_accepted_tokens=s.spec_accepted_tokens_total,
-                           spec_verify_steps=s.spec_verify_steps_total)]
+                           spec_verify_steps=s.spec_verify_steps_total,
+                           spec_verify_step_seconds=s.spec_verify_step_seconds_total,
+                           spec_verify_step_plain_seconds=s.spec_verify_step_plain_seconds_total)]
 
     async def generate(self, req: Request, plan: Plan | None = None) -> AsyncIterator[TokenChunk]:
         q = await self.loop.submit(req)

@@ -57,10 +57,13 @@ class WorkerView:
     token_budget: int = 2048  # its engine's max_num_batched_tokens: the largest prefill chunk a step takes
     expert_balance: ExpertBalance | None = None  # its experts' placement and rank load (WorkerStats)
     # speculative decoding (WorkerStats.spec_*): tokens proposed, of which accepted, and steps
-    # that verified any, ever (for /metrics)
+    # that verified any, ever; the seconds of those steps, and the fit's seconds for them without
+    # their proposals (for /metrics)
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
+    spec_verify_step_seconds: float = 0.0
+    spec_verify_step_plain_seconds: float = 0.0
 
     @property
     def up(self) -> bool:
@@ -77,7 +80,8 @@ class WorkerView:
                           stats.kv_blocks_free + stats.kv_blocks_cached, healthy, draining, stats.step_time_coeffs,
                           stats.expert_tokens_total, stats.pending_prefill_tokens, stats.decode_context_tokens,
                           stats.token_budget, stats.expert_balance, stats.spec_proposed_tokens_total,
-                          stats.spec_accepted_tokens_total, stats.spec_verify_steps_total)
+                          stats.spec_accepted_tokens_total, stats.spec_verify_steps_total,
+                          stats.spec_verify_step_seconds_total, stats.spec_verify_step_plain_seconds_total)
 
 
 @dataclass(frozen=True)

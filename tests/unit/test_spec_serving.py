@@ -7,6 +7,7 @@ acceptance: a lower TPOT, fewer decode workers), only once enough steps were ver
 import dataclasses
 
 import pytest
+from greedy_parity import drained
 
 from splitserve.control.autoscale import (AutoscaleConfig, AutoscalePolicy, Bounds, DecodeSignals, PrefillSignals,
                                           Signals, SignalObserver, StepFit, LatencyWindow)
@@ -108,7 +109,8 @@ def test_the_exporter_raises_counters_to_each_workers_totals():
 
     class Views:  # a backend as far as the exporter reads it
         sampling_defaults = ()
-        views = [WorkerView("d1", "decode", "h", spec_proposed_tokens=40, spec_accepted_tokens=30, spec_verify_steps=10),
+        views = [WorkerView("d1", "decode", "h", spec_proposed_tokens=40, spec_accepted_tokens=30, spec_verify_steps=10,
+                            spec_verify_step_seconds=0.5, spec_verify_step_plain_seconds=0.25),
                  WorkerView("p1", "prefill", "h")]
 
         def worker_views(self):
@@ -124,7 +126,8 @@ def test_the_exporter_raises_counters_to_each_workers_totals():
     front = Frontend(backend, Metrics())
     front.export_worker_gauges()
     backend.views = [dataclasses.replace(backend.views[0], spec_proposed_tokens=100, spec_accepted_tokens=50,
-                                         spec_verify_steps=25), backend.views[1]]
+                                         spec_verify_steps=25, spec_verify_step_seconds=1.5,
+                                         spec_verify_step_plain_seconds=0.75), backend.views[1]]
     front.export_worker_gauges()  # a second scrape: counters raised to the new totals, not added twice
     got = _series(front.metrics, "splitserve_worker_spec_")
     w = '{role="decode",worker="d1"}'
@@ -132,11 +135,89 @@ def test_the_exporter_raises_counters_to_each_workers_totals():
     assert got[f"splitserve_worker_spec_accepted_tokens_total{w}"] == 50
     assert got[f"splitserve_worker_spec_verify_steps_total{w}"] == 25
     assert got[f"splitserve_worker_spec_acceptance_ratio{w}"] == 0.5
+    assert got[f"splitserve_worker_spec_verify_step_seconds_total{w}"] == 1.5
+    assert got[f"splitserve_worker_spec_verify_step_plain_seconds_total{w}"] == 0.75
     assert not any('worker="p1"' in k for k in got)  # a worker that never proposed: no series
     backend.views = [backend.views[1]]  # d1 gone
     front.export_worker_gauges()
     assert not _series(front.metrics, "splitserve_worker_spec_")
     assert not any(front.metrics._spec_seen.values())  # its last totals forgotten too
+
+
+def test_a_real_engines_verify_cost_reaches_metrics(tiny_checkpoint):
+    """A speculative engine's verifying steps: their seconds and the step-time fit's seconds for
+    them without proposals, counted once the fit has MIN_FIT_SAMPLES steps, through WorkerView.of
+    and the exporter to /metrics."""
+    from splitserve import LLM, SamplingParams
+    from splitserve.engine.step_model import MIN_FIT_SAMPLES
+    from splitserve.ingress.frontend import Frontend
+    from splitserve.router.policy import WorkerView
+
+    llm = LLM(str(tiny_checkpoint("llama")), num_kv_blocks=128, speculative=dict(SPEC, adaptive=False))
+    eng = llm.engine
+    cut = []
+
+    class Proposer:  # proposes every step: the prompt's tokens again (mostly rejected: a cost)
+        def new_state(self):
+            return None
+
+        def propose(self, tokens, state, k):
+            cut.append(eng.step_model.num_samples)
+            return list(tokens[:k])
+
+    eng.speculator.proposer = Proposer()
+    llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=MIN_FIT_SAMPLES // 2, ignore_eos=True))
+    young = eng.stats()
+    assert young.spec_verify_steps_total > 0  # verified, but before the fit is read: nothing counted
+    assert young.spec_verify_step_seconds_total == young.spec_verify_step_plain_seconds_total == 0.0
+    llm.generate([[5, 6, 7, 8, 9]] * 2, SamplingParams(temperature=0.0, max_tokens=2 * MIN_FIT_SAMPLES, ignore_eos=True))
+    s = eng.stats()
+    assert eng.step_model.num_samples > MIN_FIT_SAMPLES and max(cut) > MIN_FIT_SAMPLES
+    assert s.spec_verify_step_seconds_total > 0 and s.spec_verify_step_plain_seconds_total > 0
+
+    class Views:
+        sampling_defaults = ()
+
+        def worker_views(self):
+            return [WorkerView.of("d1", "decode", "h", s, 0, True, False)]
+
+        def moves(self):
+            return ()
+
+        def autoscale_report(self):
+            return None
+
+    front = Frontend(Views(), Metrics())
+    front.export_worker_gauges()
+    got = _series(front.metrics, "splitserve_worker_spec_verify_step")
+    w = '{role="decode",worker="d1"}'
+    assert got[f"splitserve_worker_spec_verify_step_seconds_total{w}"] == pytest.approx(s.spec_verify_step_seconds_total)
+    assert got[f"splitserve_worker_spec_verify_step_plain_seconds_total{w}"] == \
+        pytest.approx(s.spec_verify_step_plain_seconds_total)
+    drained(llm)
+
+
+def test_a_verifying_rows_shape_without_proposals_is_a_one_token_decode(tiny_checkpoint):
+    from splitserve import LLM
+    from splitserve.engine.step_shape import shape_of
+    from splitserve.types import Request, SamplingParams
+
+    llm = LLM(str(tiny_checkpoint("llama")), num_kv_blocks=64, speculative=dict(SPEC, adaptive=False))
+    eng = llm.engine
+    eng.add_request(Request("r", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=8)))
+    eng.step()  # the prefill
+    seq = eng.scheduler.running[0]
+    seq.spec_tokens = [1, 2, 3]
+    sched = eng.scheduler.schedule()
+    assert sched.speculative
+    full, plain = shape_of(sched), shape_of(sched, proposals=False)
+    ctx = seq.num_computed_tokens
+    assert (full.prefill_tokens, full.decode_seqs) == (4, 0)  # last token + 3 proposals: a chunk of 4
+    assert (plain.prefill_tokens, plain.decode_seqs, plain.decode_context) == (0, 1, ctx)
+    eng._complete(sched, eng._forward(sched))  # the step runs as scheduled, then the rest
+    while eng.has_unfinished():
+        eng.step()
+    drained(llm)
 
 
 # -- admission ----------------------------------------------------------------------------------
