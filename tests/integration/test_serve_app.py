@@ -1,6 +1,6 @@
 """The ingress as a Ray Serve application over a real 1 prefill + 1 decode cluster: the openai SDK
 over Serve's HTTP proxy (greedy text equals the single engine's, streaming, timing headers,
-/metrics), a client generated from the protos over Serve's gRPC proxy (streaming, reflection,
+/metrics; the decode pool speculating), a client generated from the protos over Serve's gRPC proxy (streaming, reflection,
 INVALID_ARGUMENT, RESOURCE_EXHAUSTED with retry-after), and both workers drained afterwards."""
 
 import asyncio
@@ -57,7 +57,10 @@ def deployed(ray_session, tiny_checkpoint):
     args = {"model": model, "transport": "tcp", "disagg_min_tokens": 0, "max_inflight": 3, "served_model_name": "tiny",
             "engine": {"num_kv_blocks": 256}, "name": "serve-app-test", "max_tokens_default": 7,
             # the autoscaler on, held at one worker a pool: its targets are on /metrics (the dashboard's)
-            "autoscale": {"prefill": {"min": 1, "max": 1}, "decode": {"min": 1, "max": 1}}}
+            "autoscale": {"prefill": {"min": 1, "max": 1}, "decode": {"min": 1, "max": 1}},
+            # speculating (exact: greedy text is still the single engine's), so the dashboard's speculation
+            # panels have series; suffix from 1-grams: the tenant's earlier requests give proposals at once
+            "speculative": {"method": "suffix", "k": 4, "min_n": 1}}
     serve.run(build_app(args), name="serve-app-test", route_prefix="/")
     wait_ready(controller.find("serve-app-test"))
     try:
