@@ -3,8 +3,12 @@ its last token and k proposals (k + 1 query rows, logits for every row) against 
 (k = 0), at batch 1 / 4 / 16 and 512 tokens of context, on this machine's attention backends.
 `per_sequence` is the path before batched verification (each verify row through the attention's
 one-sequence prefill path; `multi_query_max = 0`), `batched` the path now (torch_backend.py).
-Forward + logits only, synthetic block tables over the engine's own cache; median of `--iters`,
-after one untimed pass over every cell of the backend (warm-up).
+Forward + logits only, synthetic block tables over the engine's own cache; per cell `--iters`
+rounds running the three paths in turn, after one untimed round; median and minimum. (On this
+shared 2-core machine a cell's median swings by 10x and more when other processes run: torch's
+intra-op threads wait for a descheduled sibling. The cpu batch-1 cell of an earlier run — verify
+1.5 s against 0.4 s per sequence — was that, not warm-up: alone, that cell measures ~75 ms both
+ways; the runs here interleave the paths so a burst hits all three alike, and report the minimum.)
 
     python benchmarks/verify_step.py   # -> results/verify_step.json
 """
@@ -53,29 +57,30 @@ def once(fn) -> float:
     return time.perf_counter() - t
 
 
-def timed(fn, iters: int) -> float:
-    fn()
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
-def cells(runner, b: int, a, measure) -> dict:
-    """A plain decode step and the verify step by each path, at batch b, each through `measure`."""
-    row = {"decode_ms": measure(step_fn(runner, b, a.context, 1))}
-    for path, mq in (("per_sequence", 0), ("batched", type(runner.backend).multi_query_max)):
-        runner.backend.multi_query_max = mq
-        row[f"verify_{path}_ms"] = measure(step_fn(runner, b, a.context, a.k + 1))
+def cells(runner, b: int, a) -> dict:
+    """A plain decode step and the verify step by each path, at batch b: `--iters` rounds, each
+    running every path once in turn (so a burst of other load on a shared machine hits all three
+    alike), after one untimed round (warm-up: a fresh shape's first call is slower); per path the
+    median and the minimum (the least disturbed run) in ms."""
+    mq_batched = type(runner.backend).multi_query_max
+    paths = {"decode": (1, mq_batched), "verify_per_sequence": (a.k + 1, 0), "verify_batched": (a.k + 1, mq_batched)}
+    fns = {name: step_fn(runner, b, a.context, q) for name, (q, _) in paths.items()}
+    times: dict = {name: [] for name in paths}
+    for r in range(a.iters + 1):
+        for name, (_, mq) in paths.items():
+            runner.backend.multi_query_max = mq
+            t = once(fns[name])
+            if r:
+                times[name].append(t * 1e3)
     del runner.backend.multi_query_max  # back to the class's value
+    row = {f"{name}_ms": statistics.median(ts) for name, ts in times.items()}
+    row.update({f"{name}_min_ms": min(ts) for name, ts in times.items()})
     return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=9)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--k", type=int, default=4)
     a = ap.parse_args()
@@ -88,14 +93,12 @@ def main() -> None:
         runner = llm.engine.runner
         report["dtype"] = str(llm.engine.dtype)
         with torch.inference_mode():
-            # every cell once before any is timed (warm-up: a fresh engine's first steps are slower
-            # than its later ones); those first calls' times are kept in the row, to show it
-            first = {b: cells(runner, b, a, lambda fn: once(fn) * 1e3) for b in (1, 4, 16)}
             for b in (1, 4, 16):
-                row = {"backend": backend, "batch": b, "first_call_ms": first[b]}
-                row.update(cells(runner, b, a, lambda fn: timed(fn, a.iters) * 1e3))
+                row = {"backend": backend, "batch": b}
+                row.update(cells(runner, b, a))
                 row["speedup_batched_vs_per_sequence"] = row["verify_per_sequence_ms"] / row["verify_batched_ms"]
                 row["verify_over_decode"] = row["verify_batched_ms"] / row["decode_ms"]
+                row["verify_over_decode_min"] = row["verify_batched_min_ms"] / row["decode_min_ms"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         del llm
