@@ -7,7 +7,7 @@ Forward + logits only, synthetic block tables over the engine's own cache; per c
 rounds running the three paths in turn, after one untimed round; median and minimum. (On this
 shared 2-core machine a cell's median swings by 10x and more when other processes run: torch's
 intra-op threads wait for a descheduled sibling. The cpu batch-1 cell of an earlier run — verify
-1.5 s against 0.4 s per sequence — was that, not warm-up: alone, that cell measures ~75 ms both
+1.5 s against 0.4 s per sequence — was that, not warm-up: on a quiet machine that cell measures 75–90 ms both
 ways; the runs here interleave the paths so a burst hits all three alike, and report the minimum.)
 
     python benchmarks/verify_step.py   # -> results/verify_step.json
