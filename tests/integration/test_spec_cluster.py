@@ -96,13 +96,12 @@ def eagle(tiny_checkpoint, tmp_path_factory):
     return str(target), {"method": "draft", "k": 3, "draft_path": str(head)}
 
 
-@pytest.fixture(scope="module")
-def draft_app(ray_session, eagle):
-    """One 1P + 2D app for the draft cases (the second SIGKILLs a decode worker: it runs last)."""
+def draft_cluster(eagle, name):
+    """A 1P + 2D app with the EAGLE head (each test its own: a killed worker's replacement
+    must go with the app that started it)."""
     target, spec = eagle
-    with Cluster.start(model=target, name="spec-draft", prefill=1, decode=2, disagg_min_tokens=0, num_kv_blocks=256,
-                       decode_inactivity_timeout_s=1.5, speculative=spec) as c:
-        yield c
+    return Cluster.start(model=target, name=name, prefill=1, decode=2, disagg_min_tokens=0, num_kv_blocks=256,
+                         decode_inactivity_timeout_s=1.5, speculative=spec)
 
 
 def test_a_draft_head_that_cannot_fit_is_refused_before_any_worker_starts(ray_session, eagle, tmp_path, monkeypatch):
@@ -126,41 +125,43 @@ def test_a_draft_head_that_cannot_fit_is_refused_before_any_worker_starts(ray_se
             Cluster.start(model=target, name="spec-draft-bad", prefill=1, decode=1, speculative={**spec, **bad})
 
 
-def test_a_draft_head_across_the_split_equals_the_plain_engine_with_the_draft_layer_handed_over(eagle, draft_app):
+def test_a_draft_head_across_the_split_equals_the_plain_engine_with_the_draft_layer_handed_over(ray_session, eagle):
     target, spec = eagle
-    c, n = draft_app, 8
-    ps, sps = prompts(n, seed=21), params(n, False, MAX_TOKENS)
-    ref = reference(target, ps, sps)
-    assert c.cfg.pool_engine("prefill")["speculative"] == c.cfg.pool_engine("decode")["speculative"] == spec
-    outs = c.generate([list(p) for p in ps], sps)
-    assert [tuple(o.outputs[0].token_ids) for o in outs] == ref
-    # both pools' caches hold the head's layer, and every prompt's KV (that layer's too: the
-    # handoff walks and checksums every layer) came from the prefill worker — none recomputed
-    layers = ModelConfig.from_dir(target).num_layers + 1
-    for w in [*c.prefills, *c.decodes]:
-        assert ray.get(w.describe.remote()).endpoints[0].layout.num_layers == layers
-    decodes = [d for d in c.check_invariants() if "transfers_by_transport" in d]
-    assert len(decodes) == 2, decodes
-    assert sum(sum(d["transfers_by_transport"].values()) for d in decodes) == n
-    assert all(d["transfer_failures"] == {} for d in decodes)
-    stats = spec_stats(c)
-    assert sum(s.spec_proposed_tokens_total for s in stats) >= sum(s.spec_accepted_tokens_total for s in stats) > 0
-    assert ray.get(c.prefills[0].stats.remote()).spec_proposed_tokens_total == 0  # it runs no decode step
-    for inv in c.check_invariants():
-        assert inv["in_use"] == 0, inv
+    n = 8
+    with draft_cluster(eagle, "spec-draft") as c:
+        ps, sps = prompts(n, seed=21), params(n, False, MAX_TOKENS)
+        ref = reference(target, ps, sps)
+        assert c.cfg.pool_engine("prefill")["speculative"] == c.cfg.pool_engine("decode")["speculative"] == spec
+        outs = c.generate([list(p) for p in ps], sps)
+        assert [tuple(o.outputs[0].token_ids) for o in outs] == ref
+        # both pools' caches hold the head's layer, and every prompt's KV (that layer's too: the
+        # handoff walks and checksums every layer) came from the prefill worker — none recomputed
+        layers = ModelConfig.from_dir(target).num_layers + 1
+        for w in [*c.prefills, *c.decodes]:
+            assert ray.get(w.describe.remote()).endpoints[0].layout.num_layers == layers
+        decodes = [d for d in c.check_invariants() if "transfers_by_transport" in d]
+        assert len(decodes) == 2, decodes
+        assert sum(sum(d["transfers_by_transport"].values()) for d in decodes) == n
+        assert all(d["transfer_failures"] == {} for d in decodes)
+        stats = spec_stats(c)
+        assert sum(s.spec_proposed_tokens_total for s in stats) >= sum(s.spec_accepted_tokens_total for s in stats) > 0
+        assert ray.get(c.prefills[0].stats.remote()).spec_proposed_tokens_total == 0  # it runs no decode step
+        for inv in c.check_invariants():
+            assert inv["in_use"] == 0, inv
 
 
-def test_a_draft_decode_worker_killed_mid_stream_its_streams_migrate_and_continue_exactly(eagle, draft_app):
+def test_a_draft_decode_worker_killed_mid_stream_its_streams_migrate_and_continue_exactly(ray_session, eagle):
     target, _ = eagle
-    c, n = draft_app, 8
-    ps, sps = prompts(n, seed=23), params(n, False, 2 * MAX_TOKENS)  # long enough to be cut mid-stream
-    ref = reference(target, ps, sps)
-    survivor = c.decodes[1]
-    accepted = ray.get(survivor.stats.remote()).spec_accepted_tokens_total
-    load = Load(c, ps, sps)
-    load.wait_progress(2)
-    signal_worker(c.decodes[0], signal.SIGKILL)
-    assert_outcomes(load.result(), ref, min_exact=n)
-    assert migration_report(c)["migrated"] >= 1
-    assert ray.get(survivor.stats.remote()).spec_accepted_tokens_total > accepted
-    assert_nothing_held(c, load)
+    n = 8
+    with draft_cluster(eagle, "spec-draft-kill") as c:
+        ps, sps = prompts(n, seed=23), params(n, False, 2 * MAX_TOKENS)  # long enough to be cut mid-stream
+        ref = reference(target, ps, sps)
+        survivor = c.decodes[1]
+        accepted = ray.get(survivor.stats.remote()).spec_accepted_tokens_total
+        load = Load(c, ps, sps)
+        load.wait_progress(2)
+        signal_worker(c.decodes[0], signal.SIGKILL)
+        assert_outcomes(load.result(), ref, min_exact=n)
+        assert migration_report(c)["migrated"] >= 1
+        assert ray.get(survivor.stats.remote()).spec_accepted_tokens_total > accepted
+        assert_nothing_held(c, load)
