@@ -97,7 +97,7 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
     from ray.serve.config import gRPCOptions
 
     from splitserve.control import controller as controller_mod
-    from splitserve.control.launch import connect_ray, forget_local_address, precheck, wait_ready
+    from splitserve.control.launch import check_files, connect_ray, forget_local_address, precheck, wait_ready
     from splitserve.cli.app import GRPC_SERVICER
     from splitserve.control.deploy_config import DeployConfig
     from splitserve.cli.app import bind_app
@@ -105,6 +105,7 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
     cfg = DeployConfig.from_options(deploy_options(args, model))
     _say_keys(cfg.api_keys)
     began = time.monotonic()
+    check_files(cfg)
     bound_grpc_messages()
     a = cfg.autoscale
     started = connect_ray(args.address, cfg.ranks(a.prefill.max, a.decode.max) if a else cfg.ranks(cfg.prefill, cfg.decode))

@@ -143,14 +143,20 @@ def _quiet_stderr():
         os.close(saved)
 
 
-def precheck(cfg: DeployConfig, joined: bool) -> None:
-    """What every worker would refuse, refused here (before any actor starts)."""
-    from splitserve.control.actors import gpu_share, resolve_transports, worker_placement  # torch: not for `status`
-    from splitserve.engine.speculative.draft import check_draft_head
+def check_files(cfg: DeployConfig) -> None:
+    """What the model's and a draft head's files say every worker would refuse, refused before
+    Ray starts (a head that cannot fit: in a second, not after the pools came up)."""
+    from splitserve.engine.speculative.draft import check_draft_head  # torch: not for `status`
 
     spec = EngineConfig.from_dict({"model": cfg.model, **cfg.pool_engine("decode")}).speculative
-    if spec is not None and spec.method == "draft":  # a head that cannot fit: refused in seconds, not after the pools
+    if spec is not None and spec.method == "draft":
         check_draft_head(spec, cfg.model)
+
+
+def precheck(cfg: DeployConfig, joined: bool) -> None:
+    """What every worker would refuse on this cluster, refused here (before any actor starts)."""
+    from splitserve.control.actors import gpu_share, resolve_transports, worker_placement  # torch: not for `status`
+
     share = gpu_share(str(cfg.engine.get("device", "auto")), ray.cluster_resources().get("GPU", 0.0),
                       cfg.ranks(cfg.prefill, cfg.decode), joined, growing=cfg.autoscale is not None)
     for role in Role:

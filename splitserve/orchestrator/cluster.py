@@ -63,7 +63,7 @@ class Cluster:
         import ray
 
         from splitserve.control import controller as controller_mod
-        from splitserve.control.launch import connect_ray, precheck, wait_ready
+        from splitserve.control.launch import check_files, connect_ray, precheck, wait_ready
 
         deploy_keys = set(DeployConfig.__dataclass_fields__) - {"engine"}
         engine = {k: options.pop(k) for k in list(options) if k not in deploy_keys}
@@ -71,6 +71,7 @@ class Cluster:
                                          "disagg_min_tokens": disagg_min_tokens, "engine": engine,
                                          "name": options.pop("name", f"cluster-{uuid.uuid4().hex[:8]}"), **options})
         tracing.setup(cfg.trace, "splitserve-ingress", f"{socket.gethostname()}:{os.getpid()}")
+        check_files(cfg)
         started = connect_ray(address, cfg.ranks(cfg.prefill, cfg.decode))
         try:
             precheck(cfg, joined=not started)

@@ -104,14 +104,14 @@ def draft_cluster(eagle, name):
                          decode_inactivity_timeout_s=1.5, speculative=spec)
 
 
-def test_a_draft_head_that_cannot_fit_is_refused_before_any_worker_starts(ray_session, eagle, tmp_path, monkeypatch):
-    from splitserve.control import controller
+def test_a_draft_head_that_cannot_fit_is_refused_before_ray_is_reached(eagle, tmp_path, monkeypatch):
+    from splitserve.control import launch
     from splitserve.types import ConfigError
 
-    def no_controller(*a, **k):
-        raise AssertionError("a Controller started for a configuration every worker would refuse")
+    def no_ray(*a, **k):
+        raise AssertionError("Ray was reached for a configuration every worker would refuse")
 
-    monkeypatch.setattr(controller, "get_or_create", no_controller)
+    monkeypatch.setattr(launch, "connect_ray", no_ray)
     target, spec = eagle
     wide = tmp_path / "wide"
     shutil.copytree(spec["draft_path"], wide)

@@ -348,8 +348,8 @@ def test_a_draft_head_that_is_missing_or_does_not_fit_is_refused_by_name(heads, 
 
 
 def test_a_driver_refuses_a_head_that_cannot_fit_from_its_config_alone(heads, tiny_checkpoint, tmp_path):
-    """`check_draft_head` (a driver's precheck, before any worker starts): the loaders' refusals
-    that need no weights read."""
+    """`check_draft_head` (what a driver checks before Ray starts, control/launch.py
+    `check_files`): the loaders' refusals that need no weights read."""
     from splitserve.config import SpeculativeConfig
     from splitserve.engine.speculative.draft import check_draft_head
 
