@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from fake_backend import exported
 
 from splitserve import LLM, SamplingParams
 from splitserve.config import EngineConfig
@@ -226,28 +227,13 @@ def _moved_between_ranks(tiny_checkpoint):
 
 # -- /metrics --------------------------------------------------------------------------------------
 def test_the_rank_imbalance_before_and_after_is_exported_beside_the_experts():
-    from splitserve.ingress.frontend import Frontend
-    from splitserve.metrics import Metrics
     from splitserve.router.policy import WorkerView
 
     balance = ExpertBalance(ranks=2, slots_per_rank=5, replicas=(2, 1, 1, 1, 1, 1, 2, 1), rank_tokens=(60, 40),
                             imbalance=1.2, imbalance_before=1.8, rebalances_total=3)
 
-    class Views:  # a backend as far as the gauges read it
-        sampling_defaults = ()
-
-        def worker_views(self):
-            return [WorkerView("w1", "decode", "h", expert_tokens=(3, 1, 0, 4), expert_balance=balance)]
-
-        def moves(self):
-            return ()
-
-        def autoscale_report(self):
-            return None
-
-    front = Frontend(Views(), Metrics())
-    front.export_worker_gauges()
-    text = front.metrics.exposition().decode()
+    text = exported([WorkerView("w1", "decode", "h", expert_tokens=(3, 1, 0, 4), expert_balance=balance)]
+                    ).exposition().decode()
     got = {ln.split("{")[1].split("}")[0]: float(ln.split()[-1]) for ln in text.splitlines()
            if ln.startswith("splitserve_worker_expert_imbalance")}
     assert got == {'role="decode",scope="expert",worker="w1"': 2.0, 'role="decode",scope="rank",worker="w1"': 1.2,

@@ -2,6 +2,7 @@
 tenant, the KV transfer by transport, and moves counted once however often they are exported."""
 
 import pytest
+from fake_backend import ViewsBackend
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.ingress.frontend import Choice, Frontend
@@ -26,22 +27,6 @@ def samples(m: Metrics, name: str) -> dict[tuple, float]:
     return out
 
 
-class Views:
-    sampling_defaults = ()
-
-    def __init__(self):
-        self.counts = ()
-
-    def worker_views(self):
-        return []
-
-    def moves(self):
-        return self.counts
-
-    def autoscale_report(self):
-        return None
-
-
 def finished_choice(tokenizer, plan: Plan | None, phases: PhaseTimes, tenant: str) -> Choice:
     text = RequestText(tokenizer, SamplingParams(max_tokens=3), (1, 2))
     for i, t in enumerate((5, 6, 7)):
@@ -52,7 +37,7 @@ def finished_choice(tokenizer, plan: Plan | None, phases: PhaseTimes, tenant: st
 
 
 def test_a_disaggregated_request_records_every_phase_and_its_transfer_by_transport(tiny_tokenizer):
-    front = Frontend(Views(), Metrics())
+    front = Frontend(ViewsBackend(), Metrics())
     split = Plan("p0", None, "d0", None)
     phases = PhaseTimes(queue_s=0.1, prefill_s=0.3, transfer_s=0.05, transfer_bytes=50_000_000,
                         exposed_transfer_s=0.01, transport="nixl")
@@ -75,7 +60,7 @@ def test_a_disaggregated_request_records_every_phase_and_its_transfer_by_transpo
 
 
 def test_prefix_hits_are_counted_per_worker_and_a_gone_workers_series_dropped(tiny_tokenizer):
-    front = Frontend(Views(), Metrics())
+    front = Frontend(ViewsBackend(), Metrics())
     for worker, cached in (("p0", 0), ("p0", 16), ("p1", 8)):
         c = finished_choice(tiny_tokenizer, Plan(worker, None, "d0", None), PhaseTimes(), "default")
         c.text.num_cached_tokens = cached
@@ -88,7 +73,7 @@ def test_prefix_hits_are_counted_per_worker_and_a_gone_workers_series_dropped(ti
 
 
 def test_moves_are_counted_once_by_kind_and_reason():
-    views = Views()
+    views = ViewsBackend()
     front = Frontend(views, Metrics())
     views.counts = (MoveCount(MoveKind.MIGRATION, MoveReason.DIED, 2), MoveCount(MoveKind.RETRY, MoveReason.SILENT, 1))
     front.export_worker_gauges()

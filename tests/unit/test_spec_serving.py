@@ -7,6 +7,7 @@ acceptance: a lower TPOT, fewer decode workers), only once enough steps were ver
 import dataclasses
 
 import pytest
+from fake_backend import ViewsBackend, exported
 from greedy_parity import drained
 
 from splitserve.control.autoscale import (AutoscaleConfig, AutoscalePolicy, Bounds, DecodeSignals, PrefillSignals,
@@ -107,22 +108,10 @@ def test_the_exporter_raises_counters_to_each_workers_totals():
     from splitserve.ingress.frontend import Frontend
     from splitserve.router.policy import WorkerView
 
-    class Views:  # a backend as far as the exporter reads it
-        sampling_defaults = ()
-        views = [WorkerView("d1", "decode", "h", spec_proposed_tokens=40, spec_accepted_tokens=30, spec_verify_steps=10,
-                            spec_verify_step_seconds=0.5, spec_verify_step_plain_seconds=0.25),
-                 WorkerView("p1", "prefill", "h")]
-
-        def worker_views(self):
-            return self.views
-
-        def moves(self):
-            return ()
-
-        def autoscale_report(self):
-            return None
-
-    backend = Views()
+    backend = ViewsBackend([WorkerView("d1", "decode", "h", spec_proposed_tokens=40, spec_accepted_tokens=30,
+                                       spec_verify_steps=10, spec_verify_step_seconds=0.5,
+                                       spec_verify_step_plain_seconds=0.25),
+                            WorkerView("p1", "prefill", "h")])
     front = Frontend(backend, Metrics())
     front.export_worker_gauges()
     backend.views = [dataclasses.replace(backend.views[0], spec_proposed_tokens=100, spec_accepted_tokens=50,
@@ -150,7 +139,6 @@ def test_a_real_engines_verify_cost_reaches_metrics(tiny_checkpoint):
     and the exporter to /metrics."""
     from splitserve import LLM, SamplingParams
     from splitserve.engine.step_model import MIN_FIT_SAMPLES
-    from splitserve.ingress.frontend import Frontend
     from splitserve.router.policy import WorkerView
 
     llm = LLM(str(tiny_checkpoint("llama")), num_kv_blocks=128, speculative=dict(SPEC, adaptive=False))
@@ -175,21 +163,8 @@ def test_a_real_engines_verify_cost_reaches_metrics(tiny_checkpoint):
     assert eng.step_model.num_samples > MIN_FIT_SAMPLES and max(cut) > MIN_FIT_SAMPLES
     assert s.spec_verify_step_seconds_total > 0 and s.spec_verify_step_plain_seconds_total > 0
 
-    class Views:
-        sampling_defaults = ()
-
-        def worker_views(self):
-            return [WorkerView.of("d1", "decode", "h", s, 0, True, False)]
-
-        def moves(self):
-            return ()
-
-        def autoscale_report(self):
-            return None
-
-    front = Frontend(Views(), Metrics())
-    front.export_worker_gauges()
-    got = _series(front.metrics, "splitserve_worker_spec_verify_step")
+    got = _series(exported([WorkerView.of("d1", "decode", "h", s, 0, True, False)]),
+                  "splitserve_worker_spec_verify_step")
     w = '{role="decode",worker="d1"}'
     assert got[f"splitserve_worker_spec_verify_step_seconds_total{w}"] == pytest.approx(s.spec_verify_step_seconds_total)
     assert got[f"splitserve_worker_spec_verify_step_plain_seconds_total{w}"] == \

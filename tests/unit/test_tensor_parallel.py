@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from fake_backend import exported
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.model.config import ModelConfig
@@ -140,25 +141,10 @@ def test_losing_a_rank_fails_the_engine_with_an_error_not_a_hang(tiny_checkpoint
 
 
 def test_expert_load_and_its_imbalance_are_exported_per_worker():
-    from splitserve.metrics import Metrics
-    from splitserve.ingress.frontend import Frontend
     from splitserve.router.policy import WorkerView
 
-    class Views:  # a backend as far as the gauges read it
-        sampling_defaults = ()
-
-        def worker_views(self):
-            return [WorkerView("w1", "decode", "h", expert_tokens=(3, 1, 0, 4)), WorkerView("w2", "prefill", "h")]
-
-        def moves(self):
-            return ()
-
-        def autoscale_report(self):
-            return None
-
-    front = Frontend(Views(), Metrics())
-    front.export_worker_gauges()
-    text = front.metrics.exposition().decode()
+    text = exported([WorkerView("w1", "decode", "h", expert_tokens=(3, 1, 0, 4)), WorkerView("w2", "prefill", "h")]
+                    ).exposition().decode()
     got = {ln.split("{")[1].split("}")[0]: float(ln.split()[-1]) for ln in text.splitlines()
            if ln.startswith("splitserve_worker_expert_")}
     assert got['expert="3",role="decode",worker="w1"'] == 4
