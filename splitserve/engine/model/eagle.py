@@ -22,13 +22,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.layers import RotaryEmbedding
 from splitserve.engine.model.llama import DecoderLayer, LlamaModel
-from splitserve.engine.model.loader import fill_params, layer_param
+from splitserve.engine.model.loader import fill_params, layer_param, open_tensors
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.types import ConfigError
 
@@ -67,7 +66,7 @@ def load_eagle(head_dir: str | Path, target_cfg: ModelConfig, target: LlamaModel
     cfg = eagle_config(head_dir, target_cfg)
     where = f"the EAGLE head in {head_dir}"
     with ExitStack() as files:
-        tensors = _read(head_dir, files, where)
+        tensors = _read(head_dir, files)
         names = set(tensors)
         if "fc.weight" not in names:
             raise ConfigError(f"{where} has no fc.weight (the [hidden, 2 * hidden] projection of an EAGLE head)")
@@ -128,18 +127,12 @@ def _check_geometry(cfg: ModelConfig, target: ModelConfig, where: str) -> None:
                               "the target's cache and it reads the target's hidden states, so they must be equal")
 
 
-def _read(head_dir: Path, files: ExitStack, where: str) -> dict:
-    """name (without a `model.` prefix) -> a thunk reading its tensor."""
-    out = {}
+def _read(head_dir: Path, files: ExitStack) -> dict:
+    """name (without a `model.` prefix) -> a thunk reading its tensor (`eagle_config` has made
+    sure there are weights)."""
     shards = sorted(head_dir.glob("*.safetensors"))
     if shards:
-        for path in shards:
-            f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            for n in f.keys():
-                out[n.removeprefix("model.")] = (lambda f=f, n=n: f.get_tensor(n))
-        return out
-    bin_path = head_dir / "pytorch_model.bin"
-    if not bin_path.is_file():
-        raise ConfigError(f"{where} has no weights (*.safetensors or pytorch_model.bin)")
-    state = torch.load(bin_path, map_location="cpu", weights_only=True)
+        return {n.removeprefix("model."): (lambda f=f, n=n: f.get_tensor(n))
+                for n, f in open_tensors(files, shards).items()}
+    state = torch.load(head_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
     return {n.removeprefix("model."): (lambda t=t: t) for n, t in state.items()}

@@ -99,11 +99,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
         model = LlamaModel(local, max_positions, tp, shard, stage)
     filled: dict[str, int] = {}
     with ExitStack() as files:
-        # every shard open at once: a quantized weight's scales may be stored in another shard
-        where = {}
-        for path in safetensors_files(model_dir):
-            f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            where.update(dict.fromkeys(f.keys(), f))
+        where = open_tensors(files, safetensors_files(model_dir))
         names, get = set(where), lambda n: where[n].get_tensor(n)
         kept = (KeptWeights(model, names, cfg, shard, lambda n: _held_target(n, cfg, stage))
                 if keep_quantized and cfg.quant is not None else None)  # before any weight is allocated
@@ -127,6 +123,16 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
     if cfg.quant is not None:  # how the weights are held, for the memory report
         model.quant_holding = kept.install(model, dtype, device) if kept else Holding(0)
     return model
+
+
+def open_tensors(files: ExitStack, paths) -> dict:
+    """Tensor name -> the open safetensors file holding it, every file of `paths` open at once
+    (closed with `files`): a quantized weight's scales may be stored in another shard."""
+    where = {}
+    for path in paths:
+        f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+        where.update(dict.fromkeys(f.keys(), f))
+    return where
 
 
 Region = tuple[int | None, int | None]  # (expert or None, shard of a fused tensor's rows or None)

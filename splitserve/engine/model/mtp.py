@@ -19,13 +19,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.layers import RMSNorm
 from splitserve.engine.model.llama import DecoderLayer, LlamaModel
-from splitserve.engine.model.loader import fill_params, layer_param, safetensors_files
+from splitserve.engine.model.loader import fill_params, layer_param, open_tensors, safetensors_files
 from splitserve.engine.model.moe import SparseMoE
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.quant.checkpoint import dense_tensors
@@ -88,10 +87,8 @@ def load_mtp(model_dir: str | Path, cfg: ModelConfig, target: LlamaModel, dtype:
     prefix = f"model.layers.{index}."
     where = f"{model_dir}: the multi-token-prediction layer {index}"
     with ExitStack() as files:
-        found = {}
-        for path in safetensors_files(Path(model_dir)):
-            f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            found.update({n: f for n in f.keys() if n.startswith(prefix)})
+        found = {n: f for n, f in open_tensors(files, safetensors_files(Path(model_dir))).items()
+                 if n.startswith(prefix)}
         if not found:
             raise ConfigError(f"{where}: config.json says num_nextn_predict_layers {cfg.extra_layers}, but the "
                               f"checkpoint holds no {prefix}* tensors")
