@@ -24,7 +24,7 @@ def default_cache_dir() -> Path:
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")  # engine/attention/backend.py
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is fp8_e4m3 (engine/kv_cache/fp8.py)
 QUANTIZED_WEIGHTS = ("auto", "dequantize", "keep")  # engine/quant/linear.py
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft")  # engine/speculative/registry.py (which are built)
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")  # engine/speculative/registry.py; draft: draft.py
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,5 @@
-"""Proposers by name (SpeculativeConfig.method). Names the config knows but this build has not
-got yet are refused here, by name. `draft` is built by the engine, which holds the model
-(engine/speculative/draft.py)."""
+"""Proposers by name (SpeculativeConfig.method). `draft` is built by the engine, which holds the
+model (engine/speculative/draft.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +9,6 @@ from splitserve.engine.speculative.proposer import Proposer
 from splitserve.engine.speculative.suffix import SuffixProposer
 from splitserve.types import ConfigError
 
-NOT_BUILT: dict[str, str] = {}
-
-
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.min_n, config.max_n)
@@ -21,7 +17,4 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "draft":  # the head needs the model: the engine builds it (draft.py)
         raise ConfigError("speculative method 'draft' runs a draft head over the model's hidden states: the engine "
                           "builds its proposer (engine/speculative/draft.py), not the registry")
-    if config.method in NOT_BUILT:
-        raise ConfigError(f"speculative method {config.method!r} ({NOT_BUILT[config.method]}) is not built yet; "
-                          "available: ngram, suffix, draft")
     raise ConfigError(f"unknown speculative method {config.method!r}; available: ngram, suffix, draft")
