@@ -153,14 +153,21 @@ def _gloo_peer(rank: int, addr: str, shapes: list[tuple[int, int]], reps: int, q
     dist.destroy_process_group()
 
 
+def _free_address() -> str:
+    """A port free now, for ranks this benchmark alone starts (nothing else starts groups beside it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
 def gloo_hops(shapes, reps: int) -> dict:
     import multiprocessing as mp
 
-    from splitserve.engine.parallel.launch import free_address
-
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    addr = free_address()
+    addr = _free_address()
     procs = [ctx.Process(target=_gloo_peer, args=(r, addr, shapes, reps, q)) for r in range(2)]
     for p in procs:
         p.start()

@@ -891,6 +891,15 @@ def model_config(s: dict):
         sliding_window=None, bos_token_id=None, eos_token_ids=(), torch_dtype="bfloat16")
 
 
+
+def _free_address() -> str:
+    """A port free now, for ranks this benchmark alone starts (nothing else starts groups beside it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
 def tp_section(bench: Bench) -> None:
     """Decode and prefill of the model split over T ranks, one process each (rank 0 reports)."""
     import multiprocessing as mp
@@ -901,8 +910,6 @@ def tp_section(bench: Bench) -> None:
     if not sizes:
         bench.result["tp"] = {"skipped": f"{gpus} GPU(s) here: tensor parallelism needs 2 or more"}
         return
-    from splitserve.engine.parallel.launch import free_address
-
     rows = bench.result["tp"] = []
     ctx = mp.get_context("spawn")
     for size in sizes:
@@ -910,7 +917,7 @@ def tp_section(bench: Bench) -> None:
             rows.append({"tp": size, "skipped": "budget"})
             continue
         q = ctx.Queue()
-        address = free_address()
+        address = _free_address()
         procs = [ctx.Process(target=_tp_rank, args=(r, size, address, bench.smoke, q)) for r in range(size)]
         for p in procs:
             p.start()

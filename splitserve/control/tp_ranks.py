@@ -28,8 +28,8 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 
 from splitserve.engine.parallel.dp_group import DPGroup, replica_main
-from splitserve.engine.parallel.group import DistGroup, GroupSpec, TPGroup
-from splitserve.engine.parallel.launch import end_followers, free_address, on_cuda, rank_main
+from splitserve.engine.parallel.group import DistGroup, GroupSpec, TPGroup, meeting_point
+from splitserve.engine.parallel.launch import end_followers, on_cuda, rank_main
 from splitserve.engine.parallel.pipe_group import PipeGroup, stage_main
 from splitserve.control.bundles import placement
 from splitserve.types import RankPlace
@@ -91,7 +91,7 @@ class RayRanks:
         group.close()
 
 
-def _start(config, actor, size: int, what: str, join: Callable[[GroupSpec], object], name: Callable[[int], str],
+def _start(config, actor, size: int, what: str, join: Callable[[GroupSpec, object], object], name: Callable[[int], str],
            timeout_s: float, *run_args) -> tuple[object, RayRanks]:
     """Processes 1..size-1 of `what` in this actor's placement group, process r in bundle r, each
     running `actor.run(config, its spec, *run_args)`; this actor joins as process 0 (`join`).
@@ -101,7 +101,7 @@ def _start(config, actor, size: int, what: str, join: Callable[[GroupSpec], obje
         raise RuntimeError(f"{what} must run in a placement group of {size} bundles")
     bundle = pg.bundle_specs[1]  # every process's bundle is alike
     # processes on other nodes (pipeline stages may be) reach process 0 at this node's address
-    address = free_address(ray.util.get_node_ip_address())
+    store, address = meeting_point(ray.util.get_node_ip_address(), size, timeout_s)
     backend = "nccl" if on_cuda(config) else "gloo"
     actors = [actor.options(num_cpus=bundle.get("CPU", 1), num_gpus=bundle.get("GPU", 0),
                             scheduling_strategy=placement(pg, r)).remote() for r in range(1, size)]
@@ -110,7 +110,7 @@ def _start(config, actor, size: int, what: str, join: Callable[[GroupSpec], obje
                        enumerate(ray.get([a.where.remote() for a in actors]), 1))
         runs = [a.run.remote(config, GroupSpec(r, size, address, backend, timeout_s), *run_args)
                 for r, a in enumerate(actors, 1)]
-        return join(GroupSpec(0, size, address, backend, timeout_s)), RayRanks(actors, runs, places, name)
+        return join(GroupSpec(0, size, address, backend, timeout_s), store), RayRanks(actors, runs, places, name)
     except Exception:
         for a in actors:
             ray.kill(a, no_restart=True)
@@ -134,7 +134,7 @@ def start_ray_stages(config, timeout_s: float = 60.0) -> tuple[PipeGroup, RayRan
 
     return _start(config, PipeStage, size,
                   f"a pipeline-parallel worker of {size} processes ({config.pipeline_parallel_size} stages x {t} ranks)",
-                  lambda spec: PipeGroup(spec, t), name, timeout_s, t)
+                  lambda spec, store: PipeGroup(spec, t, store), name, timeout_s, t)
 
 
 def start_ray_replicas(config, timeout_s: float = 60.0) -> tuple[DPGroup, RayRanks]:

@@ -124,6 +124,25 @@ def test_a_size_the_shapes_do_not_divide_is_refused_before_any_rank_starts(tiny_
         LLM(str(tiny_checkpoint("deepseek_v3")), num_kv_blocks=16, tensor_parallel_size=3)
 
 
+def test_the_meeting_point_holds_its_port_until_the_group_is_gone():
+    """Process 0 listens before any other process starts and keeps the port: a group starting
+    beside it (another test's, in the other xdist worker) cannot be given the same port and have
+    its ranks meet ours. CI saw exactly that when the port was probed free and closed again
+    (EADDRINUSE in one group, a rendezvous timeout in the other)."""
+    import errno
+    import socket
+
+    from splitserve.engine.parallel.group import meeting_point
+
+    one, two = meeting_point("127.0.0.1", 2, 5.0), meeting_point("127.0.0.1", 2, 5.0)
+    ports = [int(address.rsplit(":", 1)[1]) for _, address in (one, two)]
+    assert ports[0] != ports[1] and min(ports) > 0
+    for port in ports:
+        with socket.socket() as s, pytest.raises(OSError) as taken:
+            s.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+
+
 def test_losing_a_rank_fails_the_engine_with_an_error_not_a_hang(tiny_checkpoint):
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with LLM(str(tiny_checkpoint("llama")), num_kv_blocks=32, tensor_parallel_size=2) as llm:

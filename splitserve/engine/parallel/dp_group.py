@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from splitserve.engine.parallel.group import DistGroup, GroupSpec
-from splitserve.engine.parallel.launch import LocalRanks, free_address, on_cuda
+from splitserve.engine.parallel.group import DistGroup, GroupSpec, meeting_point
+from splitserve.engine.parallel.launch import LocalRanks, on_cuda
 
 
 class DPGroup(DistGroup):
@@ -32,8 +32,8 @@ class DPGroup(DistGroup):
 
     kind = "data-parallel"
 
-    def __init__(self, spec: GroupSpec) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: GroupSpec, store=None) -> None:
+        super().__init__(spec, store)
         self.a2a_bytes = self.a2a_remote_bytes = 0
         self.a2a_s = 0.0
         self.a2a_calls = 0
@@ -76,7 +76,7 @@ def start_local_replicas(config, timeout_s: float = 60.0) -> tuple[DPGroup, Loca
     """Start replicas 1..D-1 of `config`'s engine as local processes (replica r on GPU r) and join
     them as replica 0."""
     size = config.data_parallel_size
-    address = free_address()
+    store, address = meeting_point("127.0.0.1", size, timeout_s)
     backend = "nccl" if on_cuda(config) else "gloo"
     ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch or thread state
     procs = [ctx.Process(target=replica_main, args=(config, GroupSpec(r, size, address, backend, timeout_s), r),
@@ -84,7 +84,7 @@ def start_local_replicas(config, timeout_s: float = 60.0) -> tuple[DPGroup, Loca
     for p in procs:
         p.start()
     try:
-        return DPGroup(GroupSpec(0, size, address, backend, timeout_s)), LocalReplicas(procs)
+        return DPGroup(GroupSpec(0, size, address, backend, timeout_s), store), LocalReplicas(procs)
     except Exception:
         for p in procs:
             p.kill()

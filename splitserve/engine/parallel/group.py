@@ -51,6 +51,18 @@ class TPGroup:
 IDLE_FOREVER = datetime.timedelta(days=365)
 
 
+def meeting_point(host: str, size: int, timeout_s: float):
+    """Process 0's rendezvous store, listening before any other process starts, and its
+    address. The OS picks the port while the store holds it: a port probed free and closed
+    again could be taken by another group starting at the same moment (two tests in parallel),
+    whose processes would then meet ours."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return store, f"{host}:{store.port}"
+
+
 class DistGroup(TPGroup):
     """`size` ranks over torch.distributed. A rank that dies makes the others' next collective
     fail (at once where its connections close, else within `timeout_s`): the engine stops, it
@@ -59,13 +71,19 @@ class DistGroup(TPGroup):
 
     kind = "tensor-parallel"  # what the group is, in its failure's words
 
-    def __init__(self, spec: GroupSpec) -> None:
+    def __init__(self, spec: GroupSpec, store=None) -> None:
+        """`store`: process 0's `meeting_point` (the others reach it at `spec.address`)."""
         import torch.distributed as dist
 
         self._dist = dist
         self.rank, self.size = spec.rank, spec.size
-        dist.init_process_group(spec.backend, init_method=f"tcp://{spec.address}", rank=spec.rank,
-                                world_size=spec.size, timeout=datetime.timedelta(seconds=spec.timeout_s))
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        if store is None:
+            dist.init_process_group(spec.backend, init_method=f"tcp://{spec.address}", rank=spec.rank,
+                                    world_size=spec.size, timeout=timeout)
+        else:  # under the prefix the others' `init_method` gives their keys
+            dist.init_process_group(spec.backend, store=dist.PrefixStore("default_pg", store), rank=spec.rank,
+                                    world_size=spec.size, timeout=timeout)
         self._steps = dist.new_group(backend=spec.backend, timeout=IDLE_FOREVER)
 
     def _collective(self, fn, *args, **kwargs):

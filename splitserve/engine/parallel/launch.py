@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Protocol
 
-from splitserve.engine.parallel.group import DistGroup, GroupSpec, TPGroup
+from splitserve.engine.parallel.group import DistGroup, GroupSpec, TPGroup, meeting_point
 from splitserve.types import RankPlace
 
 
@@ -27,12 +27,6 @@ class Ranks(Protocol):
 
     def stop(self, tp: TPGroup) -> None:
         """End the followers' loop and wait for them (killing any that hang)."""
-
-
-def free_address(host: str = "127.0.0.1") -> str:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return f"{host}:{s.getsockname()[1]}"
 
 
 def on_cuda(config) -> bool:
@@ -66,7 +60,7 @@ def start_local_group(config, timeout_s: float = 60.0) -> tuple[DistGroup, Local
     """Start ranks 1..T-1 of `config`'s engine as local processes (rank r on GPU r) and join
     them as rank 0."""
     size = config.tensor_parallel_size
-    address = free_address()
+    store, address = meeting_point("127.0.0.1", size, timeout_s)
     backend = "nccl" if on_cuda(config) else "gloo"
     ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch or thread state
     procs = [ctx.Process(target=rank_main, args=(config, GroupSpec(r, size, address, backend, timeout_s), r),
@@ -74,7 +68,7 @@ def start_local_group(config, timeout_s: float = 60.0) -> tuple[DistGroup, Local
     for p in procs:
         p.start()
     try:
-        return DistGroup(GroupSpec(0, size, address, backend, timeout_s)), LocalRanks(procs)
+        return DistGroup(GroupSpec(0, size, address, backend, timeout_s), store), LocalRanks(procs)
     except Exception:
         for p in procs:
             p.kill()

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from splitserve.engine.parallel.group import IDLE_FOREVER, DistGroup, GroupSpec
-from splitserve.engine.parallel.launch import LocalRanks, free_address, on_cuda
+from splitserve.engine.parallel.group import IDLE_FOREVER, DistGroup, GroupSpec, meeting_point
+from splitserve.engine.parallel.launch import LocalRanks, on_cuda
 
 
 class PipeGroup(DistGroup):
@@ -50,8 +50,8 @@ class PipeGroup(DistGroup):
 
     kind = "pipeline-parallel"
 
-    def __init__(self, spec: GroupSpec, tp_size: int = 1) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: GroupSpec, tp_size: int = 1, store=None) -> None:
+        super().__init__(spec, store)
         self.timeout_s = spec.timeout_s
         self.tp_size = tp_size
         self.stage, self.tp_rank, self.stages = spec.rank // tp_size, spec.rank % tp_size, spec.size // tp_size
@@ -172,7 +172,7 @@ def start_local_stages(config, timeout_s: float = 60.0) -> tuple[PipeGroup, Loca
     r) and join them as process 0: stage 0, TP rank 0."""
     t = config.tensor_parallel_size
     size = config.pipeline_parallel_size * t
-    address = free_address()
+    store, address = meeting_point("127.0.0.1", size, timeout_s)
     backend = "nccl" if on_cuda(config) else "gloo"
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=stage_main, args=(config, GroupSpec(r, size, address, backend, timeout_s), r, t),
@@ -181,7 +181,7 @@ def start_local_stages(config, timeout_s: float = 60.0) -> tuple[PipeGroup, Loca
     for p in procs:
         p.start()
     try:
-        return PipeGroup(GroupSpec(0, size, address, backend, timeout_s), t), LocalStages(procs, t)
+        return PipeGroup(GroupSpec(0, size, address, backend, timeout_s), t, store), LocalStages(procs, t)
     except Exception:
         for p in procs:
             p.kill()
