@@ -29,6 +29,13 @@ the JSON.
             against the plain decode step (eager, the same batch and context): step time and the
             ratio verify / decode — the tokens a step must yield on average for speculation to
             pay, (1 − α^(k+1)) / (1 − α) ≥ ratio (sim/speculation.py)
+  draft     an EAGLE-style draft head (engine/model/eagle.py: fc + one decoder layer of the model's
+            shape, the model's embedding and LM head; random weights) at batch 1 / 4 / 16 / 64 ×
+            2K context: its update after a decode step (one row per sequence through the triton
+            backend, writing the draft layer's KV) and a chain of k = 2 / 4 / 8 proposals (the
+            cached draft KV gathered once, k - 1 head steps over it, an argmax each;
+            speculative/chain_attention.py), against the plain decode step (eager): what proposing
+            costs per step, as a share of the step it saves
   prefill   one prompt of 512 / 2K / 8K tokens: time and MFU = (2 × non-embedding params ×
             tokens + causal attention FLOPs) / time / peak; triton vs torch SDPA (vs flash_attn)
   fused_ablation  decode (batch 64 × 2K) and a 2K prefill with the fused residual+RMSNorm and
@@ -413,6 +420,102 @@ class Bench:
         with torch.inference_mode():
             return self.timeit(step, iters, warmup=1 if self.smoke else 2)
 
+    def draft(self) -> None:
+        be = self.backends().get("triton")
+        rows: list[dict] = []
+        self.result["draft"] = rows
+        if be is None:
+            return
+        head = self._eagle_head()
+        batches, ks = ((2,), (2, 4)) if self.smoke else ((1, 4, 16, 64), (2, 4, 8))
+        c, iters = (40, 1) if self.smoke else (2048, 10)
+        for b in batches:
+            if self.time_left() < 30:
+                rows.append({"batch": b, "skipped": "budget"})
+                continue
+            decode = self.guarded(f"draft.decode.b{b}", lambda: self._step_s(b, c, 1, be[0], iters))
+            update = self.guarded(f"draft.update.b{b}", lambda: self._draft_update_s(head, b, c, be[0], iters))
+            for k in ks:
+                chain = self.guarded(f"draft.chain.b{b}.k{k}", lambda: self._draft_chain_s(head, b, c, k, iters))
+                if None in (decode, update, chain):
+                    rows.append({"batch": b, "k": k, "skipped": "error"})
+                    continue
+                rows.append({"batch": b, "k": k, "context": c, "decode_ms": decode * 1e3, "update_ms": update * 1e3,
+                             "chain_ms": chain * 1e3, "draft_over_decode": (update + chain) / decode})
+                print(f"draft b={b:3d} k={k} decode {decode * 1e3:7.2f} ms update {update * 1e3:6.2f} ms "
+                      f"chain {chain * 1e3:6.2f} ms x{(update + chain) / decode:.2f}", flush=True)
+
+    def _eagle_head(self):
+        """The head of an EAGLE checkpoint for this model, random weights, sharing its embedding
+        and LM head (as EAGLE-1's releases do)."""
+        import dataclasses
+
+        torch = self.torch
+        from splitserve.engine.model.eagle import EagleHead
+
+        cfg = dataclasses.replace(self.cfg, num_layers=1)
+        with torch.device(self.device):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                head = EagleHead(cfg, self.model, cfg.max_position_embeddings, own_embedding=False,
+                                 own_lm_head=False, fc_bias=False, input_norm=False).eval()
+            finally:
+                torch.set_default_dtype(prev)
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02)
+        return head
+
+    def _draft_update_s(self, head, b: int, c: int, be, iters: int) -> float:
+        """The head over one row per sequence (its last position), its KV written into a layer
+        of the pool (the draft layer's stand-in), and the argmax of each row's guess."""
+        torch = self.torch
+        batch, _ = self.batch(b, c + 1, 1, self.block_size)
+        kv = self.layers(self.block_size)[0]
+        ids = torch.randint(0, self.cfg.vocab_size, (b,), device=self.device)
+        pos = torch.full((b,), c, dtype=torch.int64, device=self.device)
+        hidden = torch.randn(b, self.cfg.hidden_size, device=self.device, dtype=self.dtype)
+        meta = be.prepare(batch)
+
+        def step():
+            cos, sin = head.rotary(pos, hidden.dtype)
+            out = head(ids, self.model.norm(hidden), cos, sin, kv, be, meta)
+            return head.logits(out).argmax(-1)
+
+        with torch.inference_mode():
+            return self.timeit(step, iters, warmup=1 if self.smoke else 2)
+
+    def _draft_chain_s(self, head, b: int, c: int, k: int, iters: int) -> float:
+        """k - 1 chain steps for b sequences of c cached draft positions (the tail's token is the
+        first proposal, made by the update): the gather of the cached draft KV included."""
+        torch = self.torch
+        from splitserve.engine.attention.torch_backend import TorchBackend
+        from splitserve.engine.speculative.chain_attention import ChainAttention
+
+        batch, _ = self.batch(b, c, 1, self.block_size)
+        tables = [list(s.block_ids) for s in batch.decodes]
+        kv = self.layers(self.block_size)[0]
+        reader = TorchBackend(self.dtype)
+        feat0 = torch.randn(b, self.cfg.hidden_size, device=self.device, dtype=self.dtype)
+        tok0 = torch.randint(0, self.cfg.vocab_size, (b,), device=self.device)
+
+        def chain():
+            attn = ChainAttention(reader, kv, tables, [c] * b, self.device, self.dtype)
+            feat, tok, pos = feat0, tok0, torch.full((b,), c - 1, dtype=torch.int64, device=self.device)
+            for _ in range(k - 1):
+                pos = pos + 1
+                cos, sin = head.rotary(pos, feat.dtype)
+                feat = head(tok, feat, cos, sin, kv, attn, None)
+                tok = head.logits(feat).argmax(-1)
+            return tok
+
+        with torch.inference_mode():
+            return self.timeit(chain, iters, warmup=1 if self.smoke else 2)
+
     def prefill(self) -> None:
         lengths = (16, 32) if self.smoke else (512, 2048, 8192)
         rows: list[dict] = []
@@ -556,6 +659,9 @@ class Bench:
         for r in self.result.get("verify", []):
             if (r.get("batch"), r.get("k")) == (16, 4) and "verify_over_decode" in r:
                 out["verify_over_decode_b16_k4"] = r["verify_over_decode"]
+        for r in self.result.get("draft", []):
+            if (r.get("batch"), r.get("k")) == (16, 4) and "draft_over_decode" in r:
+                out["draft_over_decode_b16_k4"] = r["draft_over_decode"]
         for r in self.result.get("fp8_kv_decode", []):
             if (r.get("batch"), r.get("context")) == (64, 32768) and "speedup_vs_plain" in r:
                 out["fp8_kv_decode_speedup_b64_ctx32k"] = r["speedup_vs_plain"]
@@ -891,7 +997,6 @@ def model_config(s: dict):
         sliding_window=None, bos_token_id=None, eos_token_ids=(), torch_dtype="bfloat16")
 
 
-
 def _free_address() -> str:
     """A port free now, for ranks this benchmark alone starts (nothing else starts groups beside it)."""
     import socket
@@ -1020,7 +1125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, if the GPU name is not known")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     ap.add_argument("--sections",
-                    default="kernels,quant_gemm,fp8_kv_decode,decode,verify,prefill,fused_ablation,host_tier,streaming,tp")
+                    default="kernels,quant_gemm,fp8_kv_decode,decode,verify,draft,prefill,fused_ablation,host_tier,streaming,tp")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -1037,12 +1142,12 @@ def main(argv: list[str] | None = None) -> int:
         bench.guarded("quant_gemm", bench.quant_gemm)
     if "fp8_kv_decode" in sections:  # before the model: its caches are freed before the pool is sized
         bench.guarded("fp8_kv_decode", bench.fp8_kv_decode)
-    if {"decode", "verify", "prefill", "fused_ablation", "host_tier", "streaming"} & set(sections):
+    if {"decode", "verify", "draft", "prefill", "fused_ablation", "host_tier", "streaming"} & set(sections):
         bench.guarded("model", bench.build_model)
         need = 512 if args.smoke else 256 * (8192 + 16)  # the largest batch x context (capped by memory)
         if hasattr(bench, "model"):
             bench.guarded("kv", lambda: bench.allocate_kv(need))
-        for name in ("decode", "verify", "prefill", "fused_ablation", "host_tier", "streaming"):
+        for name in ("decode", "verify", "draft", "prefill", "fused_ablation", "host_tier", "streaming"):
             if name in sections and hasattr(bench, "kv_storage"):
                 bench.guarded(name, getattr(bench, name))
     if "tp" in sections:

@@ -1,6 +1,6 @@
 """The one-shot GPU script (benchmarks/gpu/bench_gpu.py) runs end to end in its --smoke mode:
 tiny shapes on CPU under the Triton interpreter, every section (kernels checked against their
-references, decode over triton-graph / triton-eager / torch, a verify step, prefill, the host KV tier's save and
+references, decode over triton-graph / triton-eager / torch, a verify step, a draft head's update and chain, prefill, the host KV tier's save and
 promote, a streamed piece's publish cost), JSON written, no error —
 in a fresh interpreter where the packages the GPU machine lacks (Ray, PyYAML, ...) cannot be
 imported."""
@@ -40,6 +40,9 @@ def test_gpu_bench_smoke(tmp_path):
     assert len(res["decode"]) == 2 * 2 * 3 and all(r["step_ms"] > 0 and r["bytes_read"] > 0 for r in res["decode"])
     (verify,) = res["verify"]  # a verify step of 2 sequences x (1 + 2) rows vs their decode step
     assert (verify["batch"], verify["k"]) == (2, 2) and verify["verify_ms"] > 0 and verify["decode_ms"] > 0
+    draft = res["draft"]  # an EAGLE head's update and chains of 2 and 4 proposals vs the decode step
+    assert [(r["batch"], r["k"]) for r in draft] == [(2, 2), (2, 4)]
+    assert all(r["update_ms"] > 0 and r["chain_ms"] > 0 and r["decode_ms"] > 0 for r in draft)
     streaming = res["streaming"]  # a streamed piece's checksum and copies, per prefill chunk
     assert [r["tokens"] for r in streaming] == [32, 64]
     assert all(r["checksum_s"] > 0 and r["to_pinned_host_gb_per_s"] > 0 and r["device_to_device_gb_per_s"] > 0

@@ -317,6 +317,35 @@ def test_a_seeded_sampled_request_is_reproducible(heads):
 
 # -- refusals, by name ----------------------------------------------------------------------------
 
+def test_an_eagle_head_shipped_as_pytorch_model_bin_loads_as_its_safetensors_twin(heads, tmp_path):
+    """EAGLE's releases ship `pytorch_model.bin`, some names under `model.`: the same head saved
+    that way loads the same weights and proposes the same tokens."""
+    from safetensors.torch import load_file
+
+    path, spec, _, _ = heads["eagle"]
+    twin = tmp_path / "bin_head"
+    twin.mkdir()
+    shutil.copy(f"{spec['draft_path']}/config.json", twin)
+    sd = load_file(f"{spec['draft_path']}/model.safetensors")
+    torch.save({(f"model.{n}" if n.startswith("layers.") else n): t for n, t in sd.items()}, twin / "pytorch_model.bin")
+    engines = [Engine(EngineConfig(path, num_kv_blocks=64, speculative={**spec, "draft_path": str(d)}))
+               for d in (spec["draft_path"], twin)]
+    ours, theirs = (dict(e.draft.head.named_parameters()) for e in engines)
+    assert ours.keys() == theirs.keys() and len(ours) > 5
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    prompt = make_prompts(seed=5, lengths=(20,))[0]
+    proposed = []
+    for e in engines:
+        e.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=4)))
+        while not e.step():
+            pass
+        proposed.append(e.draft.propose_batch([(e.scheduler.running[0], 3)])[0])
+        e.abort("r")
+        e.check_invariants()
+        e.close()
+    assert len(proposed[0]) == 3 and proposed[0] == proposed[1]
+
+
 def test_a_draft_head_that_is_missing_or_does_not_fit_is_refused_by_name(heads, tiny_checkpoint, tmp_path):
     llama = str(tiny_checkpoint("llama"))
     with pytest.raises(ConfigError, match="num_nextn_predict_layers is 0"):

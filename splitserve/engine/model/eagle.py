@@ -27,7 +27,6 @@ from torch import nn
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.layers import RotaryEmbedding
 from splitserve.engine.model.llama import DecoderLayer, LlamaModel
-from splitserve.engine.model.loader import fill_params, layer_param, open_tensors
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.types import ConfigError
 
@@ -62,6 +61,9 @@ class EagleHead(nn.Module):
 
 def load_eagle(head_dir: str | Path, target_cfg: ModelConfig, target: LlamaModel, max_positions: int,
                dtype: torch.dtype, device: torch.device) -> EagleHead:
+    # the loader (safetensors) here, not at import: the GPU benchmark builds a head with neither
+    from splitserve.engine.model.loader import fill_params, layer_param
+
     head_dir = Path(head_dir)
     cfg = eagle_config(head_dir, target_cfg)
     where = f"the EAGLE head in {head_dir}"
@@ -130,6 +132,8 @@ def _check_geometry(cfg: ModelConfig, target: ModelConfig, where: str) -> None:
 def _read(head_dir: Path, files: ExitStack) -> dict:
     """name (without a `model.` prefix) -> a thunk reading its tensor (`eagle_config` has made
     sure there are weights)."""
+    from splitserve.engine.model.loader import open_tensors
+
     shards = sorted(head_dir.glob("*.safetensors"))
     if shards:
         return {n.removeprefix("model."): (lambda f=f, n=n: f.get_tensor(n))
