@@ -20,6 +20,7 @@ class FakeXfer:
         self.agent = agent
         self.state = "NEW"  # NEW → posting → PROC → DONE | ERR
         self.released = False
+        self.checks = 0  # how often the transport asked for its state
 
     def finish(self, state: str = "DONE") -> None:
         """The READ ends: from now on nothing of it lands."""
@@ -82,6 +83,7 @@ class FakeAgent:
         return "PROC"
 
     def check_xfer_state(self, xfer: FakeXfer) -> str:
+        xfer.checks += 1
         return "PROC" if xfer.state == "posting" else xfer.state
 
 

@@ -28,14 +28,24 @@ class DroppingServer(KVServer):
 
 
 class StallingServer(KVServer):
-    """Never answers (until the server closes): only the reader's io_timeout or release ends it."""
+    """Never answers (until the server closes): only the reader's io_timeout or release ends it.
+    `stalled`: how many requests it holds now, so a test can tell a read is stalled in it (and
+    still is when the reader ends: the reader, not the source, gave up)."""
 
     def __init__(self, *args, **kwargs) -> None:
         self._closing = threading.Event()  # before the base starts serving threads
+        self._count = threading.Lock()
+        self.stalled = 0
         super().__init__(*args, **kwargs)
 
     def send_data(self, conn: socket.socket, views: list[memoryview]) -> bool:
-        self._closing.wait()
+        with self._count:
+            self.stalled += 1
+        try:
+            self._closing.wait()
+        finally:
+            with self._count:
+                self.stalled -= 1
         return False
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ import glob
 import multiprocessing as mp
 import os
 import socket
+import threading
 import time
 import uuid
 
@@ -35,6 +36,7 @@ from splitserve.kv_transfer import (
     verify_landed,
     wait_transfer,
 )
+from splitserve.kv_transfer.jobs import AsyncHandle
 from splitserve.kv_transfer.regions import gathered_checksum
 from splitserve.kv_transfer.shm import PeerMaps
 
@@ -70,10 +72,16 @@ def serve_source(conn, shm_path: str) -> None:
     kv = allocate(SRC_BLOCKS, shm_path)
     fill(kv.storage, SEED)
     lay = layout(SRC_BLOCKS)
+    stalling: list[StallingServer] = []  # the "tcp_stall" source's server: how many reads it holds
+
+    def stalling_server(*args, **kwargs) -> StallingServer:
+        stalling.append(StallingServer(*args, **kwargs))
+        return stalling[-1]
+
     transports = {"shm": ShmTransport(), "tcp": TcpTransport(),
                   "tcp_truncate": TcpTransport(server_cls=TruncatingServer),
                   "tcp_drop": TcpTransport(server_cls=DroppingServer),
-                  "tcp_stall": TcpTransport(server_cls=StallingServer),
+                  "tcp_stall": TcpTransport(server_cls=stalling_server),
                   "tcp_staged": TcpTransport(staged=True)}  # through host buffers, as a GPU cache is
     conn.send({name: t.register(kv, lay, "host-a") for name, t in transports.items()})
     raw = kv.storage.view(torch.uint8).view(-1)
@@ -86,6 +94,8 @@ def serve_source(conn, shm_path: str) -> None:
                 for t in transports.values():
                     t.allow(*args)
                 conn.send(True)
+            elif cmd == "stalled":  # reads the stalling source holds now
+                conn.send(stalling[0].stalled)
             elif cmd == "flip":  # xor one bit of the source (xor again to restore)
                 raw[args[0]] ^= 0x10
                 conn.send(True)
@@ -126,6 +136,13 @@ class Source:
         self.conn.send(cmd)
         assert self.conn.poll(20), f"source did not answer {cmd}"
         return self.conn.recv()
+
+    def stalls_beyond(self, held: int) -> None:
+        """Wait until the stalling source holds more than `held` reads: one more is stalled in it."""
+        deadline = time.monotonic() + 20
+        while self.ask("stalled") <= held:
+            assert time.monotonic() < deadline, "the read never reached the stalling source"
+            time.sleep(0.01)
 
     def handoff(self, endpoint: str | TransportEndpoint, blocks, **header) -> KVHandoff:
         ep = self.endpoints[endpoint] if isinstance(endpoint, str) else endpoint
@@ -252,50 +269,61 @@ def test_tcp_source_that_drops_the_request_is_unreachable(source, local):
 
 
 def test_stalled_tcp_source_times_out(source, local):
+    """The source holds the read to the end of the module: only the reader's io_timeout (0.5 s)
+    can fail it "truncated" / "unreachable" (without one, wait_transfer would give up after its
+    10 s and say "aborted")."""
     _, transports, _ = local
-    t0 = time.monotonic()
+    held = source.ask("stalled")
     _, status = pull(transports["tcp_impatient"], source.handoff("tcp_stall", CASES["contiguous"][0]),
                      CASES["contiguous"][1])
     assert status.state is TransferState.FAILED and status.reason.kind in ("truncated", "unreachable"), status
-    assert time.monotonic() - t0 < 5
+    source.stalls_beyond(held)  # it reached the source, which still holds it: the reader gave up
 
 
-def test_release_aborts_a_stalled_tcp_read_at_once(source, local):
-    _, transports, _ = local
-    tcp = transports["tcp"]  # io_timeout 5 s: only release() can end this one quickly
+def stalled_reader(source) -> tuple[TcpTransport, AsyncHandle, int]:
+    """A reader whose read is stalled in the source, under an io_timeout far past this module's
+    60 s: nothing but release() or close() can end that read while the test runs."""
+    tcp = TcpTransport(connect_timeout=2.0, io_timeout=3600.0)
+    tcp.register(allocate(DST_BLOCKS, None).storage, layout(DST_BLOCKS), "host-b", serve=False)
+    held = source.ask("stalled")
     handle = tcp.read(source.handoff("tcp_stall", (1, 2)), (1, 2))
-    time.sleep(0.2)
+    source.stalls_beyond(held)
     assert tcp.poll(handle).state is TransferState.PENDING
-    t0 = time.monotonic()
-    tcp.release(handle)
-    handle.future.exception(timeout=3)
-    status = tcp.poll(handle)
-    assert status.state is TransferState.FAILED and status.reason.kind == "aborted", status
-    assert time.monotonic() - t0 < 2
+    return tcp, handle, held
+
+
+def test_release_aborts_a_stalled_tcp_read_at_once(source):
+    tcp, handle, held = stalled_reader(source)
+    try:
+        tcp.release(handle)
+        handle.future.exception(timeout=30)  # TimeoutError: release() left the read stalled
+        status = tcp.poll(handle)
+        assert status.state is TransferState.FAILED and status.reason.kind == "aborted", status
+        source.stalls_beyond(held)  # the source still holds it: release() ended it
+    finally:
+        tcp.close()
 
 
 def test_close_ends_inflight_reads(source):
-    tcp = TcpTransport(io_timeout=30.0)
-    tcp.register(allocate(DST_BLOCKS, None).storage, layout(DST_BLOCKS), "host-b")
-    handle = tcp.read(source.handoff("tcp_stall", (1, 2)), (1, 2))
-    time.sleep(0.2)
-    t0 = time.monotonic()
-    tcp.close()
-    assert time.monotonic() - t0 < 3
+    tcp, handle, held = stalled_reader(source)
+    closing = threading.Thread(target=tcp.close, daemon=True)
+    closing.start()
+    closing.join(30)
+    assert not closing.is_alive(), "close() waits on a read stalled in its source"
     status = tcp.poll(handle)
     assert status.state is TransferState.FAILED and status.reason.kind == "aborted", status
+    source.stalls_beyond(held)
 
 
 def test_dead_tcp_port_is_unreachable(source, local):
+    """Refused at once; a reader that kept trying would end "aborted" in wait_transfer."""
     _, transports, _ = local
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ep = TransportEndpoint("tcp", "host-a", f"127.0.0.1:{port}", layout(SRC_BLOCKS))
-    t0 = time.monotonic()
     _, status = pull(transports["tcp"], source.handoff(ep, (1, 2)), (1, 2))
     assert status.state is TransferState.FAILED and status.reason.kind == "unreachable", status
-    assert time.monotonic() - t0 < 3
 
 
 def test_missing_or_short_shm_file_fails(source, local, tmp_path):

@@ -85,11 +85,11 @@ def handoff(endpoint, blocks) -> KVHandoff:
 
 
 def wait(transport, handle, timeout: float = 10.0):
+    """(That poll and read never wait on the peer: test_kv_transfer_nixl_release.py, where a fake
+    agent holds the connect and the post.)"""
     deadline = time.monotonic() + timeout
     while True:
-        t0 = time.monotonic()
         status = transport.poll(handle)
-        assert time.monotonic() - t0 < 0.5, "poll must not block"
         if status.state is not TransferState.PENDING:
             return status
         assert time.monotonic() < deadline, "transfer still pending after timeout"
@@ -169,11 +169,10 @@ def test_bad_plans_fail_as_header_without_posting(peer, decode):
 
 
 def expect_failure(transport, src_handoff, dst, timeout=10.0):
-    """A read from a dead peer must fail (raise, or poll FAILED) within the timeout, never hang."""
-    t0 = time.monotonic()
+    """A read from a dead peer must fail (raise, or poll FAILED "unreachable"), never hang: still
+    PENDING after `timeout`, `wait` fails the test."""
     try:
         handle = transport.read(src_handoff, dst)
-        assert time.monotonic() - t0 < 1.0, "read() must return at once"
     except TransferError as e:
         assert e.kind == "unreachable", e
     else:
@@ -181,7 +180,6 @@ def expect_failure(transport, src_handoff, dst, timeout=10.0):
         transport.release(handle)
         assert status.state is TransferState.FAILED
         assert status.reason.kind == "unreachable", status.reason
-    assert time.monotonic() - t0 < timeout
 
 
 def test_read_from_agent_that_went_away(decode):

@@ -112,14 +112,50 @@ def test_a_finished_read_is_done_and_freed_at_release(nixl):
     assert agent.posted[0].released and agent.unsafe_releases == []
 
 
-def test_close_waits_for_a_released_read_in_flight(nixl):
+def test_read_and_poll_return_while_the_peer_holds_the_connect_and_the_post(nixl):
+    """read() and poll() never wait on the peer: the fake holds the connect, then the post,
+    until the test lets go, and both calls return meanwhile (were either to wait, the fake's
+    gate would time out and fail the READ: poll would say FAILED, not PENDING)."""
     transport, agent, ep = nixl
+    agent.connect_gate.clear()
+    agent.post_gate.clear()
+    handle = transport.read(handoff(ep, [0, 1]), [0, 1])
+    assert agent.connecting.wait(5) and not handle.started.done()  # read() returned mid-connect
+    assert transport.poll(handle).state is TransferState.PENDING
+    agent.connect_gate.set()
+    assert agent.posting.wait(5)
+    assert transport.poll(handle).state is TransferState.PENDING
+    assert not handle.started.done()  # the poster is still inside transfer(): poll did not wait for it
+    agent.post_gate.set()
+    handle.started.result(timeout=5)
+    agent.posted[0].finish()
+    assert transport.poll(handle).state is TransferState.DONE
+    transport.release(handle)
+
+
+def test_close_waits_for_a_released_read_in_flight(nixl, monkeypatch):
+    """The READ ends only once close() has looked at it and found it in flight, on another
+    thread, as NIXL's progress thread ends one: close() must have waited for it. A close that
+    did not wait returns first (`finished` unset) and deregisters a READ in flight."""
+    transport, agent, ep = nixl
+    monkeypatch.setattr(nixl_transport, "_CLOSE_DRAIN_S", 600.0)  # only the READ's end may end the wait
     handle = transport.read(handoff(ep, [0, 1]), [0, 1])
     handle.started.result(timeout=5)
-    threading.Timer(0.2, agent.posted[0].finish).start()
-    t0 = time.monotonic()
+    (xfer,) = agent.posted
+    checked, finished = xfer.checks, threading.Event()
+
+    def finish_once_close_waits() -> None:
+        deadline = time.monotonic() + 10  # a close that never looks fails below, not here
+        while xfer.checks < checked + 2 and time.monotonic() < deadline:  # release, then the drain
+            time.sleep(0.001)
+        finished.set()
+        xfer.finish()
+
+    finisher = threading.Thread(target=finish_once_close_waits, daemon=True)
+    finisher.start()
     transport.close()
-    assert time.monotonic() - t0 >= 0.15
+    assert finished.is_set(), "close() returned before the READ in flight ended"
+    finisher.join(10)
     assert agent.in_flight_at_deregister == [] and agent.unsafe_releases == []
     assert transport.poll(handle).state is TransferState.FAILED
 

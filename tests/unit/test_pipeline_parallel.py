@@ -8,8 +8,6 @@ in two groups, one group's step launched while the other's is in stage 1),
 a request aborted while its step is in flight included; losing a stage fails the engine with an
 error instead of hanging, and frees the blocks of every step in flight once."""
 
-import time
-
 import pytest
 import torch
 
@@ -209,14 +207,25 @@ def test_losing_a_stage_fails_the_engine_with_an_error_not_a_hang(tiny_checkpoin
         stage1.kill()
         stage1.join(10)
         assert llm.engine.ranks.lost() == "pipeline stage 1 exited"
-        started = time.monotonic()
         with pytest.raises(RuntimeError, match="pipeline-parallel group is broken: pipeline stage 1 exited"):
-            llm.generate([[8, 9, 10]], sp)
-        assert time.monotonic() - started < 60
+            llm.generate([[8, 9, 10]], sp)  # refused before the step: no transfer waits on the dead stage
         assert llm.engine.pool.num_in_use == 0  # the failed request's blocks went back
 
 
-def test_a_stage_lost_inside_a_step_fails_that_step(tiny_checkpoint):
+@pytest.fixture()
+def patient_stages(monkeypatch):
+    """Stages whose transfers would wait an hour on a lost stage (the group's timeout, 60 s by
+    default), far past the test's own timeout: a step that fails failed because the dead stage's
+    connection closed, not because a timeout ran out."""
+    import functools
+
+    import splitserve.engine.engine as engine_module
+    from splitserve.engine.parallel.pipe_group import start_local_stages
+
+    monkeypatch.setattr(engine_module, "start_local_stages", functools.partial(start_local_stages, timeout_s=3600.0))
+
+
+def test_a_stage_lost_inside_a_step_fails_that_step(tiny_checkpoint, patient_stages):
     """Unseen before the step (its loss not yet noticed): the activations' transfer to or from
     the dead stage raises — its connection closed — rather than wait."""
     from tests.unit.test_tensor_parallel import UnwatchedRanks
@@ -228,15 +237,14 @@ def test_a_stage_lost_inside_a_step_fails_that_step(tiny_checkpoint):
         stage1 = watched.procs[0]
         stage1.kill()
         stage1.join(10)
-        started = time.monotonic()
         with pytest.raises(RuntimeError):
             llm.generate([[8, 9, 10]], sp)
-        assert time.monotonic() - started < 60
         assert llm.engine.pp.failure.startswith("a collective of its pipeline-parallel group failed")
         llm.engine.ranks = watched
 
 
-def test_a_stage_lost_with_two_steps_in_flight_fails_both_and_frees_their_blocks_once(tiny_checkpoint):
+def test_a_stage_lost_with_two_steps_in_flight_fails_both_and_frees_their_blocks_once(tiny_checkpoint,
+                                                                                     patient_stages):
     """Stage 1 killed right after a step is launched while another is still in the pipeline
     (unseen before the step, as above): the landing raises, no step stays in flight, and every
     request of both steps fails and gives its blocks back once (the pool's invariants hold)."""
@@ -259,10 +267,8 @@ def test_a_stage_lost_with_two_steps_in_flight_fails_both_and_frees_their_blocks
             return handle
 
         e._launch = launch_then_kill
-        started = time.monotonic()
         with pytest.raises(RuntimeError):
             llm.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16, 17, 18]], sp)
-        assert time.monotonic() - started < 60
         assert seen[3] == 1  # the kill came with another step in flight
         assert e.steps_in_flight() == 0 and not e.has_unfinished()
         e.check_invariants()

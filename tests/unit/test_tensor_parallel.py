@@ -152,10 +152,8 @@ def test_losing_a_rank_fails_the_engine_with_an_error_not_a_hang(tiny_checkpoint
         rank1.kill()
         rank1.join(10)
         assert llm.engine.ranks.lost() == "tensor-parallel rank 1 exited"  # seen while idle, before any step
-        started = time.monotonic()
-        with pytest.raises(RuntimeError):
-            llm.generate([[8, 9, 10]], sp)
-        assert time.monotonic() - started < 60  # the group's timeout at most, not forever
+        with pytest.raises(RuntimeError, match="tensor-parallel group is broken: tensor-parallel rank 1 exited"):
+            llm.generate([[8, 9, 10]], sp)  # refused before the step: no collective waits on the dead rank
         assert llm.engine.pool.num_in_use == 0  # the failed request's blocks went back
 
 
