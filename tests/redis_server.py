@@ -8,13 +8,15 @@ import socket
 import subprocess
 import time
 
+from tests.loopback import free_port
+
 
 class RedisServer:
     def __init__(self) -> None:
         self.binary = shutil.which("redis-server")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        # Not a port the kernel hands out for port 0: another worker's Ray process may take it
+        # before redis-server binds it, or while it is down between kill() and start().
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
 

@@ -16,6 +16,7 @@ import uuid
 import pytest
 import torch
 from tests.fakes.tcp_faults import DroppingServer, StallingServer, TruncatingServer
+from tests.loopback import free_port
 
 from splitserve.engine.kv_cache.tensors import KVCacheTensors
 from splitserve.router.transport_choice import choose_transport
@@ -318,10 +319,9 @@ def test_close_ends_inflight_reads(source):
 def test_dead_tcp_port_is_unreachable(source, local):
     """Refused at once; a reader that kept trying would end "aborted" in wait_transfer."""
     _, transports, _ = local
-    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ep = TransportEndpoint("tcp", "host-a", f"127.0.0.1:{port}", layout(SRC_BLOCKS))
+    # nothing listens there: not a port the kernel hands out for port 0, which another worker's
+    # Ray process may bind before the read
+    ep = TransportEndpoint("tcp", "host-a", f"127.0.0.1:{free_port()}", layout(SRC_BLOCKS))
     _, status = pull(transports["tcp"], source.handoff(ep, (1, 2)), (1, 2))
     assert status.state is TransferState.FAILED and status.reason.kind == "unreachable", status
 
