@@ -154,9 +154,6 @@ class EngineConfig:
         if self.speculative is not None and self.data_parallel_size > 1:
             raise ConfigError("speculative decoding is not supported with data_parallel_size > 1 "
                               "(data-parallel attention) yet")
-        if self.speculative is not None and self.speculative.method == "draft" and self.tensor_parallel_size > 1:
-            raise ConfigError("speculative method draft (a draft head) is not supported with tensor_parallel_size > 1 "
-                              "yet: the head runs in one process; use ngram or suffix there")
         if self.pipeline_parallel_size > 1 and self.host_kv_blocks:
             raise ConfigError("host_kv_blocks is not supported with pipeline_parallel_size > 1 yet")
         if self.pipeline_micro_batches > 1 and self.pipeline_parallel_size == 1:

@@ -55,6 +55,7 @@ from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.launch import Ranks, start_local_group
 from splitserve.engine.parallel.pipe_group import PipeGroup, start_local_stages
 from splitserve.engine.parallel.pipeline import PipelineRunner, agree
+from splitserve.engine.parallel.rank_calls import on_all_ranks
 from splitserve.engine.parallel.shard import Shard
 from splitserve.engine.parallel.shard import check as check_tp
 from splitserve.engine.parallel.stages import Stage
@@ -144,7 +145,8 @@ class Engine(EngineCore):
         spec = config.speculative
         head = None
         if spec is not None and spec.method == "draft":  # before the KV is sized: its weights take memory
-            head = load_draft_head(spec, config.model, mc, model, max_model_len, self.dtype, self.device)
+            head = load_draft_head(spec, config.model, mc, model, max_model_len, self.dtype, self.device, self.tp,
+                                   shard)
         # experts in slots, with replicas and a placement rebalanced between steps (None: off)
         self.expert_balancer = ExpertBalancer.attach(model, mc, config, shard)
         if self.dp is not None:  # each MoE layer's tokens go to their experts' replicas and back
@@ -193,8 +195,10 @@ class Engine(EngineCore):
             self.runner = PipelineRunner(model, self.kv, backend, config.block_size, self.device, self.dtype, pp,
                                          self.stage, config.pipeline_micro_batches)
         if head is not None:
+            # under TP rank 0 runs each update and chain on every rank (the head's collectives)
+            everywhere = functools.partial(on_all_ranks, self) if self.tp.size > 1 else None
             self.draft = DraftProposer(head, model, self.kv.layers[mc.num_layers], backend, config.block_size,
-                                       self.device, self.dtype, config.fp8_kv)
+                                       self.device, self.dtype, config.fp8_kv, self.tp, everywhere)
             self.speculator = Speculator(spec, self.draft)
             self.runner.keep_hidden = True
         # a graph cannot capture the experts' dispatch (which experts a batch needs is read back),

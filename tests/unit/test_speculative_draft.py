@@ -164,6 +164,68 @@ def test_a_grammar_request_with_a_draft_head_equals_the_plain_engine(heads):
     drained(llm)
 
 
+# -- under tensor parallelism ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,case", [("eagle", "plain"), ("eagle", "chunked_prefill_and_preemption"),
+                                       ("mtp", "plain"), ("mtp", "chunked_prefill_and_preemption")])
+def test_greedy_with_a_draft_head_under_tensor_parallelism_equals_one_process_and_hf(heads, refs, kind, case):
+    """Two rank processes, each holding half of the head as of a target layer (query/KV heads,
+    MLP or expert columns; the MTP layer's own LM head by vocab rows): the output is the plain
+    one-process engine's and Hugging Face's, with proposals both accepted and rejected."""
+    path, spec, hf, _ = heads[kind]
+    prompts, want = refs(kind)
+    kw = dict(num_kv_blocks=14 if kind == "eagle" else 10, max_num_batched_tokens=24) if case != "plain" else {}
+    plain = greedy(LLM(path, num_kv_blocks=256), prompts)
+    with LLM(path, **{"num_kv_blocks": 256, **kw}, tensor_parallel_size=2,
+             speculative=dict(spec, adaptive=False)) as llm:
+        layer = llm.engine.draft.head.layer
+        assert llm.engine.tp.size == 2 and layer.tp is llm.engine.tp
+        # its half of the heads, as a target layer's on this rank
+        target = llm.engine.runner.model.layers[0].self_attn.o_proj
+        assert layer.self_attn.o_proj.weight.shape == target.weight.shape != (target.out_features, target.out_features)
+        outs = greedy(llm, prompts)
+        assert outs == plain
+        for p, o, r in zip(prompts, outs, want):
+            assert_greedy_equal(hf, p, o, r)
+        s = llm.engine.stats()
+        assert s.spec_proposed_tokens_total > s.spec_accepted_tokens_total > 0
+        if case != "plain":
+            assert s.num_preempted_total > 0, "the pool was meant to be too small for the batch"
+        drained(llm)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_every_rank_runs_the_head_and_proposes_what_one_process_does(heads, kind):
+    """Each update and chain runs on both ranks (the answers gathered from each: a follower that
+    did not run the head answers nothing, and rank 0's collectives would wait for it), every
+    rank computes the same tokens, and they are what the one-process head proposes."""
+    path, spec, _, _ = heads[kind]
+    prompt = make_prompts(seed=3, lengths=(37,))[0]
+    proposals, answers = [], []
+    for tp in (1, 2):
+        eng = Engine(EngineConfig(path, num_kv_blocks=64, max_num_batched_tokens=16, speculative=spec,
+                                  tensor_parallel_size=tp))
+        if tp == 2:  # a recorder around rank 0's way to the ranks
+            run = eng.draft.everywhere
+            eng.draft.everywhere = lambda fn, *a: answers.append((fn.__name__, run(fn, *a))) or answers[-1][1]
+        else:
+            assert eng.draft.everywhere is None  # one process: no rank calls
+        eng.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=8)))
+        while not eng.step():
+            pass
+        proposals.append(eng.draft.propose_batch([(eng.scheduler.running[0], 4)])[0])
+        eng.abort("r")
+        eng.check_invariants()
+        eng.close()
+    assert len(proposals[0]) == 4 and proposals[1] == proposals[0]
+    chunks = -(-len(prompt) // 16)  # one update per prefill chunk
+    assert [name for name, _ in answers] == ["update_on_rank"] * chunks + ["chain_on_rank"]
+    for _, per_rank in answers:
+        assert len(per_rank) == 2 and per_rank[1] == per_rank[0]
+    assert answers[-2][1][1] == proposals[0][:1]  # the last chunk's tail, on rank 1 too
+    assert answers[-1][1][1] == [[t] for t in proposals[0][1:]]  # the chain's 3 steps, on rank 1 too
+
+
 # -- across a PD handoff ---------------------------------------------------------------------------
 
 def test_the_handoff_carries_the_draft_layer_and_decode_proposes_from_it(heads, refs):
@@ -362,8 +424,9 @@ def test_a_draft_head_that_is_missing_or_does_not_fit_is_refused_by_name(heads, 
         EngineConfig(llama, speculative={"method": "ngram", "draft_path": eagle_dir})
     with pytest.raises(ConfigError, match="not a directory"):
         EngineConfig(llama, speculative={"method": "draft", "draft_path": str(tmp_path / "nowhere")})
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        EngineConfig(llama, speculative={"method": "draft"}, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
+        EngineConfig(llama, speculative={"method": "draft"}, pipeline_parallel_size=2)
+    EngineConfig(llama, speculative={"method": "draft"}, tensor_parallel_size=2)  # a head runs sharded
     two = tmp_path / "two_layers"
     shutil.copytree(eagle_dir, two)
     (two / "config.json").write_text((two / "config.json").read_text().replace('"num_hidden_layers": 1',

@@ -14,7 +14,11 @@ next step of a chain reads in place of h. EAGLE-1 heads ship no `input_layernorm
 layer (the fc output enters attention unnormed); where one ships it, it is used.
 
 Its KV is one more layer of the target's paged cache, so its attention must have the target
-layers' geometry (KV heads, head dim) — refused by name otherwise."""
+layers' geometry (KV heads, head dim) — refused by name otherwise.
+
+Under tensor parallelism each rank holds its shard of the head as of a target layer (parallel/
+shard.py: query and KV heads, MLP columns; an own embedding and LM head by vocab rows, gathered
+as the target's are; fc and the norms whole), and every rank runs it in step (draft.py)."""
 
 from __future__ import annotations
 
@@ -26,28 +30,35 @@ from torch import nn
 
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.layers import RotaryEmbedding
-from splitserve.engine.model.llama import DecoderLayer, LlamaModel
+from splitserve.engine.model.llama import DecoderLayer, LlamaModel, vocab_embed, vocab_logits
 from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.parallel.shard import Shard, local_config
 from splitserve.types import ConfigError
 
 
 class EagleHead(nn.Module):
+    """`cfg`: the head's whole config; `shard`: this rank's part of it (None: all of it)."""
+
     def __init__(self, cfg: ModelConfig, target: LlamaModel, max_positions: int, *, own_embedding: bool,
-                 own_lm_head: bool, fc_bias: bool, input_norm: bool) -> None:
+                 own_lm_head: bool, fc_bias: bool, input_norm: bool, tp: TPGroup | None = None,
+                 shard: Shard | None = None) -> None:
         super().__init__()
         h = cfg.hidden_size
         self._target = (target,)  # a tuple: not registered, so not this module's parameters
-        self.embed_tokens = (nn.Embedding(cfg.vocab_size, h, _weight=torch.empty(cfg.vocab_size, h))
-                             if own_embedding else None)
+        self.tp, self.shard, self.vocab = tp or TPGroup(), shard, cfg.vocab_size
+        rows = cfg.vocab_size if shard is None else len(shard.vocab)
+        self.embed_tokens = nn.Embedding(rows, h, _weight=torch.empty(rows, h)) if own_embedding else None
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
-        self.layer = DecoderLayer(cfg, 0, TPGroup(), None)
+        self.layer = DecoderLayer(cfg if shard is None else local_config(cfg, shard), 0, self.tp, shard)
         if not input_norm:
             self.layer.input_layernorm = nn.Identity()
-        self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False) if own_lm_head else None
+        self.lm_head = nn.Linear(h, rows, bias=False) if own_lm_head else None
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_dim, max_positions)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(ids) if self.embed_tokens is not None else self._target[0].embed(ids)
+        if self.embed_tokens is None:
+            return self._target[0].embed(ids)
+        return vocab_embed(self.embed_tokens, ids, self.shard, self.tp)
 
     def forward(self, ids, feature, cos, sin, kv, backend, meta) -> torch.Tensor:
         """The head's output at each row (token `ids`, the hidden state `feature` before it)."""
@@ -56,17 +67,21 @@ class EagleHead(nn.Module):
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self._target[0].lm_head
-        return head(out).float()
+        return vocab_logits(head, out, self.shard, self.tp, self.vocab).float()
 
 
 def load_eagle(head_dir: str | Path, target_cfg: ModelConfig, target: LlamaModel, max_positions: int,
-               dtype: torch.dtype, device: torch.device) -> EagleHead:
+               dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None,
+               target_shard: Shard | None = None) -> EagleHead:
+    """`target_shard`: the target's rank under tensor parallelism (None: one process); the head
+    is cut for the same rank."""
     # the loader (safetensors) here, not at import: the GPU benchmark builds a head with neither
     from splitserve.engine.model.loader import fill_params, layer_param
 
     head_dir = Path(head_dir)
     cfg = eagle_config(head_dir, target_cfg)
     where = f"the EAGLE head in {head_dir}"
+    shard = None if target_shard is None else _head_shard(cfg, target_shard, where)
     with ExitStack() as files:
         tensors = _read(head_dir, files)
         names = set(tensors)
@@ -75,7 +90,7 @@ def load_eagle(head_dir: str | Path, target_cfg: ModelConfig, target: LlamaModel
         with torch.device("meta"):
             head = EagleHead(cfg, target, max_positions, own_embedding="embed_tokens.weight" in names,
                              own_lm_head="lm_head.weight" in names, fc_bias="fc.bias" in names,
-                             input_norm="layers.0.input_layernorm.weight" in names)
+                             input_norm="layers.0.input_layernorm.weight" in names, tp=tp, shard=shard)
         head = head.to_empty(device=device)
         head.rotary.__init__(cfg.rope, cfg.rope_dim, max_positions)  # buffers are computed, not loaded
         head.rotary.to(device)
@@ -92,8 +107,17 @@ def load_eagle(head_dir: str | Path, target_cfg: ModelConfig, target: LlamaModel
                 pname, region = name, (None, None)
             items.append((pname, region, name, tensors[name]()))
         params = {n: p for n, p in head.named_parameters()}
-        fill_params(params, items, cfg, where)
+        fill_params(params, items, cfg, where, shard)
     return head.to(dtype).eval()
+
+
+def _head_shard(cfg: ModelConfig, target: Shard, where: str) -> Shard:
+    """The head's part on the target's rank: its own query heads and MLP columns (its KV heads
+    and vocab are the target's, so they split as the target's do)."""
+    try:
+        return Shard.of(cfg, target.rank, target.size)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def eagle_config(head_dir: str | Path, target_cfg: ModelConfig) -> ModelConfig:

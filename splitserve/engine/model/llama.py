@@ -180,18 +180,29 @@ class LlamaModel(nn.Module):
         return x, None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.shard is None:
-            return self.embed_tokens(ids)
-        # vocab-parallel: this rank's rows, zeros for the others' ids, summed over the ranks
-        local = ids - self.shard.vocab.start
-        held = (local >= 0) & (local < len(self.shard.vocab))
-        x = self.embed_tokens(local.clamp(0, len(self.shard.vocab) - 1)) * held[:, None].to(self.embed_tokens.weight.dtype)
-        return self.tp.all_reduce(x)
+        return vocab_embed(self.embed_tokens, ids, self.shard, self.tp)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Final norm + LM head, only for the rows that need a next token; in fp32 (`upcast`,
         else the model's dtype: a pipeline's last stage sends half the bytes, upcast exactly)."""
-        logits = self.lm_head(self.norm(hidden))
-        if self.shard is not None:  # each rank's vocab rows, gathered (the padding dropped)
-            logits = self.tp.all_gather(logits, dim=-1)[:, : self.cfg.vocab_size]
+        logits = vocab_logits(self.lm_head, self.norm(hidden), self.shard, self.tp, self.cfg.vocab_size)
         return logits.float() if upcast else logits
+
+
+def vocab_embed(embedding: nn.Embedding, ids: torch.Tensor, shard: Shard | None, tp: TPGroup) -> torch.Tensor:
+    """An embedding held whole (`shard` None) or by vocab rows (a draft head's own too)."""
+    if shard is None:
+        return embedding(ids)
+    # vocab-parallel: this rank's rows, zeros for the others' ids, summed over the ranks
+    local = ids - shard.vocab.start
+    held = (local >= 0) & (local < len(shard.vocab))
+    x = embedding(local.clamp(0, len(shard.vocab) - 1)) * held[:, None].to(embedding.weight.dtype)
+    return tp.all_reduce(x)
+
+
+def vocab_logits(lm_head: nn.Module, x: torch.Tensor, shard: Shard | None, tp: TPGroup, vocab: int) -> torch.Tensor:
+    """An LM head held whole or by vocab rows: each rank's rows gathered, the padding dropped."""
+    logits = lm_head(x)
+    if shard is not None:
+        logits = tp.all_gather(logits, dim=-1)[:, :vocab]
+    return logits

@@ -175,15 +175,22 @@ def layer_param(rest: str, cfg: ModelConfig) -> tuple[str, Region]:
     return rest, (None, None)
 
 
-def fill_params(params: dict[str, torch.Tensor], tensors, cfg: ModelConfig, where: str) -> None:
-    """Copy (our parameter name, region, checkpoint name, tensor) items into `params` (a
-    module's own, one process: no shard), then refuse any parameter left unfilled, naming
-    `where` the weights came from."""
+def fill_params(params: dict[str, torch.Tensor], tensors, cfg: ModelConfig, where: str,
+                shard: Shard | None = None) -> None:
+    """Copy (our parameter name, region, checkpoint name, tensor) items into `params` (a draft
+    head's own; under tensor parallelism this rank's `shard` of each, cut as a target layer's
+    is), then refuse any parameter left unfilled, naming `where` the weights came from."""
     filled: dict[str, int] = {}
-    for pname, region, name, tensor in tensors:
+    local = cfg if shard is None else local_config(cfg, shard)
+    for pname, (expert, piece), name, tensor in tensors:
         if pname not in params:
             raise ConfigError(f"{where}: tensor {name!r} has no place in the draft head (mapped to {pname!r})")
-        dst = _region(pname, params[pname], region, cfg)
+        if shard is not None:
+            tensor = narrow(pname, tensor, cfg, shard, piece, expert)
+            if tensor is None:  # an expert another rank holds
+                continue
+            expert = None if expert is None else expert - shard.experts.start
+        dst = _region(pname, params[pname], (expert, piece), local)
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ConfigError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         with torch.no_grad():

@@ -11,7 +11,10 @@ DeepSeek's MoE) under the usual names. At position i it reads the target's hidde
 
 — the guess for token i+2; x itself is what the next step of a chain reads in place of h (as
 vLLM and SGLang chain the module). Built from our own layer classes, so its KV has the target
-layers' geometry (one latent per token) and lives as one more layer of the same paged cache."""
+layers' geometry (one latent per token) and lives as one more layer of the same paged cache.
+Under tensor parallelism each rank holds the rank's shard of it a target layer has (heads,
+expert columns or whole experts; its embedding and LM head by vocab rows, gathered as the
+target's are; eh_proj and the norms whole)."""
 
 from __future__ import annotations
 
@@ -23,10 +26,11 @@ from torch import nn
 
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.layers import RMSNorm
-from splitserve.engine.model.llama import DecoderLayer, LlamaModel
+from splitserve.engine.model.llama import DecoderLayer, LlamaModel, vocab_embed, vocab_logits
 from splitserve.engine.model.loader import fill_params, layer_param, open_tensors, safetensors_files
 from splitserve.engine.model.moe import SparseMoE
 from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.parallel.shard import Shard, local_config
 from splitserve.engine.quant.checkpoint import dense_tensors
 from splitserve.types import ConfigError
 
@@ -35,32 +39,37 @@ _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weig
 
 
 class SharedHead(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, rows: int) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.hidden_size, rows, bias=False)
 
 
 class MTPHead(nn.Module):
     """`target`: the model it drafts for; its embedding is used where the checkpoint ships the
-    module without one (DeepSeek ships a copy), its rotary tables always."""
+    module without one (DeepSeek ships a copy), its rotary tables always. `cfg`: the model's
+    whole config; `shard`: this rank's part (the target's; None: all of it)."""
 
     rotary = None  # the target's positions: the proposer uses the target's tables
 
-    def __init__(self, cfg: ModelConfig, index: int, target: LlamaModel, own_embedding: bool) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, target: LlamaModel, own_embedding: bool,
+                 tp: TPGroup | None = None, shard: Shard | None = None) -> None:
         super().__init__()
         h = cfg.hidden_size
         self._target = (target,)  # a tuple: not registered, so not this module's parameters
-        self.embed_tokens = (nn.Embedding(cfg.vocab_size, h, _weight=torch.empty(cfg.vocab_size, h))
-                             if own_embedding else None)
+        self.tp, self.shard, self.vocab = tp or TPGroup(), shard, cfg.vocab_size
+        rows = cfg.vocab_size if shard is None else len(shard.vocab)
+        self.embed_tokens = nn.Embedding(rows, h, _weight=torch.empty(rows, h)) if own_embedding else None
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.layer = DecoderLayer(cfg, index, TPGroup(), None)
-        self.shared_head = SharedHead(cfg)
+        self.layer = DecoderLayer(cfg if shard is None else local_config(cfg, shard), index, self.tp, shard)
+        self.shared_head = SharedHead(cfg, rows)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(ids) if self.embed_tokens is not None else self._target[0].embed(ids)
+        if self.embed_tokens is None:
+            return self._target[0].embed(ids)
+        return vocab_embed(self.embed_tokens, ids, self.shard, self.tp)
 
     def forward(self, ids, feature, cos, sin, kv, backend, meta) -> torch.Tensor:
         """The module's output at each row (token `ids`, the hidden state `feature` before it)."""
@@ -68,7 +77,7 @@ class MTPHead(nn.Module):
         return self.layer(x, cos, sin, kv, backend, meta)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.head(self.shared_head.norm(out)).float()
+        return vocab_logits(self.shared_head.head, self.shared_head.norm(out), self.shard, self.tp, self.vocab).float()
 
 
 def check_mtp(model_dir: str | Path, cfg: ModelConfig) -> None:
@@ -80,8 +89,9 @@ def check_mtp(model_dir: str | Path, cfg: ModelConfig) -> None:
 
 
 def load_mtp(model_dir: str | Path, cfg: ModelConfig, target: LlamaModel, dtype: torch.dtype,
-             device: torch.device) -> MTPHead:
-    """The checkpoint's first MTP module (dequantized where stored quantized)."""
+             device: torch.device, tp: TPGroup | None = None, shard: Shard | None = None) -> MTPHead:
+    """The checkpoint's first MTP module (dequantized where stored quantized); under tensor
+    parallelism `shard`'s part of it (the target's rank)."""
     check_mtp(model_dir, cfg)
     index = cfg.num_layers
     prefix = f"model.layers.{index}."
@@ -93,7 +103,7 @@ def load_mtp(model_dir: str | Path, cfg: ModelConfig, target: LlamaModel, dtype:
             raise ConfigError(f"{where}: config.json says num_nextn_predict_layers {cfg.extra_layers}, but the "
                               f"checkpoint holds no {prefix}* tensors")
         with torch.device("meta"):
-            head = MTPHead(cfg, index, target, own_embedding=f"{prefix}embed_tokens.weight" in found)
+            head = MTPHead(cfg, index, target, f"{prefix}embed_tokens.weight" in found, tp, shard)
         head = head.to_empty(device=device)
         for m in head.modules():  # counters are state, not weights
             if isinstance(m, SparseMoE):
@@ -105,7 +115,7 @@ def load_mtp(model_dir: str | Path, cfg: ModelConfig, target: LlamaModel, dtype:
                 continue
             pname, region = (rest, (None, None)) if rest in _OWN else layer_param(rest, cfg)
             items.append((pname if rest in _OWN else f"layer.{pname}", region, name, tensor))
-        fill_params(dict(head.named_parameters()), items, cfg, where)
+        fill_params(dict(head.named_parameters()), items, cfg, where, shard)
     head = head.to(dtype).eval()
     _share_copies(head, target)
     return head
@@ -113,7 +123,9 @@ def load_mtp(model_dir: str | Path, cfg: ModelConfig, target: LlamaModel, dtype:
 
 def _share_copies(head: MTPHead, target: LlamaModel) -> None:
     """DeepSeek ships the target's embedding and LM head again inside the MTP layer: where the
-    copy is equal, the head uses the target's (2 x vocab x hidden fewer weights held)."""
+    copy is equal, the head uses the target's (2 x vocab x hidden fewer weights held). Under
+    tensor parallelism each rank compares its own vocab rows: a rank may share where another
+    does not, and either way its rows hold the same values."""
     if head.embed_tokens is not None and torch.equal(head.embed_tokens.weight, target.embed_tokens.weight):
         head.embed_tokens = None
     if target.lm_head is not None and torch.equal(head.shared_head.head.weight, target.lm_head.weight):

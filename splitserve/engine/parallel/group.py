@@ -37,6 +37,10 @@ class TPGroup:
     def broadcast(self, obj: Any = None) -> Any:
         return obj
 
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x` (the others' of the same shape and dtype)."""
+        return x
+
     def wait_all(self) -> None:
         """Until every rank gets here (each has loaded its shard), however long that takes."""
 
@@ -107,6 +111,10 @@ class DistGroup(TPGroup):
         box = [obj]
         self._collective(self._dist.broadcast_object_list, box, src=0, group=self._steps)
         return box[0]
+
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        self._collective(self._dist.broadcast, x, src=0)
+        return x
 
     def wait_all(self) -> None:
         self._collective(self._dist.barrier, group=self._steps)

@@ -142,6 +142,10 @@ class StageTPGroup(DistGroup):
         self._collective(self._dist.broadcast_object_list, box, src=self._ranks[0], group=self._steps)
         return box[0]
 
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        self._collective(self._dist.broadcast, x, src=self._ranks[0], group=self._pg)
+        return x
+
     def wait_all(self) -> None:
         self._collective(self._dist.barrier, group=self._steps)
 

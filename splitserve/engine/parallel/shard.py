@@ -127,7 +127,7 @@ def narrow(pname: str, t: torch.Tensor, cfg: ModelConfig, s: Shard, piece: int |
         return t[s.split(t.shape[0])]
     if "down_proj" in pname:
         return t[:, s.split(t.shape[1])]
-    if pname in ("embed_tokens.weight", "lm_head.weight"):
+    if pname in ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight"):  # the last: an MTP layer's
         return _vocab_rows(t, s)
     return t  # norms, the router, the shared expert's gate: every rank holds them whole
 

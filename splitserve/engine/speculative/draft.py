@@ -25,6 +25,16 @@ A sequence with no tail for its current position (it just arrived by a PD handof
 draft KV came with it, but not the head's output) gets no proposal for one step; its first
 decode step's update makes the tail, attending over the draft KV carried from the prefill side.
 
+Under tensor parallelism (tensor_parallel_size > 1) every rank holds its shard of the head, as
+of a target layer (model/eagle.py, model/mtp.py), and the draft layer is one more layer of every
+rank's cache shard; the head's all-reduces and its logits' vocab gather are collectives, so every
+rank runs it in step with rank 0. Rank 0 plans (`DraftUpdate`, `DraftChain`: plain ids, no
+sequences) and runs each plan on every rank through `everywhere` (parallel/rank_calls.py
+`on_all_ranks`, the channel its steps take, so a plan follows its step): a rank reads its own
+copy of the step's hidden states (each rank holds them whole after the last all-reduce), a chain
+its tails' features broadcast from rank 0, which alone keeps the tails; every rank computes the
+same argmax and answers its tokens. One process (`everywhere` None) runs the plans itself.
+
 Prefix-cache caveat: a cached block's draft KV at its last slot was made with the next token of
 the request that computed it; a request sharing the block but continuing differently reads
 that slot as it is. Proposal quality only: the output is the target's, whatever the head says."""
@@ -33,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -44,6 +54,8 @@ from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.eagle import eagle_config, load_eagle
 from splitserve.engine.model.llama import LlamaModel
 from splitserve.engine.model.mtp import check_mtp, load_mtp
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.parallel.shard import Shard
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.speculative.chain_attention import ChainAttention
@@ -60,12 +72,14 @@ class DraftHead(Protocol):
 
 
 def load_draft_head(config: SpeculativeConfig, model_dir: str | Path, mc: ModelConfig, target: LlamaModel,
-                    max_positions: int, dtype: torch.dtype, device: torch.device) -> DraftHead:
+                    max_positions: int, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None,
+                    shard: Shard | None = None) -> DraftHead:
     """The EAGLE head in `config.draft_path`, else the checkpoint's MTP layer (ConfigError by
-    name when neither exists or its geometry does not fit the target's cache)."""
+    name when neither exists or its geometry does not fit the target's cache); under tensor
+    parallelism the part of it for the target's `shard` (this rank)."""
     if config.draft_path is not None:
-        return load_eagle(config.draft_path, mc, target, max_positions, dtype, device)
-    return load_mtp(model_dir, mc, target, dtype, device)
+        return load_eagle(config.draft_path, mc, target, max_positions, dtype, device, tp, shard)
+    return load_mtp(model_dir, mc, target, dtype, device, tp, shard)
 
 
 def check_draft_head(config: SpeculativeConfig, model_dir: str | Path) -> None:
@@ -88,17 +102,67 @@ class DraftTail:
     token: int  # its argmax: the first proposal for the position after next
 
 
+@dataclass(frozen=True)
+class DraftUpdate:
+    """One step's update as every rank runs it: the head over rows `rows` of the step's hidden
+    states, reading tokens `ids` at `pos`, its KV written to `slots`; `tails`: the rows (of
+    these) whose output becomes a sequence's tail."""
+
+    ids: tuple[int, ...]
+    pos: tuple[int, ...]
+    rows: tuple[int, ...]
+    slots: tuple[int, ...]
+    decodes: tuple[SeqSlice, ...]
+    prefills: tuple[SeqSlice, ...]
+    tails: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DraftChain:
+    """A chain as every rank runs it: per sequence its blocks over its context, the context's
+    length, its tail's token and position; `steps` chain steps (rank 0 broadcasts the tails'
+    features, which it alone keeps)."""
+
+    tables: tuple[tuple[int, ...], ...]
+    ctx_lens: tuple[int, ...]
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+    steps: int
+
+
+# runs fn(engine, *args) on every rank of the engine, in step order; the answers in rank order
+Everywhere = Callable[..., list]
+
+
+def update_on_rank(engine: Any, plan: DraftUpdate) -> list[int]:
+    """One rank's part of an update (a RankCall): its tails' tokens."""
+    toks = engine.draft.run_update(plan, engine.runner.last_hidden)
+    if engine.tp.rank != 0:  # only rank 0 keeps tails
+        engine.draft.tail_features = None
+    return toks
+
+
+def chain_on_rank(engine: Any, plan: DraftChain) -> list[list[int]]:
+    """One rank's part of a chain (a RankCall): each step's tokens."""
+    return engine.draft.run_chain(plan)
+
+
 class DraftProposer:
-    """A `BatchProposer` (speculator.py): proposals for many sequences at once, from the head."""
+    """A `BatchProposer` (speculator.py): proposals for many sequences at once, from the head.
+    `tp`: this rank's group; `everywhere`: how rank 0 runs a plan on every rank (None: one
+    process, the plans run here)."""
 
     def __init__(self, head: DraftHead, target: LlamaModel, kv: tuple[torch.Tensor, torch.Tensor],
                  backend: AttentionBackend, block_size: int, device: torch.device, dtype: torch.dtype,
-                 fp8_kv: bool = False) -> None:
+                 fp8_kv: bool = False, tp: TPGroup | None = None, everywhere: Everywhere | None = None) -> None:
         self.head, self.target = head, target
         self.rotary = head.rotary if head.rotary is not None else target.rotary
         self.kv, self.backend = kv, backend
         self.block_size, self.device, self.dtype = block_size, device, dtype
         self.reader = TorchBackend(dtype, fp8_kv)  # the chain's gather of the cached draft KV
+        self.tp, self.everywhere = tp or TPGroup(), everywhere
+        self.tail_features: torch.Tensor | None = None  # the last update's tails' (rank 0 reads them)
+        self.chain_features: torch.Tensor | None = None  # the next chain's first (rank 0 sets them)
 
     def new_state(self) -> None:
         return None  # what a sequence needs is its tail (seq.draft_tail), set by `update`
@@ -110,6 +174,21 @@ class DraftProposer:
         of the sequences that decode next. `hidden`: the step's rows (the model runner's flat
         layout), before the final norm; `emitted`: each sampled sequence's new tokens (the
         accepted proposals and the model's own), not yet appended."""
+        planned = self._plan_update(sched, emitted)
+        if planned is None:
+            return
+        plan, decoding = planned
+        if self.everywhere is None:
+            toks = self.run_update(plan, hidden)
+        else:
+            toks = self.everywhere(update_on_rank, plan)[0]
+        for i, (seq, pos) in enumerate(decoding):
+            seq.draft_tail = DraftTail(pos, self.tail_features[i].clone(), toks[i])
+        self.tail_features = None
+
+    def _plan_update(self, sched: SchedulerOutput, emitted: dict[Sequence, tuple[int, ...]]):
+        """The update's plan and its decoding sequences with their tails' positions (None: no
+        position to update)."""
         runs = []  # (seq, first flat row, first position, positions, its tokens)
         row = 0
         for item in sched.scheduled:
@@ -121,7 +200,7 @@ class DraftProposer:
                 runs.append((seq, row, start, m, tokens))
             row += n
         if not runs:
-            return
+            return None
         runs.sort(key=lambda r: r[3] != 1)  # the backends take single-token rows first
         bs = self.block_size
         ids, pos, rows, slots, decodes, prefills, last = [], [], [], [], [], [], []
@@ -134,23 +213,26 @@ class DraftProposer:
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             (decodes if m == 1 else prefills).append(SeqSlice(q_start, m, end, tuple(blocks[:-(-end // bs)])))
             last.append(len(ids) - 1)
-        dev = self.device
-        batch = AttentionBatch(len(ids), torch.tensor(slots, dtype=torch.int64, device=dev), tuple(decodes),
-                               tuple(prefills), bs)
-        meta = self.backend.prepare(batch)
-        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
-        feature = self.target.norm(hidden[torch.tensor(rows, dtype=torch.int64, device=dev)])
-        cos, sin = self.rotary(pos_t, feature.dtype)
-        out = self.head(torch.tensor(ids, dtype=torch.int64, device=dev), feature, cos, sin, self.kv, self.backend,
-                        meta)
         decoding = [(run, at) for run, at in zip(runs, last) if run[0] in emitted and not run[0].prefill_only]
-        if not decoding:
-            return
-        at = torch.tensor([a for _, a in decoding], dtype=torch.int64, device=dev)
-        feats = out[at]
-        toks = self.head.logits(feats).argmax(-1).tolist()
-        for i, ((seq, _, start, m, _), _) in enumerate(decoding):
-            seq.draft_tail = DraftTail(start + m - 1, feats[i].clone(), toks[i])
+        plan = DraftUpdate(tuple(ids), tuple(pos), tuple(rows), tuple(slots), tuple(decodes), tuple(prefills),
+                           tuple(at for _, at in decoding))
+        return plan, [(seq, start + m - 1) for (seq, _, start, m, _), _ in decoding]
+
+    @torch.inference_mode()
+    def run_update(self, plan: DraftUpdate, hidden: torch.Tensor) -> list[int]:
+        """The head over `plan` (on every rank, in step): its draft KV written; the tails'
+        features kept in `tail_features`, their tokens returned."""
+        dev = self.device
+        batch = AttentionBatch(len(plan.ids), self._tensor(plan.slots), plan.decodes, plan.prefills, self.block_size)
+        meta = self.backend.prepare(batch)
+        feature = self.target.norm(hidden[self._tensor(plan.rows)])
+        cos, sin = self.rotary(self._tensor(plan.pos), feature.dtype)
+        out = self.head(self._tensor(plan.ids), feature, cos, sin, self.kv, self.backend, meta)
+        if not plan.tails:
+            return []
+        feats = out[torch.tensor(plan.tails, dtype=torch.int64, device=dev)]
+        self.tail_features = feats
+        return self.head.logits(feats).argmax(-1).tolist()
 
     # -- before the next step ----------------------------------------------------------------
     @torch.inference_mode()
@@ -167,18 +249,41 @@ class DraftProposer:
                 chain.append((i, seq, k, tail))
         if not chain:
             return out
-        dev, bs = self.device, self.block_size
-        attn = ChainAttention(self.reader, self.kv, [seq.block_ids[:-(-(t.pos + 1) // bs)] for _, seq, _, t in chain],
-                              [t.pos + 1 for *_, t in chain], dev, self.dtype)
-        feat = torch.stack([t.feature for *_, t in chain])
-        tok = torch.tensor([t.token for *_, t in chain], dtype=torch.int64, device=dev)
-        pos = torch.tensor([t.pos for *_, t in chain], dtype=torch.int64, device=dev)
-        for j in range(1, max(k for _, _, k, _ in chain)):
+        bs = self.block_size
+        plan = DraftChain(tuple(tuple(seq.block_ids[:-(-(t.pos + 1) // bs)]) for _, seq, _, t in chain),
+                          tuple(t.pos + 1 for *_, t in chain), tuple(t.token for *_, t in chain),
+                          tuple(t.pos for *_, t in chain), max(k for _, _, k, _ in chain) - 1)
+        self.chain_features = torch.stack([t.feature for *_, t in chain])
+        try:
+            steps = self.run_chain(plan) if self.everywhere is None else self.everywhere(chain_on_rank, plan)[0]
+        finally:
+            self.chain_features = None
+        for j, toks in enumerate(steps, 1):
+            for (i, _, k, _), t in zip(chain, toks):
+                if j < k:
+                    out[i].append(t)
+        return out
+
+    @torch.inference_mode()
+    def run_chain(self, plan: DraftChain) -> list[list[int]]:
+        """`plan.steps` chain steps (on every rank, in step): each step's token per sequence."""
+        dev = self.device
+        attn = ChainAttention(self.reader, self.kv, [list(t) for t in plan.tables], list(plan.ctx_lens), dev,
+                              self.dtype)
+        feat = self.chain_features
+        if self.tp.size > 1:  # rank 0's tails' features, on every rank
+            if self.tp.rank != 0:
+                feat = torch.empty(len(plan.tokens), self.target.cfg.hidden_size, dtype=self.dtype, device=dev)
+            feat = self.tp.broadcast_tensor(feat)
+        tok, pos = self._tensor(plan.tokens), self._tensor(plan.positions)
+        steps = []
+        for _ in range(plan.steps):
             pos = pos + 1
             cos, sin = self.rotary(pos, feat.dtype)
             feat = self.head(tok, feat, cos, sin, self.kv, attn, None)
             tok = self.head.logits(feat).argmax(-1)
-            for (i, _, k, _), t in zip(chain, tok.tolist()):
-                if j < k:
-                    out[i].append(t)
-        return out
+            steps.append(tok.tolist())
+        return steps
+
+    def _tensor(self, xs) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.int64, device=self.device)
