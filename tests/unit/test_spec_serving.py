@@ -82,18 +82,17 @@ def test_decode_pipeline_stages_refuse_it_by_name(tiny_checkpoint):
 
 def test_a_draft_head_reaches_both_pools(tiny_checkpoint):
     """The prefill worker computes the prompt's draft KV (one more cache layer), so both pools
-    take method draft; its refusals (pipeline stages, tensor parallelism) then name the pool."""
+    take method draft, tensor-parallel ones too (each rank runs its shard of the head); its
+    refusal under pipeline stages names the setting."""
     model = str(tiny_checkpoint("llama"))
     draft = {"method": "draft", "k": 3}
     cfg = DeployConfig(model=model, prefill=1, decode=1, engine={"speculative": draft})
     assert cfg.pool_engine("prefill")["speculative"] == cfg.pool_engine("decode")["speculative"] == draft
     with pytest.raises(ConfigError, match="pipeline_parallel_size > 1"):
         DeployConfig(model=model, prefill=1, decode=1, prefill_pp=2, engine={"speculative": draft})
-    with pytest.raises(ConfigError, match=r"^the prefill pool \(prefill_tp 2, prefill_pp 1\): .*method draft .* "
-                                          "tensor_parallel_size > 1"):
-        DeployConfig(model=model, prefill=1, decode=1, prefill_tp=2, engine={"speculative": draft})
-    with pytest.raises(ConfigError, match=r"^the decode pool \(decode_tp 2, decode_pp 1\): .*method draft"):
-        DeployConfig(model=model, prefill=0, decode=1, decode_tp=2, engine={"speculative": draft})
+    for tp in (dict(prefill_tp=2), dict(decode_tp=2), dict(prefill_tp=2, decode_tp=2)):
+        cfg = DeployConfig(model=model, prefill=1, decode=1, **tp, engine={"speculative": draft})
+        assert cfg.pool_engine("prefill")["speculative"] == cfg.pool_engine("decode")["speculative"] == draft
 
 
 # -- /metrics -----------------------------------------------------------------------------------
