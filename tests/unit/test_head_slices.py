@@ -143,8 +143,8 @@ def run_to_end(engine) -> dict[str, list[int]]:
 
 
 def hand_over(pre, dec, prompts, sp) -> dict[str, list[int]]:
-    """Prefill `prompts` on `pre`, move each one's latents to `dec` as a decode worker's ranks
-    pull them (worker/rank_kv.py), and decode them there."""
+    """Prefill `prompts` on `pre`, move each one's KV heads (or latents) to `dec` as a decode
+    worker's ranks pull them (worker/rank_kv.py), and decode them there."""
     from splitserve.engine.parallel.rank_calls import on_all_ranks
     from splitserve.types import Request
     from splitserve.worker import rank_kv
@@ -159,15 +159,19 @@ def hand_over(pre, dec, prompts, sp) -> dict[str, list[int]]:
     try:
         endpoints = on_all_ranks(pre, rank_kv.serve_kv, ("shm",), {}, "127.0.0.1")
         endpoints[0] = (own.register(pre.kv, layout_of(pre), "127.0.0.1"),)
-        slices = plan(pre.model_config, pre.tp.size, dec.tp.size)
+        cfg = pre.model_config
+        slices = plan(cfg, pre.tp.size, dec.tp.size)
         for i, p in enumerate(prompts):
             rid = str(i)
             first, blocks = firsts[rid]
             sums = on_all_ranks(pre, rank_kv.checksums, blocks)
-            assert len(set(sums)) == 1  # one latent, replicated bit for bit
-            ranks = tuple(RankSource(r, range(0, 1), endpoints[r], sums[r]) for r in range(pre.tp.size))
-            header = TransferHeader(rid, "fp", "float32", pre.config.block_size, pre.model_config.num_layers,
-                                    len(blocks), 1)
+            if cfg.mla is not None:
+                assert len(set(sums)) == 1  # one latent, replicated bit for bit
+            ranks = tuple(RankSource(r, Shard.of(cfg, r, pre.tp.size).kv_heads, endpoints[r], sums[r])
+                          for r in range(pre.tp.size))
+            # every cache layer: a draft head's too (speculative/draft.py)
+            header = TransferHeader(rid, "fp", "float32", pre.config.block_size, pre.cache_layers, len(blocks),
+                                    cfg.num_kv_heads)
             h = KVHandoff(rid, first, None, len(p), 0, tuple(blocks), endpoints[0][0], "lease", 1e12, header, 0,
                           TOKEN, ranks)
             own.allow(TOKEN, blocks)

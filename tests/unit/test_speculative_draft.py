@@ -281,6 +281,40 @@ def test_the_handoff_carries_the_draft_layer_and_decode_proposes_from_it(heads, 
         e.close()
 
 
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_a_handoff_between_tensor_parallel_groups_carries_the_draft_layer(heads, kind):
+    """P(TP 2) -> D(TP 1) and P(TP 1) -> D(TP 2), each decode rank pulling its KV heads of every
+    cache layer (the draft layer's too) from the prefill ranks that hold them, as a decode
+    worker's ranks do (worker/rank_kv.py): the decode side proposes from the carried draft KV,
+    accepts some, and its output is the one-process engine's."""
+    from tests.unit.test_head_slices import hand_over, run_to_end
+
+    path, spec, _, _ = heads[kind]
+    prompts = make_prompts(seed=11, lengths=(1, 17, 40, 90))
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    spec = dict(spec, adaptive=False)
+    # no prefix cache: each side computes every prompt's KV itself
+    one, two = (Engine(EngineConfig(path, num_kv_blocks=96, tensor_parallel_size=t, kv_shared_memory=True,
+                                    enable_prefix_caching=False, speculative=spec)) for t in (1, 2))
+    try:
+        for i, p in enumerate(prompts):
+            one.add_request(Request(str(i), p, sp))
+        want = run_to_end(one)
+        for pre, dec in ((two, one), (one, two)):
+            before = dec.stats()
+            assert hand_over(pre, dec, prompts, sp) == want
+            after = dec.stats()
+            proposed = after.spec_proposed_tokens_total - before.spec_proposed_tokens_total
+            accepted = after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
+            assert proposed > accepted > 0, (pre.tp.size, dec.tp.size)
+        for e in (one, two):
+            e.check_invariants()
+            assert e.pool.num_in_use == 0
+    finally:
+        one.close()
+        two.close()
+
+
 def test_a_streamed_prefill_reports_the_draft_layer_last(heads):
     """A streamed prefill's blocks go out layer group by layer group as the forward runs; the
     draft layer is the cache's last, written after the target's: its report comes after the
