@@ -96,12 +96,12 @@ def eagle(tiny_checkpoint, tmp_path_factory):
     return str(target), {"method": "draft", "k": 3, "draft_path": str(head)}
 
 
-def draft_cluster(eagle, name):
+def draft_cluster(eagle, name, decode=2, decode_tp=1):
     """A 1P + 2D app with the EAGLE head (each test its own: a killed worker's replacement
     must go with the app that started it)."""
     target, spec = eagle
-    return Cluster.start(model=target, name=name, prefill=1, decode=2, disagg_min_tokens=0, num_kv_blocks=256,
-                         decode_inactivity_timeout_s=1.5, speculative=spec)
+    return Cluster.start(model=target, name=name, prefill=1, decode=decode, decode_tp=decode_tp, disagg_min_tokens=0,
+                         num_kv_blocks=256, decode_inactivity_timeout_s=1.5, speculative=spec)
 
 
 def test_a_draft_head_that_cannot_fit_is_refused_before_ray_is_reached(eagle, tmp_path, monkeypatch):
@@ -125,10 +125,13 @@ def test_a_draft_head_that_cannot_fit_is_refused_before_ray_is_reached(eagle, tm
             Cluster.start(model=target, name="spec-draft-bad", prefill=1, decode=1, speculative={**spec, **bad})
 
 
-def test_a_draft_head_across_the_split_equals_the_plain_engine_with_the_draft_layer_handed_over(ray_session, eagle):
+# decode_tp 2: one decode group of two ranks, each running its half of the head
+@pytest.mark.parametrize("decode,decode_tp", [(2, 1), (1, 2)])
+def test_a_draft_head_across_the_split_equals_the_plain_engine_with_the_draft_layer_handed_over(ray_session, eagle,
+                                                                                               decode, decode_tp):
     target, spec = eagle
     n = 8
-    with draft_cluster(eagle, "spec-draft") as c:
+    with draft_cluster(eagle, f"spec-draft-tp{decode_tp}", decode, decode_tp) as c:
         ps, sps = prompts(n, seed=21), params(n, False, MAX_TOKENS)
         ref = reference(target, ps, sps)
         assert c.cfg.pool_engine("prefill")["speculative"] == c.cfg.pool_engine("decode")["speculative"] == spec
@@ -140,7 +143,7 @@ def test_a_draft_head_across_the_split_equals_the_plain_engine_with_the_draft_la
         for w in [*c.prefills, *c.decodes]:
             assert ray.get(w.describe.remote()).endpoints[0].layout.num_layers == layers
         decodes = [d for d in c.check_invariants() if "transfers_by_transport" in d]
-        assert len(decodes) == 2, decodes
+        assert len(decodes) == decode, decodes
         assert sum(sum(d["transfers_by_transport"].values()) for d in decodes) == n
         assert all(d["transfer_failures"] == {} for d in decodes)
         stats = spec_stats(c)
