@@ -149,8 +149,8 @@ def check_files(cfg: DeployConfig) -> None:
     from splitserve.engine.speculative.draft import check_draft_head  # torch: not for `status`
 
     spec = EngineConfig.from_dict({"model": cfg.model, **cfg.pool_engine("decode")}).speculative
-    if spec is not None and spec.method == "draft":
-        check_draft_head(spec, cfg.model)
+    if spec is not None and spec.method == "draft":  # both pools run the head, each rank its shard
+        check_draft_head(spec, cfg.model, max(cfg.prefill_tp, cfg.decode_tp))
 
 
 def precheck(cfg: DeployConfig, joined: bool) -> None:

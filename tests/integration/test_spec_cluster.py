@@ -123,6 +123,11 @@ def test_a_draft_head_that_cannot_fit_is_refused_before_ray_is_reached(eagle, tm
                      ({"draft_path": None}, "num_nextn_predict_layers is 0")):
         with pytest.raises(ConfigError, match=why):
             Cluster.start(model=target, name="spec-draft-bad", prefill=1, decode=1, speculative={**spec, **bad})
+    # under tensor parallelism each rank holds a share of the head's query heads: 6 over 4 ranks do not split
+    (wide / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 6, "head_dim": 8}))
+    with pytest.raises(ConfigError, match="tensor_parallel_size 4 does not divide num_attention_heads 6"):
+        Cluster.start(model=target, name="spec-draft-bad", prefill=1, decode=1, decode_tp=4,
+                      speculative={**spec, "draft_path": str(wide)})
 
 
 # decode_tp 2: one decode group of two ranks, each running its half of the head

@@ -8,6 +8,7 @@ sampled request is reproducible; and the refusals, by name."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 
 import pytest
@@ -492,3 +493,11 @@ def test_a_driver_refuses_a_head_that_cannot_fit_from_its_config_alone(heads, ti
         check_draft_head(SpeculativeConfig("draft", draft_path=eagle_dir), str(tiny_checkpoint("qwen3")))
     with pytest.raises(ConfigError, match="num_nextn_predict_layers is 0"):
         check_draft_head(SpeculativeConfig("draft"), llama)
+    # under tensor parallelism its heads must split (the target's 8 do over 4 ranks, its 6 not)
+    six = tmp_path / "six_heads"
+    shutil.copytree(eagle_dir, six)
+    cfg = json.loads((six / "config.json").read_text())
+    (six / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 6, "head_dim": 8}))
+    check_draft_head(SpeculativeConfig("draft", draft_path=str(six)), llama, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="six_heads: tensor_parallel_size 4 does not divide num_attention_heads 6"):
+        check_draft_head(SpeculativeConfig("draft", draft_path=str(six)), llama, tensor_parallel_size=4)

@@ -33,6 +33,7 @@ from splitserve.engine.model.layers import RotaryEmbedding
 from splitserve.engine.model.llama import DecoderLayer, LlamaModel, vocab_embed, vocab_logits
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.parallel.shard import Shard, local_config
+from splitserve.engine.parallel.shard import check as check_tp
 from splitserve.types import ConfigError
 
 
@@ -79,9 +80,11 @@ def load_eagle(head_dir: str | Path, target_cfg: ModelConfig, target: LlamaModel
     from splitserve.engine.model.loader import fill_params, layer_param
 
     head_dir = Path(head_dir)
-    cfg = eagle_config(head_dir, target_cfg)
+    cfg = eagle_config(head_dir, target_cfg, 1 if target_shard is None else target_shard.size)
     where = f"the EAGLE head in {head_dir}"
-    shard = None if target_shard is None else _head_shard(cfg, target_shard, where)
+    # its own query heads and MLP columns on the target's rank (its KV heads and vocab are the
+    # target's, so they split as the target's do)
+    shard = None if target_shard is None else Shard.of(cfg, target_shard.rank, target_shard.size)
     with ExitStack() as files:
         tensors = _read(head_dir, files)
         names = set(tensors)
@@ -111,18 +114,10 @@ def load_eagle(head_dir: str | Path, target_cfg: ModelConfig, target: LlamaModel
     return head.to(dtype).eval()
 
 
-def _head_shard(cfg: ModelConfig, target: Shard, where: str) -> Shard:
-    """The head's part on the target's rank: its own query heads and MLP columns (its KV heads
-    and vocab are the target's, so they split as the target's do)."""
-    try:
-        return Shard.of(cfg, target.rank, target.size)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-
-
-def eagle_config(head_dir: str | Path, target_cfg: ModelConfig) -> ModelConfig:
-    """The head's config, checked against the target's from the files' names and configs alone
-    (no weights read): what a driver refuses before any worker starts (control/launch.py)."""
+def eagle_config(head_dir: str | Path, target_cfg: ModelConfig, tensor_parallel_size: int = 1) -> ModelConfig:
+    """The head's config, checked against the target's — and under tensor parallelism, that
+    its shapes split — from the files' names and configs alone (no weights read): what a driver
+    refuses before any worker starts (control/launch.py)."""
     head_dir = Path(head_dir)
     where = f"the EAGLE head in {head_dir}"
     if not (head_dir / "config.json").is_file():
@@ -130,6 +125,10 @@ def eagle_config(head_dir: str | Path, target_cfg: ModelConfig) -> ModelConfig:
                           "head's directory holds the config.json of a one-layer Llama decoder and its weights)")
     cfg = ModelConfig.from_dir(head_dir)
     _check_geometry(cfg, target_cfg, where)
+    try:
+        check_tp(cfg, tensor_parallel_size)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
     if not any(head_dir.glob("*.safetensors")) and not (head_dir / "pytorch_model.bin").is_file():
         raise ConfigError(f"{where} has no weights (*.safetensors or pytorch_model.bin)")
     return cfg

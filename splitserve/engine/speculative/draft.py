@@ -82,13 +82,14 @@ def load_draft_head(config: SpeculativeConfig, model_dir: str | Path, mc: ModelC
     return load_mtp(model_dir, mc, target, dtype, device, tp, shard)
 
 
-def check_draft_head(config: SpeculativeConfig, model_dir: str | Path) -> None:
+def check_draft_head(config: SpeculativeConfig, model_dir: str | Path, tensor_parallel_size: int = 1) -> None:
     """What `load_draft_head` refuses from the configs alone (no weights read): a driver's
     check before any worker starts, so a head that cannot fit fails in seconds, not after the
-    pools came up (control/launch.py `precheck`)."""
+    pools came up (control/launch.py `precheck`). `tensor_parallel_size`: the largest of the
+    pools' (the MTP layer's shapes are the target's: checked with the target's)."""
     mc = ModelConfig.from_dir(model_dir)
     if config.draft_path is not None:
-        eagle_config(config.draft_path, mc)
+        eagle_config(config.draft_path, mc, tensor_parallel_size)
     else:
         check_mtp(model_dir, mc)
 
