@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,17 +196,35 @@ def test_greedy_with_a_draft_head_under_tensor_parallelism_equals_one_process_an
         drained(llm)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "mtp"])
-def test_every_rank_runs_the_head_and_proposes_what_one_process_does(heads, kind):
+def own_vocab_head(heads, out):
+    """The EAGLE head shipping its own embed_tokens and lm_head (copies of the target's): under
+    tensor parallelism held by vocab rows and gathered, as the target's are."""
+    from safetensors.torch import load_file, save_file
+
+    path, spec, _, _ = heads["eagle"]
+    shutil.copytree(spec["draft_path"], out)
+    target = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        target.update(load_file(f))
+    weights = load_file(out / "model.safetensors")
+    weights.update({"embed_tokens.weight": target["model.embed_tokens.weight"], "lm_head.weight": target["lm_head.weight"]})
+    save_file(weights, out / "model.safetensors")
+    return path, {**spec, "draft_path": str(out)}
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp", "eagle_own_vocab"])
+def test_every_rank_runs_the_head_and_proposes_what_one_process_does(heads, kind, tmp_path):
     """Each update and chain runs on both ranks (the answers gathered from each: a follower that
     did not run the head answers nothing, and rank 0's collectives would wait for it), every
     rank computes the same tokens, and they are what the one-process head proposes."""
-    path, spec, _, _ = heads[kind]
+    path, spec = heads[kind][:2] if kind in heads else own_vocab_head(heads, tmp_path / "own")
     prompt = make_prompts(seed=3, lengths=(37,))[0]
     proposals, answers = [], []
     for tp in (1, 2):
         eng = Engine(EngineConfig(path, num_kv_blocks=64, max_num_batched_tokens=16, speculative=spec,
                                   tensor_parallel_size=tp))
+        if kind == "eagle_own_vocab":  # its own rows: half of them on each rank
+            assert eng.draft.head.embed_tokens.weight.shape[0] == eng.draft.head.lm_head.out_features == 384 // tp
         if tp == 2:  # a recorder around rank 0's way to the ranks
             run = eng.draft.everywhere
             eng.draft.everywhere = lambda fn, *a: answers.append((fn.__name__, run(fn, *a))) or answers[-1][1]
