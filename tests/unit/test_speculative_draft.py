@@ -2,8 +2,10 @@
 directory, or DeepSeek-V3's multi-token-prediction layer — whose KV is one more layer of the
 paged cache. Its forward against a reference built from transformers' own modules; greedy
 output exactly the plain engine's and Hugging Face's, with proposals both accepted and rejected
-(through chunked prefill, prefix hits, preemption); a PD handoff carries its KV; a seeded
-sampled request is reproducible; and the refusals, by name."""
+(through chunked prefill, prefix hits, preemption), and so under tensor parallelism (two rank
+processes, each running its shard of the head; every rank's proposals the one-process head's); a
+PD handoff carries its KV, between TP groups of different sizes too; a seeded sampled request is
+reproducible; and the refusals, by name."""
 
 from __future__ import annotations
 
