@@ -209,7 +209,8 @@ def own_vocab_head(heads, out):
     for f in sorted(Path(path).glob("*.safetensors")):
         target.update(load_file(f))
     weights = load_file(out / "model.safetensors")
-    weights.update({"embed_tokens.weight": target["model.embed_tokens.weight"], "lm_head.weight": target["lm_head.weight"]})
+    weights.update({"embed_tokens.weight": target["model.embed_tokens.weight"],
+                    "lm_head.weight": target["lm_head.weight"]})
     save_file(weights, out / "model.safetensors")
     return path, {**spec, "draft_path": str(out)}
 
