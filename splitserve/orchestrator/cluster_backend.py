@@ -73,6 +73,7 @@ class ClusterBackend:
                                          inactivity_timeout_s=cfg.decode_inactivity_timeout_s,
                                          prefill_timeout_s=cfg.prefill_timeout_s,
                                          kv_streaming_min_tokens=cfg.kv_streaming_min_tokens if cfg.kv_streaming else None)
+        self.directory.caller = self.orchestrator.caller  # introduced to each decode worker before its streams
 
     async def start(self) -> None:
         await self.directory.start()

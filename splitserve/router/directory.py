@@ -7,7 +7,12 @@ Two kinds of background task keep it fresh:
     dead) leave placement and the KV index;
   * one poller per registered worker pulls its load and KV events (`snapshot`, at least once
     delivery, see worker/kv_events.py) every `load_interval_s`; one slow worker delays only
-    its own view. A worker whose calls fail leaves placement at once.
+    its own view. A worker whose calls fail leaves placement at once. A decode worker's poller
+    first introduces this replica to it (`meet`, with `caller`: this replica's actor handle),
+    alongside its first snapshot: under Ray, the first handle of an actor class to reach a
+    process loads that class there — for an ingress replica, importing Ray Serve, 0.4 s
+    measured — and would otherwise do so as the arguments of the first request's decode
+    stream, between its first and second token.
 
 `place` runs the placement policy over these views without waiting on anything. It also counts
 what this router placed on each worker and has not yet seen in that worker's reported load
@@ -87,6 +92,8 @@ class Directory:
         self.autoscale = None  # the Controller's last AutoscaleReport (None: fixed pools)
         self.shared = None  # ingress.shared.SharedLoad, set before start: the other replicas' pending counts (None: this one's only)
         self._sharer: asyncio.Task | None = None
+        self.caller = None  # this replica's actor handle, introduced to each decode worker (None: a driver)
+        self._introductions: set[asyncio.Task] = set()  # held until answered (nothing waits for them)
 
     # -- background -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -106,7 +113,7 @@ class Directory:
                 self._stale(wid)
 
     def stop(self) -> None:
-        for task in [self._watcher, self._sharer, *self._pollers.values()]:
+        for task in [self._watcher, self._sharer, *self._pollers.values(), *self._introductions]:
             if task is not None:
                 task.cancel()
         self._pollers.clear()
@@ -147,6 +154,7 @@ class Directory:
         self.policy.index.remove_worker(wid)
 
     async def _poll(self, wid: WorkerId) -> None:
+        self._introduce(wid)
         asked = None  # a call still unanswered is waited on again, never sent twice
         while wid in self.records:
             if asked is None:
@@ -158,6 +166,17 @@ class Directory:
                 self._apply_snapshot(wid, asked, sent)
                 asked = None
             await asyncio.sleep(self.load_interval_s)
+
+    def _introduce(self, wid: WorkerId) -> None:
+        """Send a decode worker this replica's handle (`meet`), once, as this replica learns of
+        it; placement does not wait for it (a request placed meanwhile waits at most for the
+        rest of the class's loading there, as it would have anyway)."""
+        rec = self.records[wid]
+        if self.caller is None or rec.role is not Role.DECODE:
+            return
+        task = asyncio.ensure_future(_answered(rec.handle.meet.remote(self.caller), self.answer_timeout_s))
+        self._introductions.add(task)
+        task.add_done_callback(self._introductions.discard)
 
     def _apply_snapshot(self, wid: WorkerId, answer: asyncio.Future, sent: float) -> None:
         if wid not in self.records:
@@ -240,3 +259,12 @@ class Directory:
             if rec is not None:
                 route._tickets[rec.id] = self.pending.add(rec.id)
         return route
+
+
+async def _answered(call, timeout_s: float) -> None:
+    """Wait a while for a call nobody needs the answer of (a worker that fails it fails its
+    snapshots too, and leaves placement by them)."""
+    try:
+        await asyncio.wait_for(asyncio.ensure_future(call), timeout_s)
+    except Exception:  # failed or slow: nothing depends on it
+        pass

@@ -34,7 +34,9 @@ class FakeWorker:
     def __init__(self):
         self.outboxes, self.cached, self.new, self.mode, self.load = RouterOutboxes(), set(), [], "ok", stats()
         self.snapshot = Call(self._snapshot)
+        self.meet = Call(self._meet)
         self.calls = 0
+        self.met = []  # the router replicas that introduced themselves (their `caller`), in order
 
     def store(self, *names):
         hs = tuple(map(digest, names))
@@ -45,6 +47,9 @@ class FakeWorker:
         hs = tuple(map(digest, names))
         self.cached -= set(hs)
         self.new.append(BlockRemoved(hs))
+
+    async def _meet(self, caller):
+        self.met.append(caller)
 
     async def _snapshot(self, ack, router):
         self.calls += 1

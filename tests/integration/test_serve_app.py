@@ -103,6 +103,9 @@ def test_http_through_serve(deployed):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
     assert 'splitserve_pool_size{role="prefill"} 1.0' in metrics
     assert "splitserve_kv_transfer_bytes_total" in metrics
+    # the ingress replica introduced itself to the decode worker as it learned of it: its handle's
+    # class (Ray Serve's) was loaded there before the first stream, not by that stream's arguments
+    assert [w["callers_met"] for w in cluster.check_invariants() if "callers_met" in w] == [1]  # one replica
 
 
 def test_grpc_through_serve(deployed):

@@ -128,6 +128,27 @@ def test_pending_counts_until_the_worker_reports_the_request():
     asyncio.run(go())
 
 
+def test_a_replica_introduces_itself_once_to_each_decode_worker_it_learns_of():
+    """Its handle reaches a decode worker's process before any stream does (the first handle of
+    an actor class to arrive loads that class there); a prefill worker is sent none (no stream
+    names a caller there), and a driver (no caller) introduces itself nowhere."""
+    async def go(caller):
+        src = FakeSource()
+        first, prefill = src.add(Role.DECODE), src.add(Role.PREFILL)
+        d = directory(src)
+        d.caller = caller
+        await d.start()
+        await settle()
+        later = src.add(Role.DECODE)  # a worker that joins later is introduced to as it appears
+        await settle()
+        d.stop()
+        return [src.workers[w].met for w in (first, prefill, later)]
+
+    replica = object()
+    assert asyncio.run(go(replica)) == [[replica], [], [replica]]
+    assert asyncio.run(go(None)) == [[], [], []]
+
+
 def test_a_hung_worker_never_makes_a_placement_wait():
     async def go():
         src = FakeSource()

@@ -64,6 +64,7 @@ class DecodeWorker(KVWorker):
         # delivers late must not reserve blocks under an id the engine is about to admit.
         self._unstaged: collections.OrderedDict[str, bool] = collections.OrderedDict()
         self.callers = Callers(self.abort)  # the ingress replicas streaming from here, watched
+        self.callers_met = 0  # introductions received (`meet`), for tests and logs
 
     async def generate(self, req: Request, handoff: KVHandoff | None = None, prefill: Any = None,
                        outputs: tuple[int, ...] = (), caller: Any = None) -> AsyncIterator[TokenChunk]:
@@ -125,6 +126,14 @@ class DecodeWorker(KVWorker):
             self.callers.remove(caller, rid)
             if not finished:
                 await self.loop.abort(rid)
+
+    async def meet(self, caller: Any) -> None:
+        """An ingress replica introduces itself as it learns of this worker (router/directory.py):
+        its handle (the `caller` its streams will name) reaches this process before any stream
+        of it does. Nothing is kept: receiving it is the point — under Ray the first handle of
+        an actor class to arrive loads that class here (Ray Serve's modules: 0.4 s measured),
+        which the first stream's arguments would otherwise wait for."""
+        self.callers_met += 1
 
     def held(self) -> int:
         return super().held() + self._streams + len(self.staged)
@@ -474,7 +483,7 @@ class DecodeWorker(KVWorker):
     async def check_invariants(self) -> dict:
         counts = await self.loop.call(self.engine.block_counts)
         return {**counts, "handoffs": len(self.handoffs), "staged": len(self.staged), "pieces_landed": self.pieces_landed,
-                "prefix_blocks_kept": self.prefix_blocks_kept,
+                "prefix_blocks_kept": self.prefix_blocks_kept, "callers_met": self.callers_met,
                 "transfer_failures": dict(self.transfer_failures),
                 "transfers_by_transport": dict(self.transfers_by_transport)}
 
