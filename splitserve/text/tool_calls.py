@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from splitserve.text.grammar import JSON_OPTIONS
 from splitserve.types import ConfigError, GrammarKind, GrammarSpec
 
 MAX_TOOLS = 128
@@ -84,6 +85,12 @@ def _call_schema(tools: Sequence[Tool], args_key: str) -> dict[str, Any]:
     return one[0] if len(one) == 1 else {"anyOf": one}
 
 
+def _json(schema: dict[str, Any]) -> str:
+    """A call schema as a grammar's %json: spaced as response_format's JSON is (no free
+    whitespace — a model could otherwise pad a forced call with blanks until max_tokens)."""
+    return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
+
 def _as_call(obj: Any, args_key: str) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -119,7 +126,7 @@ class Hermes(ToolFormat):
         return text[:start].rstrip(), calls
 
     def grammar(self, tools: Sequence[Tool], parallel: bool) -> GrammarSpec:
-        schema = json.dumps(_call_schema(tools, "arguments"))
+        schema = _json(_call_schema(tools, "arguments"))
         call = f'"<tool_call>\\n" %json {schema} "\\n</tool_call>"'
         return GrammarSpec(GrammarKind.GRAMMAR, f"start: call{'+' if parallel else ''}\ncall: {call}")
 
@@ -144,7 +151,7 @@ class Llama3Json(ToolFormat):
         return "", calls
 
     def grammar(self, tools: Sequence[Tool], parallel: bool) -> GrammarSpec:
-        schema = json.dumps(_call_schema(tools, "parameters"))
+        schema = _json(_call_schema(tools, "parameters"))
         rest = '("; " call)*' if parallel else ""
         return GrammarSpec(GrammarKind.GRAMMAR, f"start: call {rest}\ncall: %json {schema}")
 
@@ -170,7 +177,7 @@ class Mistral(ToolFormat):
     def grammar(self, tools: Sequence[Tool], parallel: bool) -> GrammarSpec:
         one = _call_schema(tools, "arguments")
         schema = {"type": "array", "items": one, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-        return GrammarSpec(GrammarKind.GRAMMAR, f'start: "[TOOL_CALLS]" %json {json.dumps(schema)}')
+        return GrammarSpec(GrammarKind.GRAMMAR, f'start: "[TOOL_CALLS]" %json {_json(schema)}')
 
 
 FORMATS = {f.name: f for f in (Hermes(), Llama3Json(), Mistral())}

@@ -62,12 +62,13 @@ def test_a_forced_call_grammar_accepts_valid_calls_and_nothing_else(tokenizer, n
             "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]'}[name]
     bad = good.replace('"c"', '"k"')  # unit outside its enum
     unknown = good.replace("get_weather", "get_rain")
+    padded = good.replace('{"name"', '{ \n  "name"')  # free whitespace: a model could pad until max_tokens
 
     def accepts(text):
         m = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         return m.consume_tokens(tokenizer.tokenize_str(text)) and m.is_accepting()
 
-    assert accepts(good) and not accepts(bad) and not accepts(unknown)
+    assert accepts(good) and not accepts(bad) and not accepts(unknown) and not accepts(padded)
     assert fmt.parse(good)[1][0].name == "get_weather"
 
 
