@@ -2,12 +2,15 @@
 --config f.yaml` with `engine: {data_parallel_size: 2}`): the config file's key reaches the
 engine, `EngineLoop.start` builds the data-parallel front (two replicas, two local processes),
 the OpenAI app serves concurrent requests with the single engine's greedy tokens on both
-replicas, the stats the app reads are both replicas' summed; and a replica that exits stops the
-idle serving loop by name, as a lost tensor-parallel rank does."""
+replicas, the stats the app reads are both replicas' summed; forced tool calls (a grammar on each
+replica) come back as tool_calls and a grammar that does not compile is one engine's 400; and a
+replica that exits stops the idle serving loop by name, as a lost tensor-parallel rank does."""
 
 import asyncio
+import json
 
 import httpx
+import jsonschema
 import pytest
 
 from splitserve import LLM
@@ -18,6 +21,7 @@ from splitserve.orchestrator.local_backend import LocalBackend
 from splitserve.types import ConfigError, Request, SamplingParams
 from splitserve.worker.engine_loop import EngineFailed
 from tests.chaos.harness import prompts
+from tests.unit.test_dp_grammar import ARGS, NOT_FOR_THIS_MODEL, TOOL, _compiles
 
 SHAPE = "qwen3_moe"
 MAX_TOKENS = 8
@@ -133,6 +137,40 @@ def test_the_in_process_app_serves_dp2_with_the_single_engines_tokens(app, tiny_
     assert eng.memory is eng.engine.memory and eng.kv is eng.engine.kv  # what a worker's describe / layout read
     with pytest.raises(ConfigError, match="data_parallel_size > 1"):
         eng.add_pulled(Request("pulled", (1, 2, 3), SamplingParams()), 4, ())
+
+
+def test_the_in_process_app_serves_forced_tool_calls_and_refuses_a_bad_grammar_with_dp2(app):
+    """tool_choice required (a grammar) on both replicas: tool_calls whose arguments validate; a
+    grammar that does not compile for the model is the 400 one engine answers, and the app serves on."""
+    tool = {"type": "function", "function": {"name": TOOL.name, "description": TOOL.description,
+                                             "parameters": ARGS}}
+    chats = [{"model": "tiny", "messages": [{"role": "user", "content": f"The forecast for day {i}?"}],
+              "tools": [tool], "tool_choice": "required", "max_tokens": 200, "temperature": 0} for i in range(4)]
+    bad = {"model": "tiny", "prompt": "x", "max_tokens": 4, "structured_outputs": {"grammar": NOT_FOR_THIS_MODEL.text}}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app.app), base_url="http://test") as http:
+            calls = await asyncio.gather(*(http.post("/v1/chat/completions", json=c) for c in chats))
+            refused = await http.post("/v1/completions", json=bad)
+            after = await http.post("/v1/chat/completions", json=chats[0])
+        return calls, refused, after
+
+    calls, refused, after = asyncio.run(go())
+    assert [r.status_code for r in calls] == [200] * len(chats), [r.text for r in calls]
+    for r in calls:
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == TOOL.name
+        jsonschema.validate(json.loads(call["function"]["arguments"]), ARGS)
+    assert refused.status_code == 400 and "does not compile for this model" in refused.json()["error"]["message"]
+    assert after.status_code == 200
+    assert [c["function"] for c in after.json()["choices"][0]["message"]["tool_calls"]] == \
+        [c["function"] for c in calls[0].json()["choices"][0]["message"]["tool_calls"]]  # greedy: the same call
+    eng = app.backend.engine
+    assert all(n >= 1 for n in eng.on_all_replicas(_compiles)), "each replica built its own requests' grammar"
+    eng.check_invariants()
+    assert not eng.has_unfinished()
 
 
 def test_a_replica_that_exits_stops_the_idle_serving_loop_by_name(app):

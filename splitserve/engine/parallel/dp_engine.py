@@ -25,8 +25,16 @@ Replica 0 is an Engine in the front's process; replicas 1..D-1 run `serve`.
                `lost`), one that dies in a step breaks the step's all-to-all or gather, which
                raise (never wait beyond the group's timeout)
 
-Not with it yet: a prefill/decode handoff (prefill_only, pulled KV), a structured-output grammar
-and tensor or pipeline parallelism inside a replica. The prefix cache's events are not reported
+  grammar      a request's structured-output grammar lives where the request does: its replica
+               builds the matcher from its own tokenizer and fills its rows' masks in its own
+               step, as one engine does. The front compiles the grammar first (`prepare`, off
+               the engine thread; cached on replica 0) and fits the request's tokens to it before
+               placing it, so a grammar that does not compile is the same ConfigError as on one
+               engine, never a failed op inside a step; a replica > 0 compiles an uncached one
+               again when the add arrives (a compiled matcher does not pickle), inside that step.
+
+Not with it yet: a prefill/decode handoff (prefill_only, pulled KV) and tensor or pipeline
+parallelism inside a replica. The prefix cache's events are not reported
 (`drain_kv_events` is empty): a router's prefix index would credit the worker with a prefix only
 one of its replicas holds, while the front places by load."""
 
@@ -112,18 +120,18 @@ class DataParallelEngine:
         return self.engine.check_request(req, outputs)  # reads config only: every replica's answer
 
     def prepare(self, params: SamplingParams) -> None:
-        self._refuse_grammar(params)
+        self.engine.prepare(params)  # replica 0's compile: the others compile when the add arrives
 
     def add_request(self, req: Request, *, prefill_only: bool = False, outputs: tuple[int, ...] = (),
                     stream_kv: bool = False) -> None:
         if prefill_only or stream_kv:
             raise _no_handoff()
-        self._refuse_grammar(req.params)
         outputs = tuple(outputs)
         self._stats = None
         if self.placer.owner(req.request_id) is not None:
             raise ConfigError(f"request id {req.request_id!r} is already running")
         self.check_request(req, outputs)
+        self._check_grammar(req, outputs)
         r = self.placer.place(req.request_id, len(req.prompt_token_ids) + len(outputs))
         if r == 0:
             try:
@@ -276,7 +284,7 @@ class DataParallelEngine:
         return []
 
     def grammar_compile_s(self) -> float:
-        return 0.0
+        return self.engine.grammar_compile_s()  # replica 0 compiles every request's grammar first
 
     @property
     def cache_layers(self) -> int:
@@ -307,10 +315,12 @@ class DataParallelEngine:
         else:
             ranks.stop(self.group)
 
-    @staticmethod
-    def _refuse_grammar(params: SamplingParams) -> None:
-        if params.grammar is not None:
-            raise ConfigError("structured output (a grammar) is not supported with data_parallel_size > 1 yet")
+    def _check_grammar(self, req: Request, outputs: tuple[int, ...]) -> None:
+        """The request's grammar compiled and its tokens fitted to it here, before placing: a
+        replica > 0 would raise the same ConfigError, but as a failed op of a step, after the
+        front had counted the request as its."""
+        if req.params.grammar is not None:
+            self.engine.grammar_masks().matcher(req.params.grammar, outputs)
 
 
 def _no_handoff() -> ConfigError:
