@@ -37,8 +37,8 @@ def limits():
 
 
 def json_schema_spec(schema: Any) -> GrammarSpec:
-    """A JSON Schema (a mapping, or its JSON text) as a spec; its text is canonical, so equal
-    schemas share a compiled grammar."""
+    """A JSON Schema (a mapping, or its JSON text) as a spec; its text is canonical
+    (`canonical_schema`), so equal schemas share a compiled grammar."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -46,7 +46,24 @@ def json_schema_spec(schema: Any) -> GrammarSpec:
             raise ConfigError(f"the JSON schema is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise ConfigError(f"a JSON schema must be an object, got {type(schema).__name__}")
-    return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True, separators=(",", ":")))
+    return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(canonical_schema(schema), separators=(",", ":")))
+
+
+def canonical_schema(node: Any, in_properties: bool = False) -> Any:
+    """A JSON Schema with its keywords sorted, except the names of an object's `properties`:
+    the grammar writes an object's properties in the order the schema lists them (a
+    "reasoning" before its "answer"), so that order is the caller's. Data (const, enum,
+    default, examples) is left as it is."""
+    if isinstance(node, list):
+        return [canonical_schema(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    keys = list(node) if in_properties else sorted(node)
+    return {k: node[k] if not in_properties and k in _DATA_KEYWORDS
+            else canonical_schema(node[k], not in_properties and k == "properties") for k in keys}
+
+
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
 
 
 def choice_spec(choices: Any) -> GrammarSpec:

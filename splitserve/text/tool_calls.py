@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from splitserve.text.grammar import JSON_OPTIONS
+from splitserve.text.grammar import JSON_OPTIONS, canonical_schema
 from splitserve.types import ConfigError, GrammarKind, GrammarSpec
 
 MAX_TOOLS = 128
@@ -32,7 +32,7 @@ class Tool:
 
     name: str
     description: str = ""
-    parameters: str = '{"type": "object"}'  # JSON text, canonical
+    parameters: str = '{"type": "object"}'  # JSON text, canonical (grammar.canonical_schema: properties in the caller's order)
 
     def as_openai(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": self.description,
@@ -81,8 +81,42 @@ class FirstCallOnly(ToolFormat):
 
 def _call_schema(tools: Sequence[Tool], args_key: str) -> dict[str, Any]:
     one = [{"type": "object", "additionalProperties": False, "required": ["name", args_key],
-            "properties": {"name": {"const": t.name}, args_key: json.loads(t.parameters)}} for t in tools]
+            "properties": {"name": {"const": t.name}, args_key: closed(json.loads(t.parameters))}} for t in tools]
     return one[0] if len(one) == 1 else {"anyOf": one}
+
+
+def closed(schema: Any, may_close: bool = True) -> Any:
+    """`schema` with every object that lists its properties and says nothing of others closed
+    to them (additionalProperties false). A forced call is the function's declared arguments:
+    most tool schemas (OpenAI's examples among them) leave additionalProperties out, and a model
+    held to a grammar that allows more keys can invent keys until max_tokens, never ending the
+    call. vLLM's default backend (xgrammar's strict mode) reads such schemas the same way; an
+    object that says additionalProperties, patternProperties or unevaluatedProperties, or lists
+    no properties (a free dict), keeps what it says; so does one that takes part in an anyOf /
+    oneOf / allOf, on either side (closing the branches of an allOf would refuse every object
+    that has more than one branch's keys), though objects nested further in are closed."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [closed(sub, may_close=key == "prefixItems") for sub in value]
+        elif key in _SCHEMA_ONE:
+            out[key] = [closed(sub) for sub in value] if isinstance(value, list) else closed(value)
+    if may_close and isinstance(out.get("properties"), dict) and not (_OPEN_KEYS | _COMBINED) & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
+# where a JSON schema holds schemas: name -> schema maps, lists, and single ones (items: either)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_OPEN_KEYS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
+_COMBINED = {"anyOf", "oneOf", "allOf"}
 
 
 def _json(schema: dict[str, Any]) -> str:
@@ -230,7 +264,7 @@ def tools_of(raw: Any) -> tuple[Tool, ...]:
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise ConfigError(f"[{i}].function.parameters: must be a JSON Schema of an object")
         names.add(fn["name"])
-        tools.append(Tool(fn["name"], str(fn.get("description") or ""), json.dumps(params, sort_keys=True)))
+        tools.append(Tool(fn["name"], str(fn.get("description") or ""), json.dumps(canonical_schema(params))))
     return tuple(tools)
 
 

@@ -168,6 +168,29 @@ def test_masks_filled_during_the_forward_pass_sample_as_masks_filled_after(llm, 
     assert ahead == after
 
 
+def test_properties_are_written_in_the_order_the_schema_lists_them(tiny_checkpoint):
+    """The grammar writes an object's properties in the schema's order, so the spec keeps that
+    order (a "reasoning" before its "answer" is the point of such a schema; sorted, "answer"
+    would come first), while the order of keywords, which means nothing, is canonical."""
+    import llguidance
+
+    tokenizer = llguidance.LLTokenizer(str(tiny_checkpoint("llama") / "tokenizer.json"))
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
+              "required": ["reasoning", "answer"]}
+    spec = json_schema_spec(schema)
+    assert spec == json_schema_spec({"required": ["reasoning", "answer"], "properties": schema["properties"],
+                                     "type": "object"})
+    assert spec != json_schema_spec({**schema, "properties": dict(reversed(schema["properties"].items()))})
+    grammar = check(spec)
+
+    def accepts(text):
+        m = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return m.consume_tokens(tokenizer.tokenize_str(text)) and m.is_accepting()
+
+    assert accepts('{"reasoning": "two and two", "answer": 4}')
+    assert not accepts('{"answer": 4, "reasoning": "two and two"}')
+
+
 def test_compiled_grammars_are_cached_by_spec(llm):
     masks = llm.engine.grammar_masks()
     spec = json_schema_spec({"type": "object", "properties": {"zz": {"type": "integer"}}, "required": ["zz"]})

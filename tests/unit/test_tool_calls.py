@@ -72,6 +72,32 @@ def test_a_forced_call_grammar_accepts_valid_calls_and_nothing_else(tokenizer, n
     assert fmt.parse(good)[1][0].name == "get_weather"
 
 
+def test_declared_arguments_only_unless_the_schema_says_otherwise(tokenizer):
+    """Argument objects that list their properties and say nothing of others take no others,
+    nested ones too (a model held to a grammar that allowed them was seen inventing keys until
+    max_tokens); an object that says additionalProperties, or a free dict, keeps what it says;
+    the schema's own data (an enum's values) is never touched."""
+    params = {"type": "object", "properties": {
+        "city": {"type": "string"}, "at": {"type": "object", "properties": {"day": {"type": "integer"}}},
+        "opts": {"type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": True},
+        "meta": {"type": "object"}, "kind": {"enum": [{"properties": {}}]}}, "required": ["city"]}
+    open_tool = tools_of([{"type": "function", "function": {"name": "f", "parameters": params}}])
+    grammar = check(FORMATS["hermes"].grammar(open_tool, False))
+
+    def accepts(args):
+        text = '<tool_call>\n{"name": "f", "arguments": ' + json.dumps(args) + "}\n</tool_call>"
+        m = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return m.consume_tokens(tokenizer.tokenize_str(text)) and m.is_accepting()
+
+    assert accepts({"city": "Oslo", "at": {"day": 3}})
+    assert not accepts({"city": "Oslo", "country": "NO"}) and not accepts({"city": "Oslo", "at": {"day": 3, "h": 1}})
+    assert accepts({"city": "Oslo", "opts": {"x": 1, "y": 2}, "meta": {"any": "thing"}})
+    assert accepts({"city": "Oslo", "kind": {"properties": {}}})
+    assert params["properties"]["at"].keys() == {"type", "properties"}  # the caller's schema left as it was
+    # properties in the order the tool lists them (a model writes them so; sorted, "at" would go first)
+    assert not accepts({"at": {"day": 3}, "city": "Oslo"})
+
+
 def test_the_format_follows_the_template_unless_named():
     assert format_for("{% if tools %}<tool_call>{% endif %}").name == "hermes"
     assert format_for("... [TOOL_CALLS] ...").name == "mistral"
