@@ -85,6 +85,29 @@ def demo_model_dir(demo_gguf, tmp_path_factory) -> Path:
 HEAD_IP, PREFILL_IP, DECODE_IP = ip(10), ip(2), ip(3)  # 127.0.0.x in the first xdist worker
 
 
+def _start_head(Cluster, head_args: dict, attempts: int = 2):
+    """The session's Ray head, started again once if its GCS never came up. Ray forks its node
+    processes from this process and runs Python in the child before exec (its preexec_fn): a fork
+    while another thread here holds a lock (a gRPC client's, the loader's) can leave the child
+    stuck before exec, and Ray then waits 30 s for a GCS port file that never comes (CI saw it
+    once: every Ray test of that xdist worker failed at setup). What the failed start left is
+    killed before the next."""
+    import psutil
+
+    me = psutil.Process()
+    for attempt in range(1, attempts + 1):
+        before = {c.pid for c in me.children(recursive=True)}
+        try:
+            return Cluster(initialize_head=True, head_node_args=head_args)
+        except RuntimeError as e:
+            if "Timed out waiting for file" not in str(e) or attempt == attempts:
+                raise
+            for child in me.children(recursive=True):
+                if child.pid not in before:
+                    child.kill()
+            print(f"ray_session: the Ray head did not come up ({e}); starting it again", file=sys.stderr)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray cluster for the whole test run (starting one costs seconds and ~1.6 GB), of
@@ -109,8 +132,8 @@ def ray_session():
 
     Config.initialize("")  # this process read Ray's config at import: read it again, token mode on
     AuthenticationTokenLoader.instance().reset_cache()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "node_ip_address": HEAD_IP, "num_cpus": 4, "resources": {"head_node": 100}, "include_dashboard": False})
+    cluster = _start_head(Cluster, {"node_ip_address": HEAD_IP, "num_cpus": 4, "resources": {"head_node": 100},
+                                    "include_dashboard": False})
     cluster.add_node(node_ip_address=PREFILL_IP, num_cpus=3, resources={"prefill_node": 3})
     cluster.add_node(node_ip_address=DECODE_IP, num_cpus=3, resources={"decode_node": 3})
     ray.init(address=cluster.address, _node_ip_address=HEAD_IP, log_to_driver=False)
