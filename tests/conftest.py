@@ -85,29 +85,6 @@ def demo_model_dir(demo_gguf, tmp_path_factory) -> Path:
 HEAD_IP, PREFILL_IP, DECODE_IP = ip(10), ip(2), ip(3)  # 127.0.0.x in the first xdist worker
 
 
-def _start_head(Cluster, head_args: dict, attempts: int = 2):
-    """The session's Ray head, started again once if its GCS never came up. Ray forks its node
-    processes from this process and runs Python in the child before exec (its preexec_fn): a fork
-    while another thread here holds a lock (a gRPC client's, the loader's) can leave the child
-    stuck before exec, and Ray then waits 30 s for a GCS port file that never comes (CI saw it
-    once: every Ray test of that xdist worker failed at setup). What the failed start left is
-    killed before the next."""
-    import psutil
-
-    me = psutil.Process()
-    for attempt in range(1, attempts + 1):
-        before = {c.pid for c in me.children(recursive=True)}
-        try:
-            return Cluster(initialize_head=True, head_node_args=head_args)
-        except RuntimeError as e:
-            if "Timed out waiting for file" not in str(e) or attempt == attempts:
-                raise
-            for child in me.children(recursive=True):
-                if child.pid not in before:
-                    child.kill()
-            print(f"ray_session: the Ray head did not come up ({e}); starting it again", file=sys.stderr)
-
-
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray cluster for the whole test run (starting one costs seconds and ~1.6 GB), of
@@ -115,7 +92,6 @@ def ray_session():
     "prefill" node (PREFILL_IP, `prefill_node`) and a "decode" node (DECODE_IP, `decode_node`),
     so that tests can pin pools to nodes and KV transfers cross real node boundaries."""
     ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     from splitserve.cli.serve import bound_grpc_messages
@@ -132,16 +108,50 @@ def ray_session():
 
     Config.initialize("")  # this process read Ray's config at import: read it again, token mode on
     AuthenticationTokenLoader.instance().reset_cache()
-    cluster = _start_head(Cluster, {"node_ip_address": HEAD_IP, "num_cpus": 4, "resources": {"head_node": 100},
-                                    "include_dashboard": False})
-    cluster.add_node(node_ip_address=PREFILL_IP, num_cpus=3, resources={"prefill_node": 3})
-    cluster.add_node(node_ip_address=DECODE_IP, num_cpus=3, resources={"decode_node": 3})
-    ray.init(address=cluster.address, _node_ip_address=HEAD_IP, log_to_driver=False)
-    cluster.wait_for_nodes()
-    ray.address = cluster.address
-    yield ray
-    ray.shutdown()
-    cluster.shutdown()
+    nodes = RayNodes({"head": {"node_ip_address": HEAD_IP, "num_cpus": 4, "resources": {"head_node": 100},
+                               "include_dashboard": False},
+                      "nodes": [{"node_ip_address": PREFILL_IP, "num_cpus": 3, "resources": {"prefill_node": 3}},
+                                {"node_ip_address": DECODE_IP, "num_cpus": 3, "resources": {"decode_node": 3}}]})
+    try:
+        ray.init(address=nodes.address, _node_ip_address=HEAD_IP, log_to_driver=False)
+        nodes.wait_alive(ray, 3)
+        ray.address = nodes.address
+        yield ray
+    finally:
+        ray.shutdown()
+        nodes.stop()
+
+
+class RayNodes:
+    """tests/ray_nodes.py running: the session's nodes, held until `stop`."""
+
+    def __init__(self, spec: dict) -> None:
+        import json
+        import subprocess
+
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "ray_nodes.py"), json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # its stderr: ours
+        self.address = self.proc.stdout.readline().strip()  # "" if it failed (its stderr says why)
+        if not self.address:
+            self.stop()
+            raise RuntimeError("the session's Ray nodes did not start (tests/ray_nodes.py's output above)")
+
+    def wait_alive(self, ray, count: int, timeout_s: float = 60.0) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while sum(n["Alive"] for n in ray.nodes()) < count:
+            assert time.monotonic() < deadline, f"fewer than {count} Ray nodes alive: {ray.nodes()}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @pytest.fixture(scope="session")
