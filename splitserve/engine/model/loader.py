@@ -185,17 +185,7 @@ def fill_params(params: dict[str, torch.Tensor], tensors, cfg: ModelConfig, wher
     for pname, (expert, piece), name, tensor in tensors:
         if pname not in params:
             raise ConfigError(f"{where}: tensor {name!r} has no place in the draft head (mapped to {pname!r})")
-        if shard is not None:
-            tensor = narrow(pname, tensor, cfg, shard, piece, expert)
-            if tensor is None:  # an expert another rank holds
-                continue
-            expert = None if expert is None else expert - shard.experts.start
-        dst = _region(pname, params[pname], (expert, piece), local)
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise ConfigError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-        with torch.no_grad():
-            dst.copy_(tensor)
-        filled[pname] = filled.get(pname, 0) + dst.numel()
+        _place(pname, (expert, piece), tensor, params, cfg, local, shard, filled, f"{where}: tensor {name!r}")
     missing = [pname for pname, p in params.items() if filled.get(pname, 0) != p.numel()]
     if missing:
         raise ConfigError(f"{where} is missing weights for: {', '.join(missing[:8])}"
@@ -243,6 +233,14 @@ def _copy_param(name: str, tensor: torch.Tensor, params: dict, cfg: ModelConfig,
     pname, (expert, piece) = target
     if pname not in params:
         raise ConfigError(f"checkpoint tensor {name!r} has no place in the model (mapped to {pname!r})")
+    _place(pname, (expert, piece), tensor, params, cfg, local, shard, filled, f"checkpoint tensor {name!r}")
+
+
+def _place(pname: str, region: Region, tensor: torch.Tensor, params: dict, cfg: ModelConfig, local: ModelConfig,
+           shard: Shard | None, filled: dict[str, int], what: str) -> None:
+    """`tensor` into `region` of parameter `pname` — on a tensor-parallel rank its `shard` of it
+    (nothing: an expert another rank holds) — counted in `filled`; `what` names it in errors."""
+    expert, piece = region
     if shard is not None:
         tensor = narrow(pname, tensor, cfg, shard, piece, expert)
         if tensor is None:  # an expert another rank holds
@@ -250,7 +248,7 @@ def _copy_param(name: str, tensor: torch.Tensor, params: dict, cfg: ModelConfig,
         expert = None if expert is None else expert - shard.experts.start
     dst = _region(pname, params[pname], (expert, piece), local)
     if tuple(dst.shape) != tuple(tensor.shape):
-        raise ConfigError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        raise ConfigError(f"{what} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
     with torch.no_grad():
         dst.copy_(tensor)
     filled[pname] = filled.get(pname, 0) + dst.numel()
