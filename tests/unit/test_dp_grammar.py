@@ -15,19 +15,10 @@ from splitserve import LLM, SamplingParams
 from splitserve.text.grammar import choice_spec, json_schema_spec
 from splitserve.text.tool_calls import FORMATS, Tool
 from splitserve.types import ConfigError, FinishReason, GrammarKind, GrammarSpec, Request
+from tests.unit.test_dp_attention import drained
+from tests.unit.test_structured_output import SCHEMA
 
 SHAPE = "qwen3_moe"
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "n": {"type": "integer", "minimum": 0, "maximum": 999},
-        "kind": {"enum": ["cat", "dog", "bird"]},
-        "ok": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-    },
-    "required": ["n", "kind", "ok", "tags"],
-    "additionalProperties": False,
-}
 ARGS = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
         "required": ["unit", "days"], "additionalProperties": False}
@@ -76,14 +67,6 @@ def run(engine, reqs, where=None):
             if c.finish_reason is not None:
                 reasons[c.request_id] = c.finish_reason
     return got, reasons
-
-
-def drained(llm) -> None:
-    eng = llm.engine
-    eng.check_invariants()
-    assert not eng.has_unfinished() and eng.holds_nothing()
-    for c in eng.replica_block_counts():
-        assert c["in_use"] == 0 and c["free"] + c["cached"] == c["total"]
 
 
 def test_constrained_rows_on_both_replicas_validate_and_equal_one_engines_tokens(dp, one):

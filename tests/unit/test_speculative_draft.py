@@ -73,6 +73,18 @@ def greedy(llm, prompts):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def proposals_at_first_token(eng, prompt, k: int, max_tokens: int) -> list[int]:
+    """The head's k proposals once `prompt` has its first token; the engine checked and closed."""
+    eng.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+    while not eng.step():
+        pass
+    proposals = eng.draft.propose_batch([(eng.scheduler.running[0], k)])[0]
+    eng.abort("r")
+    eng.check_invariants()
+    eng.close()
+    return proposals
+
+
 # -- the head's forward against transformers' modules -----------------------------------------------
 
 @pytest.mark.parametrize("kind", ["eagle_random", "mtp_random"])
@@ -233,13 +245,7 @@ def test_every_rank_runs_the_head_and_proposes_what_one_process_does(heads, kind
             eng.draft.everywhere = lambda fn, *a: answers.append((fn.__name__, run(fn, *a))) or answers[-1][1]
         else:
             assert eng.draft.everywhere is None  # one process: no rank calls
-        eng.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=8)))
-        while not eng.step():
-            pass
-        proposals.append(eng.draft.propose_batch([(eng.scheduler.running[0], 4)])[0])
-        eng.abort("r")
-        eng.check_invariants()
-        eng.close()
+        proposals.append(proposals_at_first_token(eng, prompt, 4, max_tokens=8))
     assert len(proposals[0]) == 4 and proposals[1] == proposals[0]
     chunks = -(-len(prompt) // 16)  # one update per prefill chunk
     assert [name for name, _ in answers] == ["update_on_rank"] * chunks + ["chain_on_rank"]
@@ -455,13 +461,7 @@ def test_an_eagle_head_shipped_as_pytorch_model_bin_loads_as_its_safetensors_twi
     prompt = make_prompts(seed=5, lengths=(20,))[0]
     proposed = []
     for e in engines:
-        e.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=4)))
-        while not e.step():
-            pass
-        proposed.append(e.draft.propose_batch([(e.scheduler.running[0], 3)])[0])
-        e.abort("r")
-        e.check_invariants()
-        e.close()
+        proposed.append(proposals_at_first_token(e, prompt, 3, max_tokens=4))
     assert len(proposed[0]) == 3 and proposed[0] == proposed[1]
 
 
