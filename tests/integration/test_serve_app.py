@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from splitserve import LLM, SamplingParams
+from splitserve.cli import app as serve_app
 from tests.integration.serve_helpers import sees_both_pools
 from splitserve.ingress.grpc_service import SERVICE_NAME
 from splitserve.v1 import generation_pb2 as pb
@@ -21,7 +22,6 @@ from tests.loopback import free_port
 from tests.prometheus_server import PrometheusServer
 
 openai = pytest.importorskip("openai")
-serve_app = pytest.importorskip("splitserve.cli.app")
 
 PROMPT = "Requests enter through the Serve proxies"
 

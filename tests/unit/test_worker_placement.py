@@ -5,10 +5,10 @@ transports their cache can serve."""
 
 import pytest
 
+from splitserve.control import actors
 from splitserve.control.deploy_config import DeployConfig
 from splitserve.types import ConfigError, Role
 
-actors = pytest.importorskip("splitserve.control.actors")
 
 
 @pytest.mark.parametrize("device,cluster_gpus,workers,joined,share", [
