@@ -5,9 +5,10 @@ so far and the workers that failed this request, and replaces the route when a w
   * Prefill: a prefill worker that fails, or does not answer within `prefill_timeout_s`, is
     excluded and the request placed again (at most `PREFILL_ATTEMPTS` times); a request the
     engine refuses (ConfigError) fails at once, as every worker would refuse it.
-  * Decode: a decode worker that dies, fails, sends nothing for `inactivity_timeout_s`, or
-    ends the stream unasked, is excluded (one that only went silent is taken again when no
-    other can, its silent attempt aborted) and the request migrates: placed again by its whole
+  * Decode: a decode worker that dies, fails, ends the stream unasked, or sends nothing for
+    `inactivity_timeout_s` and then leaves a ping unanswered as long (stalled; one that answers
+    is busy, not lost: its stream waits) is excluded (one that only stalled is taken again when
+    no other can, its stalled attempt aborted) and the request migrates: placed again by its whole
     context (prompt + delivered tokens; through a prefill worker when the policy finds it worth
     it) with the delivered tokens as `outputs`, so the new worker continues right after them
     (seeded sampling too: the engine fast-forwards the request's generator). Up to
@@ -211,7 +212,7 @@ class RequestRun:
                 self._deliver(first)
                 yield first
             last_at = time.monotonic()
-            async with aclosing(_within(gen, self.o.inactivity_timeout_s)) as chunks:
+            async with aclosing(_within(gen, self.o.inactivity_timeout_s, lambda: self._answers(decode))) as chunks:
                 async for chunk in chunks:
                     self.route.confirm(decode.id)
                     if chunk.finish_reason is FinishReason.ABORT:  # nobody here asked for that
@@ -238,6 +239,16 @@ class RequestRun:
                 _fire(decode.handle.abort.remote(self.req.request_id))
             elif stop_worker:  # the caller left: stopped before its slot is given back (bounded)
                 await _bounded(decode.handle.abort.remote(self.req.request_id))
+
+    async def _answers(self, worker) -> bool:
+        """Whether a decode worker whose stream went quiet still answers a ping in time: its
+        process runs (busy with other streams, or a slow machine), so the stream is waited for.
+        Moving it would only add its recompute to that load, and count against its moves."""
+        try:
+            await asyncio.wait_for(_awaitable(worker.handle.__ray_ready__.remote()), self.o.inactivity_timeout_s)
+            return True
+        except Exception:  # stopped (no answer in time) or gone
+            return False
 
     def _record_gap(self, gap: float, after_prefill: bool) -> None:
         """A token chunk's gap after the one before: the first after the prefill worker's token
@@ -326,18 +337,30 @@ def _classify(e: Exception) -> DecodeLost:
     return DecodeLost(f"failed ({type(e).__name__})", worker_may_run=False, reason=MoveReason.FAILED)
 
 
-async def _within(gen, timeout_s: float) -> AsyncIterator[TokenChunk]:
-    """A decode stream's chunks, each within `timeout_s` of the one before (else DecodeLost)."""
+async def _within(gen, timeout_s: float, answers) -> AsyncIterator[TokenChunk]:
+    """A decode stream's chunks. One `timeout_s` late: `await answers()` asks its worker; one
+    that answers is waited for again, one that does not is stalled (DecodeLost)."""
     it = gen.__aiter__()
     while True:
         try:
-            ref = await asyncio.wait_for(it.__anext__(), timeout_s)
-            chunk = await asyncio.wait_for(_awaitable(ref), timeout_s)
+            ref = await _patiently(it.__anext__(), timeout_s, answers)
+            chunk = await _patiently(_awaitable(ref), timeout_s, answers)
         except StopAsyncIteration:
             return
-        except asyncio.TimeoutError:
-            raise DecodeLost(f"sent nothing for {timeout_s:g} s", worker_may_run=True, reason=MoveReason.SILENT) from None
         yield chunk
+
+
+async def _patiently(aw, timeout_s: float, answers) -> Any:
+    """`aw`'s result, however late, while its worker answers (see `_within`)."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while not (await asyncio.wait({task}, timeout=timeout_s))[0]:
+            if not task.done() and not await answers():
+                raise DecodeLost(f"sent nothing for {timeout_s:g} s and did not answer", worker_may_run=True,
+                                 reason=MoveReason.SILENT)
+        return task.result()
+    finally:
+        task.cancel()  # (nothing when it is done) the stream is left: stop waiting for it
 
 
 async def _awaitable(ref: Any) -> Any:

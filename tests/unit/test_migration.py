@@ -15,6 +15,7 @@ from splitserve.types import (FinishReason, MoveCount, MoveKind, MoveReason, Req
 from tests.fakes.cluster import Call, FakeSource, FakeWorker, directory
 
 MAX_TOKENS = 12
+SLOW_S = 1.0  # a "slow" fake's pause: five inactivity timeouts of 0.2 s
 PROMPT = tuple(range(3, 43))
 
 
@@ -33,18 +34,27 @@ def reference() -> list[int]:
 
 class FakeDecode(FakeWorker):
     """`generate` streams the fake model's tokens after the prompt and `outputs`; after
-    `fail_after` tokens it dies ("die", with Ray-like internals in the message) or goes silent
-    ("stall"), on its first `faulty` streams (all of them when None)."""
+    `fail_after` tokens it dies ("die", with Ray-like internals in the message), stalls ("stall":
+    the stream, and from then on its pings, never answer, as a stopped process), or pauses
+    ("slow": the stream for `SLOW_S` while its pings answer, as a busy one), on its first
+    `faulty` streams (all of them when None)."""
 
     def __init__(self, fault=None, fail_after=3, faulty=None):
         super().__init__()
         self.fault, self.fail_after, self.faulty = fault, fail_after, faulty
         self.given, self.ids, self.aborted = [], [], []
+        self.stopped, self.pings = False, 0
         self.generate = type("G", (), {"options": lambda _self, **kw: Call(self._stream)})()
         self.abort = Call(self._abort)
+        self.__ray_ready__ = Call(self._ping)
 
     async def _abort(self, rid):
         self.aborted.append(rid)
+
+    async def _ping(self):
+        self.pings += 1
+        if self.stopped:
+            await asyncio.Event().wait()
 
     def _stream(self, req, handoff, prefill, outputs=(), caller=None):
         assert caller is None  # a driver's stream: no replica to watch
@@ -62,7 +72,11 @@ class FakeDecode(FakeWorker):
                 if self.fault == "abort":  # ends the stream as if someone had aborted it
                     yield _ready(TokenChunk(req.request_id, (), finish_reason=FinishReason.ABORT))
                     return
-                await asyncio.Event().wait()
+                if self.fault == "slow":
+                    await asyncio.sleep(SLOW_S)
+                else:
+                    self.stopped = True
+                    await asyncio.Event().wait()
             tok = next_token(ctx)
             ctx += (tok,)
             done = n + i + 1 == MAX_TOKENS
@@ -178,10 +192,21 @@ def test_a_worker_that_failed_a_request_never_gets_it_back(fault):
     assert len(first.given) == 1 and second.given == [tuple(reference()[:2])]
 
 
+def test_a_busy_worker_keeps_its_stream():
+    """Its stream sends nothing for five inactivity timeouts while the worker answers its pings
+    (busy, not stalled): the stream waits for it and continues there; nothing moves or aborts."""
+    slow, other = FakeDecode("slow", fail_after=4), FakeDecode()
+    got, error, trace, counts, healthy, moves = asyncio.run(run([slow, other], inactivity_timeout_s=0.2))
+    assert slow.pings >= 3  # it was asked, each time the stream was late
+    assert error is None and got == reference() and trace.migrations == 0 and moves == ()
+    assert slow.aborted == [] and other.given == [] and list(healthy.values()) == [True, True]
+    assert set(counts.values()) == {0}
+
+
 def test_a_worker_that_only_went_silent_takes_the_request_again_when_no_other_can():
-    """Both decode workers go silent on the request once (a survivor slowed by the streams it took
-    over): with no worker it has not stalled on, it goes back to one that answers again, under a
-    fresh engine id, so the abort that worker was sent for the silent attempt cannot end the new one."""
+    """Both decode workers stall on the request once (a survivor stopped for a while): with no
+    worker it has not stalled on, it goes back to one that answers again, under a fresh engine
+    id, so the abort that worker was sent for the stalled attempt cannot end the new one."""
     first, second = FakeDecode("stall", fail_after=2, faulty=1), FakeDecode("stall", fail_after=2, faulty=1)
     got, error, trace, counts, _, _ = asyncio.run(run([first, second], load_interval_s=0.005, inactivity_timeout_s=0.2))
     assert error is None and got == reference() and trace.migrations == 2
