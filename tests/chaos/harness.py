@@ -117,6 +117,27 @@ def signal_worker(worker, sig) -> None:
     os.kill(pid_of(worker), sig)
 
 
+def running(worker) -> int:
+    """The streams (or prompts) its engine runs now, asked of the worker itself."""
+    import ray
+
+    return ray.get(worker.load.remote()).stats.num_running
+
+
+def in_engine(worker) -> int:
+    """The requests submitted to its engine and not finished there (its last stats may not show
+    them yet: a prefill worker's come and go within one step)."""
+    import ray
+
+    return ray.get(worker.__ray_call__.remote(lambda w: w.loop.num_active))
+
+
+def busiest(workers):
+    """The one running the most streams, as each says itself (the directory's view may be a poll
+    old, and placement may have favoured one)."""
+    return max(workers, key=running)
+
+
 def replaced(c, before: set, role: str | None = None, timeout: float = 120.0) -> tuple[list, list]:
     """Until the Controller's status shows a worker of `before` (of `role`, if given) dead and a
     new one READY: (the dead, the fresh), as WorkerStatus entries."""

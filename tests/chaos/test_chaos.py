@@ -17,9 +17,9 @@ import time
 import pytest
 
 from splitserve.orchestrator import Cluster
-from splitserve.types import Role
-from tests.chaos.harness import (Load, Recompute, assert_nothing_held, assert_outcomes, migration_report, params, pid_of,
-                                 prompts, reference, signal_worker)
+from splitserve.types import MoveKind, MoveReason, Role
+from tests.chaos.harness import (Load, Recompute, assert_nothing_held, assert_outcomes, busiest, in_engine,
+                                 migration_report, params, pid_of, prompts, reference, running, signal_worker)
 
 N, MAX_TOKENS = 32, 64
 pytestmark = pytest.mark.timeout(300)
@@ -61,6 +61,8 @@ def report(name, c, outcomes, started):
     print(f"\nchaos {name}: {len(outcomes)} streams, {errors} ended with the explicit error, {r['migrated']} "
           f"migrated ({r['migrations']} moves), added latency p50 {r['gap_p50_s']} s p99 {r['gap_p99_s']} s, "
           f"{time.time() - started:.1f} s")
+    for e in sorted({o.error for o in outcomes if o.error is not None}):
+        print(f"  error: {e}")
     return r
 
 
@@ -73,27 +75,45 @@ def test_sigkill_a_decode_worker(ray_session, model, work):
     with cluster(model, "chaos-kill-decode") as c:
         load = Load(c, ps, sps)
         load.wait_progress(3)
-        signal_worker(c.decodes[0], signal.SIGKILL)
+        victim = busiest(c.decodes)  # the one holding the most streams (placement may favour one)
+        held = running(victim)
+        signal_worker(victim, signal.SIGKILL)
         outcomes = load.result()
         r = report("SIGKILL decode (greedy + seeded)", c, outcomes, started)
-        greedy = assert_outcomes(outcomes[:half], ref[:half], min_exact=half - 1)
+        # the fault landed: the victim held streams mid-flight, and they moved (each at most once
+        # for the kill; a survivor that goes silent may move one again)
+        assert held >= 1 and r["migrated"] >= 1, (held, r)
+        assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
+        greedy = assert_outcomes(outcomes[:half], ref[:half], min_exact=half)
         replay = Recompute(model, c, ps[half:], sps[half:])
         seeded = assert_outcomes(outcomes[half:], ref[half:], min_exact=half - 1, recomputed=replay)
         print(f"  greedy {greedy} of {half}, seeded {seeded} of {half} equal the uninterrupted run; "
-              f"{replay.replayed} equal one engine's recompute from their migration point")
-        assert r["migrated"] >= 1
+              f"{replay.replayed} equal one engine's recompute from their migration point; the killed worker "
+              f"held {held} streams")
         assert_nothing_held(c, load)
 
 
 def test_sigkill_the_prefill_worker_mid_transfer(ray_session, model, work):
+    """Killed while its engine computes the prompts (paced: each step also waits off the CPU,
+    tests/fakes/workers.py, so the kill lands inside a step on any machine) and their KV streams
+    to the decode workers: every request in it is placed again, and finishes exactly."""
     ps, sps, ref = work[False]
     started = time.time()
-    with cluster(model, "chaos-kill-prefill") as c:
+    with cluster(model, "chaos-kill-prefill", worker_classes={"prefill": "tests.fakes.workers:PacedPrefill"}) as c:
         load = Load(c, ps, sps)
-        load.wait_progress(1, of=max)  # the first handoffs are done, the rest are in flight or queued
-        signal_worker(c.prefills[0], signal.SIGKILL)
+        prefill = c.prefills[0]
+        deadline = time.time() + 60
+        while (computing := in_engine(prefill)) == 0:  # its engine has prompts: their calls are in flight
+            assert time.time() < deadline and not load.future.done(), "the prefill worker never got the prompts"
+            time.sleep(0.005)
+        signal_worker(prefill, signal.SIGKILL)
         outcomes = load.result()
         report("SIGKILL prefill", c, outcomes, started)
+        # the fault landed: requests in its engine at the kill were placed again
+        retried = sum(m.total for m in c.backend.moves() if m.kind is MoveKind.RETRY and m.reason is MoveReason.DIED)
+        print(f"  {computing} prompts in its engine at the kill, {retried} placed again")
+        assert retried >= 1, c.backend.moves()
+        assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
         assert_outcomes(outcomes, ref, min_exact=N)
         assert_nothing_held(c, load)
 
@@ -187,12 +207,6 @@ GRAMMAR_SCHEMA = {"type": "object", "additionalProperties": False, "required": [
                                  "kind": {"enum": ["cat", "dog", "bird"]}, "ok": {"type": "boolean"},
                                  "note": {"type": "string", "minLength": 40, "maxLength": 60},
                                  "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
-
-
-def busiest(workers):
-    import ray
-
-    return max(workers, key=lambda w: ray.get(w.load.remote()).stats.num_running)
 
 
 def test_sigkill_a_decode_worker_under_a_grammar(ray_session, model):

@@ -32,10 +32,15 @@ def controller_pid(c) -> int:
 
 def kill_controller(c) -> int:
     """SIGKILL the Controller's process; returns the new incarnation's pid once Ray restarted it."""
-    import ray
-
     old = controller_pid(c)
     os.kill(old, signal.SIGKILL)
+    return restarted(c, old)
+
+
+def restarted(c, old: int) -> int:
+    """The new Controller's pid, once Ray restarted the one whose pid was `old`."""
+    import ray
+
     deadline = time.time() + 60
     while True:
         try:
@@ -64,9 +69,15 @@ def test_sigkill_the_controller_under_load(ray_session, model):
     with Cluster.start(model=model, name="chaos-controller", prefill=1, decode=1, transport="auto",
                        disagg_min_tokens=0, num_kv_blocks=512) as c:
         workers = {pid_of(w) for w in c.prefills + c.decodes}
+        old_pid = controller_pid(c)
         load = Load(c, ps, sps)
         load.wait_progress(3)
-        new_pid = kill_controller(c)  # the fault landed: a new Controller process
+        os.kill(old_pid, signal.SIGKILL)
+        at_kill = list(load.progress)  # every stream had 3 tokens before the kill, and not all after it
+        new_pid = restarted(c, old_pid)
+        # the fault landed: the Controller died while every stream was mid-flight, and a new one runs
+        assert sum(p < MAX_TOKENS for p in at_kill) == N, at_kill
+        assert new_pid != old_pid
         outcomes = load.result()
         assert_outcomes(outcomes, ref, min_exact=N)
         assert all(o.error is None for o in outcomes)
@@ -88,7 +99,9 @@ def test_sigkill_the_controller_during_a_scale_up(ray_session, model):
         while len(live_workers(c, Role.DECODE)) < 2:  # the new worker exists (starting) before the kill
             assert time.time() < deadline
             time.sleep(0.05)
+        starting = [w.id for w in c.status().workers if w.state == "starting"]
         kill_controller(c)
+        assert len(starting) == 1, c.status().workers  # the fault landed mid-scale-up: one worker was starting
         c.wait_routable({"prefill": 1, "decode": 2}, timeout_s=90)
         time.sleep(2 * c.cfg.probe_interval_s)  # a few reconciles of the restarted Controller
         assert len(live_workers(c, Role.DECODE)) == 2 and len(live_workers(c, Role.PREFILL)) == 1

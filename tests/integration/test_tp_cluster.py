@@ -57,8 +57,8 @@ def test_killing_one_rank_under_load_replaces_the_group(ray_session, model):
         r = migration_report(c)
         print(f"\nTP rank killed: {sum(o.error is not None for o in outcomes)} of {n} streams ended with the "
               f"explicit error, {r['migrated']} migrated")
+        assert r["migrated"] >= 1  # the fault landed: the killed group's streams moved
         assert_outcomes(outcomes, ref, min_exact=n // 2)
-        assert r["migrated"] >= 1
         dead, fresh = replaced(c, before)  # the broken group is dead, a new one READY with both ranks
         assert len(dead) == 1 and "tensor-parallel" in dead[0].reason, dead
         assert len(fresh[0].ranks) == 2 and len(set(fresh[0].ranks)) == 1  # both ranks on one node
@@ -123,8 +123,9 @@ def test_killing_a_prefill_rank_under_load_replaces_its_group(ray_session, model
         outcomes = load.result()
         errors = [o.error for o in outcomes if o.error is not None]
         print(f"\nprefill TP rank killed: {len(errors)} of {n} streams ended with the explicit error")
+        dead, fresh = replaced(c, before, role="prefill")  # the fault landed: the group is dead (and replaced)
+        assert "tensor-parallel" in dead[0].reason, dead
         assert_outcomes(outcomes, ref, min_exact=n // 2)
-        dead, fresh = replaced(c, before, role="prefill")
         assert len(fresh[0].ranks) == 2
         assert c.check_invariants()[-1]["transfer_failures"].get("corrupt", 0) == 0  # nothing landed wrong
         assert_nothing_held(c, load)
