@@ -215,8 +215,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="times one stream may move to another decode worker when its worker is lost "
                         "(default: %(default)s)")
     p.add_argument("--decode-inactivity-timeout-s", type=float, default=30.0,
-                   help="a decode worker silent this long mid-stream is lost: the stream migrates "
-                        "(default: %(default)s)")
+                   help="a decode worker silent this long mid-stream, and then as long on a ping, is lost: "
+                        "the stream migrates (default: %(default)s)")
     p.add_argument("--prefill-timeout-s", type=float, default=120.0,
                    help="a prefill call unanswered this long is placed again (default: %(default)s)")
     p.add_argument("--autoscale", nargs="?", const="{}", default=None, metavar="YAML",

@@ -81,7 +81,7 @@ class DeployConfig:
     dead_after_s: float = 5.0  # no answer for this long: the worker is DEAD (killed, replaced)
     drain_grace_s: float = 1.0  # a draining worker idle this long (routers have seen it leave) stops
     prefill_timeout_s: float = 120.0  # a prefill call unanswered this long: its worker failed, place again
-    decode_inactivity_timeout_s: float = 30.0  # no token for this long mid-stream: migrate the request
+    decode_inactivity_timeout_s: float = 30.0  # no token for this long mid-stream, nor an answer to a ping: migrate it
     migration_limit: int = 3  # how many times one request may move to another decode worker
     # Pool autoscaling (autoscale.AutoscaleConfig; a mapping is read into one): None, the pools
     # stay at prefill / decode (and `splitserve scale`); set, those are the starting sizes.
