@@ -63,7 +63,7 @@ class Cluster:
         import ray
 
         from splitserve.control import controller as controller_mod
-        from splitserve.control.launch import check_files, connect_ray, precheck, wait_ready
+        from splitserve.control.launch import check_files, connect_ray, local_cpus, precheck, stop_local_ray, wait_ready
 
         deploy_keys = set(DeployConfig.__dataclass_fields__) - {"engine"}
         engine = {k: options.pop(k) for k in list(options) if k not in deploy_keys}
@@ -72,21 +72,20 @@ class Cluster:
                                          "name": options.pop("name", f"cluster-{uuid.uuid4().hex[:8]}"), **options})
         tracing.setup(cfg.trace, "splitserve-ingress", f"{socket.gethostname()}:{os.getpid()}")
         check_files(cfg)
-        started = connect_ray(address, cfg.ranks(cfg.prefill, cfg.decode))
+        started = connect_ray(address, local_cpus(cfg))
+        controller = None
         try:
             precheck(cfg, joined=not started)
             controller = controller_mod.get_or_create(cfg, joined=not started)
             ray.get(controller.start.remote())
-            try:
-                wait_ready(controller, on_ready, unplaced_s=unplaced_s)
-            except BaseException:  # refused, unplaceable, interrupted: nothing stays behind
+            wait_ready(controller, on_ready, unplaced_s=unplaced_s)
+            return cls(cfg, controller, started)
+        except BaseException:  # refused, unplaceable, interrupted: nothing stays behind, the Ray we started neither
+            if controller is not None:
                 _stop_controller(controller, cfg)
-                raise
-        except ConfigError:
             if started:
-                ray.shutdown()
+                stop_local_ray()
             raise
-        return cls(cfg, controller, started)
 
     # -- requests -------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -177,7 +176,7 @@ class Cluster:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        import ray
+        from splitserve.control.launch import stop_local_ray
 
         if self.controller is None:
             return
@@ -186,7 +185,7 @@ class Cluster:
         _stop_controller(self.controller, self.cfg)
         self.controller = None
         if self._started_ray:
-            ray.shutdown()
+            stop_local_ray()  # and its note: the next start here must not look for it
 
     def __enter__(self) -> "Cluster":
         return self
