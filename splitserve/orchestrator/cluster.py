@@ -9,6 +9,7 @@ views refresh in the background as they do in an ingress replica.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import socket
 import threading
@@ -51,6 +52,7 @@ class Cluster:
         self._loop.run(self.backend.start())
         self.wait_routable(ray.get(controller.status.remote()).targets)
         self._ids = 0
+        atexit.register(self._at_exit)  # a script that never shut it down: its router stops before Ray does
 
     @classmethod
     def start(cls, model: str | None = None, prefill: int = 1, decode: int = 1, transport: str = "auto",
@@ -180,12 +182,21 @@ class Cluster:
 
         if self.controller is None:
             return
+        atexit.unregister(self._at_exit)
         self._loop.run(_stopped(self.backend))
         self._loop.close()
         _stop_controller(self.controller, self.cfg)
         self.controller = None
         if self._started_ray:
             stop_local_ray()  # and its note: the next start here must not look for it
+
+    def _at_exit(self) -> None:
+        import ray
+
+        if ray.is_initialized():  # else a Ray call would start a new cluster in a process that is exiting
+            self.shutdown()
+        else:
+            self._loop.close()
 
     def __enter__(self) -> "Cluster":
         return self
