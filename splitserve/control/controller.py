@@ -192,8 +192,9 @@ class Controller:
         rows = [status_row(r, self._unplaced.get(r.id)) for r in self.registry]
         rows += [status_row(r) for r in self.registry.ended()[-16:]]
         live = {role.value: len(self.registry.pool(role, S.STARTING, S.READY, S.DRAINING)) for role in Role}
-        sharing = cores_shared(self.cfg, live, ray.cluster_resources().get("GPU", 0.0), self._joined,
-                               os.cpu_count() or 1)  # a local cluster's Controller runs on its one machine
+        # a cluster we started is this machine alone, the Controller's; one we joined places by its nodes' CPUs
+        sharing = "" if self._joined else cores_shared(self.cfg, live, ray.cluster_resources().get("GPU", 0.0),
+                                                       os.cpu_count() or 1)
         return ClusterStatus({r.value: t for r, t in self.targets.items()}, tuple(rows),
                              {r.value: e for r, e in self.errors.items()}, self.registry.version,
                              self._autoscale_report(), tuple(self._unplaced.values()), self.backoff.messages(),

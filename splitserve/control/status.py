@@ -67,13 +67,13 @@ def status_row(r: WorkerRecord, unplaced: Unplaced | None = None) -> WorkerStatu
                         _rank_ips(r), r.info.memory.describe() if r.info and r.info.memory else "")
 
 
-def cores_shared(cfg: DeployConfig, workers: dict, cluster_gpus: float, joined: bool, cores: int) -> str:
-    """On a local cluster we started, CPU workers beyond the machine's cores share them (its Ray
-    counts a logical CPU for each rank the pools may take, launch.local_cpus): said, not hidden.
-    `workers`: the live workers per pool, by role name."""
+def cores_shared(cfg: DeployConfig, workers: dict, cluster_gpus: float, cores: int) -> str:
+    """On a local cluster we started, CPU workers beyond the machine's `cores` share them (its
+    Ray counts a logical CPU for each rank the pools may take, launch.local_cpus): said, not
+    hidden. `workers`: the live workers per pool, by role name."""
     device = str(cfg.engine.get("device", "auto"))
-    if joined or device not in ("auto", "cpu") or (device == "auto" and cluster_gpus > 0):
-        return ""  # a cluster we joined places by its nodes' CPUs; GPU workers need their GPU
+    if device not in ("auto", "cpu") or (device == "auto" and cluster_gpus > 0):
+        return ""  # GPU workers: each waits for its GPU (share), never for a core
     ranks = cfg.ranks(workers.get("prefill", 0), workers.get("decode", 0))
     if ranks <= cores:
         return ""

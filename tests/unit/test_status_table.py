@@ -55,10 +55,9 @@ def test_what_would_place_a_worker_depends_on_whether_the_cluster_can_grow():
 
 
 def test_cpu_workers_beyond_a_local_machines_cores_are_said_to_share_them(cfg):
-    note = cores_shared(cfg, {"prefill": 2, "decode": 1}, cluster_gpus=0, joined=False, cores=2)
+    note = cores_shared(cfg, {"prefill": 2, "decode": 1}, cluster_gpus=0, cores=2)
     assert note.startswith("3 CPU worker processes share this machine's 2 cores: each runs slower")
     table = status_table(ClusterStatus({"prefill": 2, "decode": 1}, (), {}, 0, sharing=note))
     assert f"sharing: {note}" in table.splitlines()
-    assert cores_shared(cfg, {"prefill": 1, "decode": 1}, cluster_gpus=0, joined=False, cores=2) == ""
-    assert cores_shared(cfg, {"prefill": 2, "decode": 1}, cluster_gpus=0, joined=True, cores=2) == ""  # Ray's CPUs
-    assert cores_shared(cfg, {"prefill": 2, "decode": 1}, cluster_gpus=1, joined=False, cores=2) == ""  # GPU workers
+    assert cores_shared(cfg, {"prefill": 1, "decode": 1}, cluster_gpus=0, cores=2) == ""
+    assert cores_shared(cfg, {"prefill": 2, "decode": 1}, cluster_gpus=1, cores=2) == ""  # GPU workers
