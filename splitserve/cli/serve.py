@@ -92,12 +92,11 @@ def bound_grpc_messages() -> None:
 
 
 def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
-    import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
 
     from splitserve.control import controller as controller_mod
-    from splitserve.control.launch import check_files, connect_ray, forget_local_address, precheck, wait_ready
+    from splitserve.control.launch import check_files, connect_ray, local_cpus, precheck, stop_local_ray, wait_ready
     from splitserve.cli.app import GRPC_SERVICER
     from splitserve.control.deploy_config import DeployConfig
     from splitserve.cli.app import bind_app
@@ -107,8 +106,7 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
     began = time.monotonic()
     check_files(cfg)
     bound_grpc_messages()
-    a = cfg.autoscale
-    started = connect_ray(args.address, cfg.ranks(a.prefill.max, a.decode.max) if a else cfg.ranks(cfg.prefill, cfg.decode))
+    started = connect_ray(args.address, local_cpus(cfg))
     _say(f"{'started a local Ray cluster' if started else 'joined the Ray cluster'}")
     try:
         precheck(cfg, joined=not started)
@@ -129,8 +127,7 @@ def _serve_on_ray(args: argparse.Namespace, model: str) -> int:
         _say("shutting down")
         _stop_app(cfg, started)
         if started:
-            forget_local_address()
-            ray.shutdown()
+            stop_local_ray()
     return 0
 
 

@@ -13,8 +13,9 @@ Every `probe_interval_s` it reconciles:
     once idle (nothing running, waiting, pulling or leased) for `drain_grace_s` (routers have
     seen it leave by then) its block counts are checked and recorded and it STOPs;
   * a pool below target spawns workers; one Ray has not placed within `PLACEMENT_GRACE_S` is
-    diagnosed (control/unplaced.py) and `status` says why — on a cluster we started, a worker
-    no node could ever hold ends its pool's growth with that reason, as a refusal does.
+    diagnosed (control/unplaced.py) and `status` says why and what would place it (`scale`
+    waits for that, briefly, so it can say it at once) — on a cluster we started, a worker no
+    node could ever hold ends its pool's growth with that reason, as a refusal does.
 
 With `autoscale` set, every `interval_s` its `Autoscaler` reads the READY workers' last loads
 and the latencies routers `report`, and the targets it returns are applied as `scale`'s are:
@@ -38,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 import uuid
 
@@ -49,7 +51,7 @@ from splitserve.control.admin import find  # noqa: F401  (drivers look the app u
 from splitserve.control import persisted
 from splitserve.control.owners import Owners
 from splitserve.control.start_backoff import StartBackoff
-from splitserve.control.status import ClusterStatus, status_row
+from splitserve.control.status import ClusterStatus, cores_shared, status_row
 from splitserve.control.unplaced import PLACEMENT_GRACE_S, Unplaced, demand, diagnose
 from splitserve.control.registry import Registry
 from splitserve.router.snapshot import RegistrySnapshot, WorkerRecord
@@ -175,16 +177,28 @@ class Controller:
                               f"worker takes no prefill handoff yet)")
         self.targets[role] = n
         self.errors.pop(role, None)  # new targets: try again
+        placing = set(self._placing)
         self._reconcile()
+        await self._placed_or_diagnosed(set(self._placing) - placing)  # so the caller can say why one waits
         return {r.value: t for r, t in self.targets.items()}
+
+    async def _placed_or_diagnosed(self, wids: set, bound_s: float = PLACEMENT_GRACE_S + 3.0) -> None:
+        deadline = time.monotonic() + bound_s
+        while any(w in self._placing and w not in self._unplaced for w in wids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def status(self) -> ClusterStatus:
         await self._resume()
-        rows = [status_row(r) for r in self.registry]
+        rows = [status_row(r, self._unplaced.get(r.id)) for r in self.registry]
         rows += [status_row(r) for r in self.registry.ended()[-16:]]
+        live = {role.value: len(self.registry.pool(role, S.STARTING, S.READY, S.DRAINING)) for role in Role}
+        # a cluster we started is this machine alone, the Controller's; one we joined places by its nodes' CPUs
+        sharing = "" if self._joined else cores_shared(self.cfg, live, ray.cluster_resources().get("GPU", 0.0),
+                                                       os.cpu_count() or 1)
         return ClusterStatus({r.value: t for r, t in self.targets.items()}, tuple(rows),
                              {r.value: e for r, e in self.errors.items()}, self.registry.version,
-                             self._autoscale_report(), tuple(self._unplaced.values()), self.backoff.messages())
+                             self._autoscale_report(), tuple(self._unplaced.values()), self.backoff.messages(),
+                             sharing)
 
     async def ended(self) -> list[WorkerRecord]:
         """Workers that stopped or died, newest last (with a drained worker's final counts)."""
@@ -324,13 +338,13 @@ class Controller:
             if not done:
                 # a PACK group (pipeline stages) may span nodes: what one node must hold is bundle 0
                 need = demand(spawned.bundles if spawned.one_node else spawned.bundles[:1])
-                why = diagnose(wid.role, need,
-                               [n["Resources"] for n in ray.nodes() if n.get("Alive")], ray.available_resources())
+                why = diagnose(wid.role, need, [n["Resources"] for n in ray.nodes() if n.get("Alive")],
+                               ray.available_resources(), joined=self._joined)
                 self._unplaced[wid] = why
                 log.warning("%s", why.message)
                 if why.infeasible and not self._joined and wid in self.registry:
-                    self.errors[wid.role] = why.message
-                    self._end(wid, S.DEAD, why.message)
+                    self.errors[wid.role] = why.describe()
+                    self._end(wid, S.DEAD, why.describe())
                     return
                 await placed
         finally:

@@ -5,6 +5,7 @@ worker's refusal of its configuration as a ConfigError in our words."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ipaddress
 import logging
@@ -23,24 +24,18 @@ from splitserve.types import ConfigError, Role
 
 def connect_ray(address: str | None, num_cpus: int) -> bool:
     """Join the cluster at `address` ("auto": the one running here), or, with no address, the
-    one running on this machine if any; else start a local one. True when we started it."""
+    one running on this machine if any; else start a local one with `num_cpus` logical CPUs
+    (at least the cores). True when we started it: `stop_local_ray` ends it."""
     if ray.is_initialized():
         return False
     found = address
     if address in (None, "auto"):
         _token_of_the_local_cluster()
-        try:
-            from ray._private.services import canonicalize_bootstrap_address
-
-            found = canonicalize_bootstrap_address(address)
-        except Exception:  # "auto" with nothing running
-            if address == "auto":
-                raise ConfigError("--address auto: no Ray cluster is running on this machine") from None
-            found = None
+        found = _running_here(address)
     if found is None:
-        ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus), include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING)
-        _record_address(ray.get_runtime_context().gcs_address)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus), include_dashboard=False,
+                 log_to_driver=False, logging_level=logging.WARNING)
+        _note_address(ray.get_runtime_context().gcs_address)
         return True
     host, _, port = found.rpartition(":")
     host = host.strip("[]")
@@ -57,26 +52,87 @@ def connect_ray(address: str | None, num_cpus: int) -> bool:
     return False
 
 
-def _record_address(address: str | None) -> None:
+def local_cpus(cfg: DeployConfig) -> int:
+    """The logical CPUs of a local cluster we start: as many as both pools at their largest
+    take, so that a CPU worker beyond this machine's cores (`scale`, the autoscaler) shares
+    them — each runs slower, `status` says so — as the pools `serve` starts with already may;
+    the cluster is this app's alone and ends with it."""
+    a = cfg.autoscale
+    most = max(cfg.max_pool_size, a.prefill.max if a else 0), max(cfg.max_pool_size, a.decode.max if a else 0)
+    return cfg.ranks(*most)
+
+
+def stop_local_ray() -> None:
+    """End the cluster `connect_ray` started, and its note with it."""
+    forget_local_address()
+    ray.shutdown()
+
+
+def _running_here(address: str | None) -> str | None:
+    """The address of the cluster running on this machine: RAY_ADDRESS when set (the user named
+    it), else the one noted where `ray start` notes its own, else (for "auto") any GCS running
+    here; None: nothing runs here. A note whose GCS does not answer is one a cluster left when
+    it was killed (SIGKILL runs no cleanup): ignored, with a notice, and removed."""
+    if not os.environ.get("RAY_ADDRESS"):
+        _drop_a_dead_note()
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address(address)
+    except Exception:  # "auto" with nothing running
+        if address == "auto":
+            raise ConfigError("--address auto: no Ray cluster is running on this machine") from None
+        return None
+
+
+_noted: str | None = None  # the address this process noted for the cluster it started
+
+
+def _note_address(address: str | None) -> None:
     """Note the cluster we started where `ray start` notes its own (RAY_TMPDIR's
     ray/ray_current_cluster): without it, `status` and `scale` (address "auto") take any Ray
-    cluster running on this machine, and with two they may take the wrong one."""
+    cluster running on this machine, and with two they may take the wrong one. The note goes
+    when the cluster ends (`stop_local_ray`, or at this process's exit)."""
+    global _noted
     try:
         from ray._private.utils import write_ray_address
     except ImportError:  # another Ray
         return
     if address:
         write_ray_address(address)
+        if _noted is None:
+            atexit.register(forget_local_address)  # a script that never called shutdown
+        _noted = address
 
 
 def forget_local_address() -> None:
-    """The cluster we started is stopping: nothing here should find it any more."""
+    """The cluster we started is ending: nothing here should find it any more (a note another
+    cluster wrote since stays)."""
+    global _noted
     try:
         from ray._common.utils import reset_ray_address
         from ray._private.utils import read_ray_address
     except ImportError:  # another Ray
         return
-    if ray.is_initialized() and read_ray_address() == ray.get_runtime_context().gcs_address:
+    if _noted is not None and read_ray_address() == _noted:
+        reset_ray_address()
+    _noted = None
+
+
+def _drop_a_dead_note() -> None:
+    try:
+        from ray._common.utils import reset_ray_address
+        from ray._private.utils import read_ray_address
+    except ImportError:  # another Ray
+        return
+    noted = read_ray_address()
+    host, _, port = (noted or "").rpartition(":")
+    if not port.isdigit():
+        return
+    why = _unreachable(host.strip("[]"), int(port))
+    if why is not None:
+        print(f"splitserve: ignoring the Ray cluster noted at {noted} ({why}): it ended without removing its note",
+              file=sys.stderr, flush=True)
         reset_ray_address()
 
 
@@ -100,12 +156,19 @@ def _token_of_the_local_cluster() -> None:
 
 def _check_answers(host: str, port: int) -> None:
     """Ray retries a cluster that is not there for minutes before it gives up: refuse at once."""
+    why = _unreachable(host, port)
+    if why is not None:
+        raise ConfigError(f"cannot reach a Ray cluster at {host}:{port} ({why}): start one with "
+                          "`splitserve serve`, or name a running one with --address HOST:PORT")
+
+
+def _unreachable(host: str, port: int) -> str | None:
+    """Why nothing answers at host:port (a GCS, even a busy one, accepts at once), or None."""
     try:
         with socket.create_connection((host, port), timeout=3.0):
-            return
+            return None
     except OSError as e:
-        raise ConfigError(f"cannot reach a Ray cluster at {host}:{port} ({e.strerror or e}): start one with "
-                          "`splitserve serve`, or name a running one with --address HOST:PORT") from None
+        return str(e.strerror or e)
 
 
 TOKEN_HINT = ("run it where the cluster's token is readable (~/.ray/auth_token), or set RAY_AUTH_TOKEN_PATH or "
@@ -180,9 +243,9 @@ def wait_ready(controller, on_ready: Callable[[int, int], None] | None = None, t
         if why is not None and unplaced_s is not None and (
                 why.infeasible or time.monotonic() - unplaced_since >= unplaced_s):
             raise ConfigError(why.message)
-        if why is not None and on_unplaced is not None and why.message != said:
-            on_unplaced(why.message)
-            said = why.message
+        if why is not None and on_unplaced is not None and why.describe() != said:
+            said = why.describe()
+            on_unplaced(said)
         ready = sum(1 for w in status.workers if w.state == "ready")
         total = sum(status.targets.values())
         if on_ready is not None and ready != last:

@@ -1,14 +1,19 @@
 """What `Controller.status` answers (`splitserve status`): one row per worker, the pools'
-targets, why a pool cannot grow or a worker is not placed yet, the autoscaler's decisions."""
+targets, why a pool cannot grow or a worker is not placed yet (and what would place it), CPU
+workers sharing a local machine's cores, the autoscaler's decisions."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from splitserve.control.autoscale import AutoscaleReport
 from splitserve.router.snapshot import WorkerRecord
 from splitserve.control.unplaced import Unplaced
+
+if TYPE_CHECKING:
+    from splitserve.control.deploy_config import DeployConfig
 
 
 @dataclass(frozen=True)
@@ -23,7 +28,7 @@ class WorkerStatus:
     num_waiting: int
     num_running: int
     kv_usage: float
-    reason: str = ""
+    reason: str = ""  # why it is dead or stopped, or why Ray has not placed it yet
     ranks: tuple[str, ...] = ()  # a tensor-parallel worker: every rank's node IP, rank 0 first
     memory: str = ""  # what its engine holds (MemoryReport.describe), once registered
 
@@ -37,12 +42,14 @@ class ClusterStatus:
     autoscale: AutoscaleReport | None = None
     unplaced: tuple[Unplaced, ...] = ()  # pools with a worker Ray has not placed yet, and why
     retrying: dict = dataclasses.field(default_factory=dict)  # role -> its workers' start failures, backing off
+    sharing: str = ""  # CPU workers sharing this machine's cores (a local cluster), in words
 
     def to_json(self) -> dict:
         from dataclasses import asdict
 
         out = {"targets": dict(self.targets), "workers": [asdict(w) for w in self.workers],
-               "errors": dict(self.errors), "retrying": dict(self.retrying)}
+               "errors": dict(self.errors), "retrying": dict(self.retrying), "sharing": self.sharing,
+               "unplaced": [{"role": u.role.value, "message": u.message, "remedy": u.remedy} for u in self.unplaced]}
         if self.autoscale is not None:
             a = self.autoscale
             out["autoscale"] = {
@@ -52,12 +59,26 @@ class ClusterStatus:
         return out
 
 
-def status_row(r: WorkerRecord) -> WorkerStatus:
+def status_row(r: WorkerRecord, unplaced: Unplaced | None = None) -> WorkerStatus:
     s = r.load.stats if r.load else None
     return WorkerStatus(str(r.id), r.role.value, r.state.value, r.node_ip, r.info.node_id if r.info else "",
                         s.num_waiting if s else 0, s.num_running if s else 0,
-                        round(s.kv_usage, 4) if s else 0.0, r.reason, _rank_ips(r),
-                        r.info.memory.describe() if r.info and r.info.memory else "")
+                        round(s.kv_usage, 4) if s else 0.0, unplaced.describe() if unplaced else r.reason,
+                        _rank_ips(r), r.info.memory.describe() if r.info and r.info.memory else "")
+
+
+def cores_shared(cfg: DeployConfig, workers: dict, cluster_gpus: float, cores: int) -> str:
+    """On a local cluster we started, CPU workers beyond the machine's `cores` share them (its
+    Ray counts a logical CPU for each rank the pools may take, launch.local_cpus): said, not
+    hidden. `workers`: the live workers per pool, by role name."""
+    device = str(cfg.engine.get("device", "auto"))
+    if device not in ("auto", "cpu") or (device == "auto" and cluster_gpus > 0):
+        return ""  # GPU workers: each waits for its GPU (share), never for a core
+    ranks = cfg.ranks(workers.get("prefill", 0), workers.get("decode", 0))
+    if ranks <= cores:
+        return ""
+    return (f"{ranks} CPU worker processes share this machine's {cores} cores: each runs slower than on a core "
+            f"of its own (a local cluster places a worker beyond the cores rather than leave it waiting)")
 
 
 def _rank_ips(r: WorkerRecord) -> tuple[str, ...]:

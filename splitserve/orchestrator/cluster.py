@@ -9,6 +9,7 @@ views refresh in the background as they do in an ingress replica.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import socket
 import threading
@@ -51,6 +52,7 @@ class Cluster:
         self._loop.run(self.backend.start())
         self.wait_routable(ray.get(controller.status.remote()).targets)
         self._ids = 0
+        atexit.register(self._at_exit)  # a script that never shut it down: its router stops before Ray does
 
     @classmethod
     def start(cls, model: str | None = None, prefill: int = 1, decode: int = 1, transport: str = "auto",
@@ -63,7 +65,7 @@ class Cluster:
         import ray
 
         from splitserve.control import controller as controller_mod
-        from splitserve.control.launch import check_files, connect_ray, precheck, wait_ready
+        from splitserve.control.launch import check_files, connect_ray, local_cpus, precheck, stop_local_ray, wait_ready
 
         deploy_keys = set(DeployConfig.__dataclass_fields__) - {"engine"}
         engine = {k: options.pop(k) for k in list(options) if k not in deploy_keys}
@@ -72,21 +74,20 @@ class Cluster:
                                          "name": options.pop("name", f"cluster-{uuid.uuid4().hex[:8]}"), **options})
         tracing.setup(cfg.trace, "splitserve-ingress", f"{socket.gethostname()}:{os.getpid()}")
         check_files(cfg)
-        started = connect_ray(address, cfg.ranks(cfg.prefill, cfg.decode))
+        started = connect_ray(address, local_cpus(cfg))
+        controller = None
         try:
             precheck(cfg, joined=not started)
             controller = controller_mod.get_or_create(cfg, joined=not started)
             ray.get(controller.start.remote())
-            try:
-                wait_ready(controller, on_ready, unplaced_s=unplaced_s)
-            except BaseException:  # refused, unplaceable, interrupted: nothing stays behind
+            wait_ready(controller, on_ready, unplaced_s=unplaced_s)
+            return cls(cfg, controller, started)
+        except BaseException:  # refused, unplaceable, interrupted: nothing stays behind, the Ray we started neither
+            if controller is not None:
                 _stop_controller(controller, cfg)
-                raise
-        except ConfigError:
             if started:
-                ray.shutdown()
+                stop_local_ray()
             raise
-        return cls(cfg, controller, started)
 
     # -- requests -------------------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -177,16 +178,25 @@ class Cluster:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        import ray
+        from splitserve.control.launch import stop_local_ray
 
         if self.controller is None:
             return
+        atexit.unregister(self._at_exit)
         self._loop.run(_stopped(self.backend))
         self._loop.close()
         _stop_controller(self.controller, self.cfg)
         self.controller = None
         if self._started_ray:
-            ray.shutdown()
+            stop_local_ray()  # and its note: the next start here must not look for it
+
+    def _at_exit(self) -> None:
+        import ray
+
+        if ray.is_initialized():  # else a Ray call would start a new cluster in a process that is exiting
+            self.shutdown()
+        else:
+            self._loop.close()
 
     def __enter__(self) -> "Cluster":
         return self

@@ -30,3 +30,22 @@ def test_a_worker_the_busy_cluster_cannot_hold_says_what_is_free(ray_session, ti
                       num_kv_blocks=64, decode_resources={"decode_node": 1}, unplaced_s=1.0)
     assert re.fullmatch(r"cannot place a decode worker: it needs 2 CPUs \+ 1 decode_node on one node; no node has "
                         r"that free now \(the cluster has \d+ CPUs \+ 2 decode_node free in all\)", str(e.value)), e.value
+
+
+def test_scale_and_status_say_at_once_why_a_new_worker_waits(ray_session, tiny_checkpoint):
+    """The decode node has 3 decode_node: a second worker asking 2 cannot join the first. `scale`
+    answers with why it waits and what would place it, and `status` shows that in its table."""
+    from splitserve.control import admin
+
+    with Cluster.start(model=str(tiny_checkpoint("llama")), prefill=0, decode=1, transport="tcp", num_kv_blocks=64,
+                       decode_resources={"decode_node": 2}) as c:
+        said = admin.scale("auto", c.cfg.name, c.cfg.namespace, None, 2).splitlines()
+        why = (r"cannot place a decode worker: it needs 1 CPU \+ 2 decode_node on one node; no node has that free "
+               r"now \(the cluster has \d+ CPUs \+ 1 decode_node free in all\) — it starts when that much is freed "
+               r"\(scale a pool down\) or a node with it joins the cluster")
+        assert said[0] == "targets: prefill 0, decode 2" and len(said) == 2, said
+        waiting = said[1].split()[0]
+        assert re.fullmatch(rf"{waiting} waits: {why}", said[1]), said
+        (row,) = [line for line in admin.status_table(c.status()).splitlines() if line.startswith(waiting)]
+        assert row.split()[1:4] == ["decode", "starting", "-"] and re.search(rf"  {why}$", row), row
+        assert admin.scale("auto", c.cfg.name, c.cfg.namespace, None, 1) == "targets: prefill 0, decode 1"
