@@ -56,7 +56,7 @@ def _ranks(ips: tuple[str, ...]) -> str:
 
 def status_table(st: ClusterStatus) -> str:
     head = ("ID", "ROLE", "STATE", "NODE", "WAITING", "RUNNING", "KV USAGE", "TP RANKS")
-    rows = [(w.id, w.role, w.state, w.node_ip or "-", str(w.num_waiting), str(w.num_running),
+    rows = [(w.id, w.role, f"{w.state}, slow" if w.slow else w.state, w.node_ip or "-", str(w.num_waiting), str(w.num_running),
              f"{100 * w.kv_usage:.1f}%", _ranks(w.ranks)) for w in st.workers]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = [f"targets: prefill {st.targets['prefill']}, decode {st.targets['decode']}"]

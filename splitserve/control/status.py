@@ -4,6 +4,7 @@ targets, why a pool cannot grow or a worker is not placed yet, the autoscaler's 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 from splitserve.control.autoscale import AutoscaleReport
@@ -26,6 +27,10 @@ class WorkerStatus:
     reason: str = ""
     ranks: tuple[str, ...] = ()  # a tensor-parallel worker: every rank's node IP, rank 0 first
     memory: str = ""  # what its engine holds (MemoryReport.describe), once registered
+    # slow: its health probes go unanswered (for `silent_s` seconds so far) — alive, not dead
+    # (DESIGN.md §4 "Liveness"); it turns DEAD only past dead_after_s
+    slow: bool = False
+    silent_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,8 @@ def status_row(r: WorkerRecord) -> WorkerStatus:
     return WorkerStatus(str(r.id), r.role.value, r.state.value, r.node_ip, r.info.node_id if r.info else "",
                         s.num_waiting if s else 0, s.num_running if s else 0,
                         round(s.kv_usage, 4) if s else 0.0, r.reason, _rank_ips(r),
-                        r.info.memory.describe() if r.info and r.info.memory else "")
+                        r.info.memory.describe() if r.info and r.info.memory else "", r.slow,
+                        round(time.time() - r.silent_since, 1) if r.silent_since is not None else 0.0)
 
 
 def _rank_ips(r: WorkerRecord) -> tuple[str, ...]:

@@ -46,6 +46,13 @@ class ControllerSource:
         await self.controller.report.remote(samples)
 
 
+def _unreachable(e: BaseException) -> bool:
+    """Ray could not reach a worker for the moment (it may answer later): slow, not failed."""
+    import ray
+
+    return isinstance(e, ray.exceptions.ActorUnavailableError)
+
+
 class ClusterBackend:
     def __init__(self, cfg: DeployConfig, source) -> None:
         from splitserve.engine.model.config import ModelConfig
@@ -60,7 +67,8 @@ class ClusterBackend:
         slo_s = lambda ms: None if ms is None else ms / 1e3  # noqa: E731
         policy = make_router(cfg.policy, decider=make_decider(cfg.pd_decider, cfg.disagg_min_tokens,
                                                               slo_s(cfg.ttft_slo_ms), slo_s(cfg.tpot_slo_ms)))
-        self.directory = Directory(source, policy, int(cfg.engine.get("block_size") or 16))
+        self.directory = Directory(source, policy, int(cfg.engine.get("block_size") or 16),
+                                   slow_after_s=cfg.probe_timeout_s, unreachable=_unreachable)
         self.redis = None  # ingress.shared.RedisLink, with cfg.redis_url: the replicas' shared load and limits
         if cfg.redis_url:
             from splitserve.ingress.shared import RedisLink, SharedLoad

@@ -174,7 +174,8 @@ class RequestRun:
             self.o.prefill_failures += 1
             self.o.count_move(MoveKind.RETRY, MoveReason.SILENT if isinstance(e, asyncio.TimeoutError)
                               else MoveReason.DIED if _is_actor_death(e) else MoveReason.FAILED)
-            self.o.directory.mark_failed(worker.id)
+            silent = isinstance(e, asyncio.TimeoutError)  # slow, not failing: placed on when no other can be
+            (self.o.directory.mark_silent if silent else self.o.directory.mark_failed)(worker.id)
             return None
         self.route.confirm(worker.id)
         return result
@@ -231,7 +232,7 @@ class RequestRun:
             stop_worker = stalled = lost.worker_may_run
             log.warning("decode worker %s lost %s (%s)", decode.id, self.req.request_id, lost.why)
             (self.stalled if lost.worker_may_run else self.failed).add(decode.id)
-            self.o.directory.mark_failed(decode.id)
+            (self.o.directory.mark_silent if lost.worker_may_run else self.o.directory.mark_failed)(decode.id)
             raise lost from None
         finally:
             if stalled:  # it gets the abort when it resumes; the request moves on now
@@ -295,7 +296,7 @@ class RequestRun:
         what its prefix cache lacks; never on a worker that failed it, and on one that only went
         silent on it (slow, not broken: a survivor busy with a lost worker's streams) only when
         no other can take it. With none to take it now, it waits up to PLACE_WAIT_S for one (a
-        survivor whose probe went unanswered is out of placement for a moment, not gone)."""
+        survivor whose call just failed is out of placement until it answers, not gone)."""
         context = dataclasses.replace(self.req, prompt_token_ids=self.req.prompt_token_ids + tuple(self.delivered),
                                       prompt_hashes=None)  # hashed whole by the placement
         deadline = time.monotonic() + PLACE_WAIT_S
