@@ -6,7 +6,8 @@ requests through the `openai` SDK (no retries: every non-200 counts), in turn:
   * plain: a chat completion;
   * structured: a chat completion under `response_format` json_schema (checked: valid JSON of
     the schema);
-  * long streamed: a ~3.5K-token prompt, `/v1/completions` streamed.
+  * long streamed: a ~3.5K-token prompt, `/v1/completions` streamed; each prompt opens with
+    its own number, so no prefix cache spares its prefill.
 
 Counted: non-200 answers (by status and message), each request's latency and first-token time,
 how long `/ready` took, and the workers as `splitserve status` saw them (slow / dead / replaced)
@@ -14,7 +15,10 @@ during the run. Writes results/busy_machine.json. The hogs and the server (with 
 cluster it started, under a RAY_TMPDIR of its own so no other cluster on the machine is met)
 are stopped afterwards.
 
-    python benchmarks/busy_machine.py [--requests 50] [--hogs 2] [--port 18200]
+    python benchmarks/busy_machine.py [--requests 50] [--hogs 2] [--port 18200] [--code DIR]
+
+`--code DIR`: the splitserve tree the server runs (default: this one), e.g. another checkout to
+compare with.
 """
 
 from __future__ import annotations
@@ -140,6 +144,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=3500)
     ap.add_argument("--start-timeout-s", type=float, default=900)
     ap.add_argument("--out", default=str(ROOT / "results" / "busy_machine.json"))
+    ap.add_argument("--code", default=str(ROOT), help="the splitserve tree the server runs")
     a = ap.parse_args()
 
     import openai
@@ -149,7 +154,7 @@ def main() -> None:
     model = str(ensure_demo_model(progress=False))
     prompt = long_prompt(model, a.prompt_tokens)
     tmp = tempfile.mkdtemp(prefix="bm", dir="/tmp")  # short: Ray's socket paths live under it
-    env = {**os.environ, "RAY_TMPDIR": tmp, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "RAY_TMPDIR": tmp, "PYTHONPATH": a.code}
     cmd = [sys.executable, "-m", "splitserve.cli.main", "serve", "--prefill", "1", "--decode", "1",
            "--port", str(a.port), "--grpc-port", str(a.port + 1), "--served-model-name", "demo"]
     busy = hogs(a.hogs)
@@ -167,7 +172,7 @@ def main() -> None:
         started = time.monotonic()
         for i in range(a.requests):
             kind = ("plain", "structured", "long_streamed")[i % 3]
-            results.append(one(client, kind, prompt))
+            results.append(one(client, kind, f"{i}. {prompt}"))
             r = results[-1]
             print(f"{i:3d} {kind:14s} {r['status']} {r['latency_s']:7.2f} s {r['error'] or ''}", flush=True)
         wall_s = time.monotonic() - started
@@ -181,7 +186,7 @@ def main() -> None:
     by_kind = {k: sorted(r["latency_s"] for r in results if r["kind"] == k)
                for k in ("plain", "structured", "long_streamed")}
     summary = {"requests": len(results), "non_200": len(bad), "ready_after_s": round(ready_s, 1),
-               "wall_s": round(wall_s, 1), "hogs": a.hogs, "cpus": os.cpu_count(),
+               "wall_s": round(wall_s, 1), "hogs": a.hogs, "cpus": os.cpu_count(), "code": a.code,
                "latency_p50_s": {k: v[len(v) // 2] for k, v in by_kind.items() if v},
                "latency_max_s": {k: v[-1] for k, v in by_kind.items() if v},
                "workers_ever_slow": sorted({w[0] for s in seen for w in s["workers"] if w[2]}),
