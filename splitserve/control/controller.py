@@ -378,7 +378,7 @@ class Controller:
                         try:
                             load = asked.result()
                         except Exception as e:
-                            if not _unreachable(e):
+                            if not unreachable(e):
                                 self._end(wid, S.DEAD, f"its actor died ({type(e).__name__})")
                                 return
                         break
@@ -465,8 +465,9 @@ def _busy(load: WorkerLoad | None) -> int:
     return 0 if load is None else load.stats.num_waiting + load.stats.num_running + load.held
 
 
-def _unreachable(e: BaseException) -> bool:
-    """Ray could not reach the actor for the moment (it may answer later): not a death."""
+def unreachable(e: BaseException) -> bool:
+    """Ray could not reach the actor for the moment (it may answer later): slow, not a death
+    (the Controller's probes, and each router's polls: orchestrator/cluster_backend.py)."""
     return isinstance(e, ray.exceptions.ActorUnavailableError)
 
 

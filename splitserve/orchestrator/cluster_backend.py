@@ -12,6 +12,7 @@ from typing import AsyncIterator
 from splitserve.router.directory import Directory
 from splitserve.orchestrator.orchestrator import Orchestrator
 from splitserve.router.snapshot import RegistrySnapshot
+from splitserve.control.controller import unreachable
 from splitserve.control.deploy_config import DeployConfig
 from splitserve.router.admission import Plan
 from splitserve.router.pd_decider import make_decider
@@ -46,13 +47,6 @@ class ControllerSource:
         await self.controller.report.remote(samples)
 
 
-def _unreachable(e: BaseException) -> bool:
-    """Ray could not reach a worker for the moment (it may answer later): slow, not failed."""
-    import ray
-
-    return isinstance(e, ray.exceptions.ActorUnavailableError)
-
-
 class ClusterBackend:
     def __init__(self, cfg: DeployConfig, source) -> None:
         from splitserve.engine.model.config import ModelConfig
@@ -68,7 +62,7 @@ class ClusterBackend:
         policy = make_router(cfg.policy, decider=make_decider(cfg.pd_decider, cfg.disagg_min_tokens,
                                                               slo_s(cfg.ttft_slo_ms), slo_s(cfg.tpot_slo_ms)))
         self.directory = Directory(source, policy, int(cfg.engine.get("block_size") or 16),
-                                   slow_after_s=cfg.probe_timeout_s, unreachable=_unreachable)
+                                   slow_after_s=cfg.probe_timeout_s, unreachable=unreachable)
         self.redis = None  # ingress.shared.RedisLink, with cfg.redis_url: the replicas' shared load and limits
         if cfg.redis_url:
             from splitserve.ingress.shared import RedisLink, SharedLoad
