@@ -97,3 +97,33 @@ def test_a_worker_whose_actor_died_or_engine_stopped_is_dead_at_once(controller,
     seen, ended, _ = probe(controller, [("ok", 1), (kind,)], 0.3)
     assert ended is not None and ended.state is S.DEAD and why in ended.reason, ended
     assert (S.READY, True) not in seen  # never taken for slow on the way
+
+
+def test_status_and_metrics_show_a_slow_worker_apart_from_a_dead_one():
+    """`splitserve status` (its JSON and its table) and /metrics say slow for a worker whose probes
+    go unanswered; it stays `ready` there, and a dead one is `dead`, never slow."""
+    import time
+
+    from splitserve.control.admin import status_table
+    from splitserve.control.registry import Registry
+    from splitserve.control.status import ClusterStatus, status_row
+    from splitserve.router.policy import WorkerView
+    from tests.fake_backend import exported
+
+    reg = Registry()
+    slow, dead = WorkerId.new(Role.DECODE), WorkerId.new(Role.DECODE)
+    for w in (slow, dead):
+        reg.add(w, None)
+        reg.move(w, S.READY, info=WorkerInfo("n", "127.0.0.2", 1, ()))
+    reg.set_silent(slow, time.time() - 3.0)
+    reg.move(dead, S.DEAD, reason="no answer to health probes for 60 s")
+    rows = tuple(status_row(r) for r in [*reg, *reg.ended()])
+    st = ClusterStatus({"prefill": 0, "decode": 2}, rows, {}, reg.version)
+    by_id = {w["id"]: w for w in st.to_json()["workers"]}
+    assert by_id[str(slow)]["state"] == "ready" and by_id[str(slow)]["slow"] and by_id[str(slow)]["silent_s"] >= 3.0
+    assert by_id[str(dead)]["state"] == "dead" and not by_id[str(dead)]["slow"]
+    table = status_table(st)
+    assert f"{slow}  decode  ready, slow" in table and "dead" in table, table
+    m = exported([WorkerView(str(slow), "decode", "h", slow=True), WorkerView("decode-b", "decode", "h")])
+    assert m.slow.labels(role="decode", worker=str(slow))._value.get() == 1
+    assert m.slow.labels(role="decode", worker="decode-b")._value.get() == 0
