@@ -89,7 +89,9 @@ class DeployConfig:
     dead_after_s: float = 60.0
     drain_grace_s: float = 1.0  # a draining worker idle this long (routers have seen it leave) stops
     prefill_timeout_s: float = 120.0  # a prefill call unanswered this long: its worker failed, place again
-    decode_inactivity_timeout_s: float = 30.0  # no token for this long mid-stream: migrate the request
+    # no token for this long mid-stream: migrate the request (before its first token the decode
+    # worker may be computing the whole prompt: prefill_timeout_s then)
+    decode_inactivity_timeout_s: float = 30.0
     migration_limit: int = 3  # how many times one request may move to another decode worker
     # Pool autoscaling (autoscale.AutoscaleConfig; a mapping is read into one): None, the pools
     # stay at prefill / decode (and `splitserve scale`); set, those are the starting sizes.

@@ -5,7 +5,8 @@ so far and the workers that failed this request, and replaces the route when a w
   * Prefill: a prefill worker that fails, or does not answer within `prefill_timeout_s`, is
     excluded and the request placed again (at most `PREFILL_ATTEMPTS` times); a request the
     engine refuses (ConfigError) fails at once, as every worker would refuse it.
-  * Decode: a decode worker that dies, fails, sends nothing for `inactivity_timeout_s`, or
+  * Decode: a decode worker that dies, fails, sends nothing for `inactivity_timeout_s` (before
+    its first token, which may wait for a whole prompt computed there: `prefill_timeout_s`), or
     ends the stream unasked, is excluded (one that only went silent is taken again when no
     other can, its silent attempt aborted) and the request migrates: placed again by its whole
     context (prompt + delivered tokens; through a prefill worker when the policy finds it worth
@@ -212,7 +213,10 @@ class RequestRun:
                 self._deliver(first)
                 yield first
             last_at = time.monotonic()
-            async with aclosing(_within(gen, self.o.inactivity_timeout_s)) as chunks:
+            # its first chunk may wait for a whole prompt to be computed there (aggregated, migrated,
+            # or a failed transfer recomputed): a long prefill on a busy CPU is slow, not silent
+            first_s = max(self.o.inactivity_timeout_s, self.o.prefill_timeout_s)
+            async with aclosing(_within(gen, self.o.inactivity_timeout_s, first_s)) as chunks:
                 async for chunk in chunks:
                     self.route.confirm(decode.id)
                     if chunk.finish_reason is FinishReason.ABORT:  # nobody here asked for that
@@ -327,17 +331,21 @@ def _classify(e: Exception) -> DecodeLost:
     return DecodeLost(f"failed ({type(e).__name__})", worker_may_run=False, reason=MoveReason.FAILED)
 
 
-async def _within(gen, timeout_s: float) -> AsyncIterator[TokenChunk]:
-    """A decode stream's chunks, each within `timeout_s` of the one before (else DecodeLost)."""
+async def _within(gen, timeout_s: float, first_s: float | None = None) -> AsyncIterator[TokenChunk]:
+    """A decode stream's chunks, each within `timeout_s` of the one before (else DecodeLost);
+    until its first token, within `first_s` (default `timeout_s`)."""
     it = gen.__aiter__()
+    wait_s = timeout_s if first_s is None else first_s
     while True:
         try:
-            ref = await asyncio.wait_for(it.__anext__(), timeout_s)
-            chunk = await asyncio.wait_for(_awaitable(ref), timeout_s)
+            ref = await asyncio.wait_for(it.__anext__(), wait_s)
+            chunk = await asyncio.wait_for(_awaitable(ref), wait_s)
         except StopAsyncIteration:
             return
         except asyncio.TimeoutError:
-            raise DecodeLost(f"sent nothing for {timeout_s:g} s", worker_may_run=True, reason=MoveReason.SILENT) from None
+            raise DecodeLost(f"sent nothing for {wait_s:g} s", worker_may_run=True, reason=MoveReason.SILENT) from None
+        if chunk.token_ids:
+            wait_s = timeout_s
         yield chunk
 
 

@@ -34,7 +34,8 @@ def reference() -> list[int]:
 class FakeDecode(FakeWorker):
     """`generate` streams the fake model's tokens after the prompt and `outputs`; after
     `fail_after` tokens it dies ("die", with Ray-like internals in the message) or goes silent
-    ("stall"), on its first `faulty` streams (all of them when None)."""
+    ("stall"), on its first `faulty` streams (all of them when None); "slow_start": its first
+    token comes 0.5 s late (the prompt computed there first)."""
 
     def __init__(self, fault=None, fail_after=3, faulty=None):
         super().__init__()
@@ -56,6 +57,8 @@ class FakeDecode(FakeWorker):
     async def _chunks(self, req, outputs, faulty):
         ctx, n = req.prompt_token_ids + outputs, len(outputs)
         for i in range(MAX_TOKENS - n):
+            if faulty and i == 0 and self.fault == "slow_start":  # a long prompt computed here first
+                await asyncio.sleep(0.5)
             if faulty and i == self.fail_after:
                 if self.fault == "die":
                     raise RuntimeError("The actor 7f3a9c died: pid=4242, ip=10.1.2.3")
@@ -114,6 +117,14 @@ def test_a_lost_decode_worker_migrates_the_stream_with_no_token_lost_or_repeated
     assert first.aborted == (["m"] if fault == "stall" else [])
     assert set(counts.values()) == {0}  # no pending count of either route lingers
     assert list(healthy.values()) == [False, True]  # the lost one left placement
+
+
+def test_a_decode_worker_computing_the_prompt_before_its_first_token_is_slow_not_silent():
+    """Its first token may wait for a whole prompt computed there (aggregated, or migrated): that
+    wait is bounded by the prefill timeout, not the inactivity timeout — no migration."""
+    slow = FakeDecode("slow_start", fail_after=MAX_TOKENS)
+    got, error, trace, *_ = asyncio.run(run([slow, FakeDecode()], inactivity_timeout_s=0.1, prefill_timeout_s=10.0))
+    assert error is None and got == reference() and trace.migrations == 0
 
 
 def test_with_no_decode_worker_left_the_stream_ends_with_our_error(monkeypatch):
