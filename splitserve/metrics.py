@@ -111,6 +111,10 @@ class Metrics:
                                      "Speculative decoding: accepted / proposed tokens, ever", ["role", "worker"],
                                      registry=r)
         self.pool_size = Gauge(PREFIX + "pool_size", "Workers per role", ["role"], registry=r)
+        self.slow = Gauge(PREFIX + "worker_slow",
+                          "1 while a worker leaves its load poll or health probe unanswered past the probe timeout "
+                          "(slow, alive: it is DEAD only past dead_after_s and then leaves these series)",
+                          ["role", "worker"], registry=r)
         self.autoscaler_target = Gauge(PREFIX + "autoscaler_target", "The autoscaler's target pool size", ["role"],
                                        registry=r)
         self.autoscaler_decisions = Counter(PREFIX + "autoscaler_decisions", "Autoscaler decisions by pool and reason",
@@ -131,7 +135,7 @@ class Metrics:
     def forget_workers(self, live: set[str]) -> None:
         """Drop every per-worker series of a worker not in `live` (one that stopped or died): a
         gone worker's last values must not be scraped, nor its series pile up forever."""
-        for g in (self.kv_usage, self.queue, self.step_time, self.expert_tokens, self.expert_imbalance,
+        for g in (self.kv_usage, self.queue, self.slow, self.step_time, self.expert_tokens, self.expert_imbalance,
                   self.prefix_query, self.prefix_hit, self.spec_proposed, self.spec_accepted,
                   self.spec_verify_steps, self.spec_step_seconds, self.spec_plain_seconds, self.spec_acceptance):
             worker = g._labelnames.index("worker")

@@ -59,11 +59,12 @@ def _ranks(ips: tuple[str, ...]) -> str:
 
 
 def status_table(st: ClusterStatus) -> str:
-    """The workers one a line; NOTE says why one is dead or stopped, or why Ray has not placed it
-    yet and what would (the last column: a long note widens nothing)."""
+    """The workers one a line; STATE says `ready, slow` for a worker whose probes go unanswered
+    (alive, not dead); NOTE says why one is dead or stopped, or why Ray has not placed it yet and
+    what would (the last column: a long note widens nothing)."""
     head = ("ID", "ROLE", "STATE", "NODE", "WAITING", "RUNNING", "KV USAGE", "TP RANKS", "NOTE")
-    rows = [(w.id, w.role, w.state, w.node_ip or "-", str(w.num_waiting), str(w.num_running),
-             f"{100 * w.kv_usage:.1f}%", _ranks(w.ranks), w.reason) for w in st.workers]
+    rows = [(w.id, w.role, f"{w.state}, slow" if w.slow else w.state, w.node_ip or "-", str(w.num_waiting),
+             str(w.num_running), f"{100 * w.kv_usage:.1f}%", _ranks(w.ranks), w.reason) for w in st.workers]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = [f"targets: prefill {st.targets['prefill']}, decode {st.targets['decode']}"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]

@@ -6,9 +6,10 @@ Every `probe_interval_s` it reconciles:
     one whose constructor refused its configuration is DEAD with that reason, and its pool
     stops growing until the targets change (a crash loop would only repeat the refusal);
   * every live worker is probed (`load`, answered without waiting on the engine); a probe
-    unanswered for `probe_timeout_s` takes it out of placement until it answers; an actor that
-    died, or silence for `dead_after_s`, makes it DEAD (killed, out of the registry, so routers
-    drop it at their next refresh) and the pool gets a replacement;
+    unanswered for `probe_timeout_s` marks it slow (`silent_since`: shown; routers prefer its
+    pool's other workers, never drop the last ones for it); an actor that died, an engine that
+    stopped, or silence for `dead_after_s` makes it DEAD (killed, out of the registry, so
+    routers drop it at their next refresh) and the pool gets a replacement;
   * a pool above target drains its least loaded workers: DRAINING leaves placement at once;
     once idle (nothing running, waiting, pulling or leased) for `drain_grace_s` (routers have
     seen it leave by then) its block counts are checked and recorded and it STOPs;
@@ -374,42 +375,60 @@ class Controller:
             log.info("worker %s ready on %s", rec.id, info.node_ip)
 
     async def _probe(self, wid: WorkerId) -> None:
-        """Probe one worker until it leaves the registry. Readiness and liveness are apart: a
-        probe unanswered for `probe_timeout_s` takes the worker out of placement (routers see
-        it unresponsive) until it answers again; only silence for `dead_after_s`, or its actor
-        dying, makes it DEAD — a worker starved of CPU for a moment is not killed with its
-        requests."""
+        """Probe one worker until it leaves the registry (DESIGN.md §4 "Liveness"). Slow and dead
+        are apart: a probe unanswered for `probe_timeout_s` (or refused by Ray as unreachable for
+        the moment) marks it slow — shown, not taken out of placement; DEAD only when its actor
+        died, its engine stopped, or it stayed silent for `dead_after_s` — a worker starved of
+        CPU, compiling or paused is not killed with its requests."""
+        silent_since: float | None = None  # monotonic: when the first probe it has not answered was sent
         try:
             while wid in self.registry and not self._closed:
-                rec = self.registry[wid]
+                asked = asyncio.ensure_future(self.registry[wid].handle.load.remote())
                 sent = time.monotonic()
-                asked = asyncio.ensure_future(rec.handle.load.remote())
-                while True:
+                load = None
+                while wid in self.registry:
                     done, _ = await asyncio.wait({asked}, timeout=self.cfg.probe_timeout_s)
-                    if done or wid not in self.registry:
+                    if done:
+                        try:
+                            load = asked.result()
+                        except Exception as e:
+                            if not unreachable(e):
+                                self._end(wid, S.DEAD, f"its actor died ({type(e).__name__})")
+                                return
                         break
-                    self.registry.set_responsive(wid, False)
-                    if time.monotonic() - sent >= self.cfg.dead_after_s:
-                        self._end(wid, S.DEAD, f"no answer to health probes for {self.cfg.dead_after_s:g} s")
+                    silent_since = self._silent(wid, silent_since, sent)
+                    if silent_since is None:
                         return
-                if not done:
+                if wid not in self.registry:
                     return
-                try:
-                    load = asked.result()
-                except Exception as e:
-                    self._end(wid, S.DEAD, f"its actor died ({type(e).__name__})")
-                    return
-                if load.failure is not None:
+                if load is None:  # unreachable for the moment: silent, as if unanswered
+                    silent_since = self._silent(wid, silent_since, sent)
+                    if silent_since is None:
+                        return
+                elif load.failure is not None:
                     self._end(wid, S.DEAD, f"its engine stopped ({load.failure})")
                     return
-                self.registry.observe(wid, load)
-                self.registry.set_responsive(wid, True)
-                if rec.state is S.DRAINING and load.idle and time.time() - rec.since >= self.cfg.drain_grace_s:
-                    await self._stop_drained(wid)
-                    return
+                else:
+                    silent_since = None
+                    self.registry.observe(wid, load)
+                    self.registry.set_silent(wid, None)
+                    rec = self.registry[wid]
+                    if rec.state is S.DRAINING and load.idle and time.time() - rec.since >= self.cfg.drain_grace_s:
+                        await self._stop_drained(wid)
+                        return
                 await asyncio.sleep(self.cfg.probe_interval_s)
         finally:
             self._probes.pop(wid, None)
+
+    def _silent(self, wid: WorkerId, since: float | None, sent: float) -> float | None:
+        """A probe sent at `sent` went unanswered: the worker is slow from the first such probe
+        on (`since`, returned), and DEAD once that is `dead_after_s` ago (None returned)."""
+        since = sent if since is None else since
+        self.registry.set_silent(wid, time.time() - (time.monotonic() - since))
+        if time.monotonic() - since >= self.cfg.dead_after_s:
+            self._end(wid, S.DEAD, f"no answer to health probes for {self.cfg.dead_after_s:g} s")
+            return None
+        return since
 
     async def _stop_drained(self, wid: WorkerId) -> None:
         handle = self.registry[wid].handle
@@ -458,6 +477,12 @@ class Controller:
 
 def _busy(load: WorkerLoad | None) -> int:
     return 0 if load is None else load.stats.num_waiting + load.stats.num_running + load.held
+
+
+def unreachable(e: BaseException) -> bool:
+    """Ray could not reach the actor for the moment (it may answer later): slow, not a death
+    (the Controller's probes, and each router's polls: orchestrator/cluster_backend.py)."""
+    return isinstance(e, ray.exceptions.ActorUnavailableError)
 
 
 def _first_line(e: BaseException) -> str:

@@ -77,11 +77,21 @@ class DeployConfig:
     on_transfer_failure: str = "recompute"
     lease_s: float = 30.0
     probe_interval_s: float = 0.5  # Controller health probes
-    probe_timeout_s: float = 1.0  # a probe unanswered this long: the worker leaves placement until it answers
-    dead_after_s: float = 5.0  # no answer for this long: the worker is DEAD (killed, replaced)
+    # A probe (or a router's load poll) unanswered this long: the worker is *slow* — shown in
+    # status and /metrics, and placed on only while no other worker of its pool answers; the last
+    # ones of a pool are never taken out of placement for it (requests wait for them).
+    probe_timeout_s: float = 1.0
+    # Silent this long: the worker is DEAD (killed, replaced). Long against what a live worker
+    # can be silent through: a step, a compile or a load on a CPU shared with other work (on 2
+    # busy cores workers went unanswered for over 5 s). An exited process Ray reports at once,
+    # and a silent worker's streams move on their own (decode_inactivity_timeout_s), so this
+    # bound only says when a stopped or hung one is replaced.
+    dead_after_s: float = 60.0
     drain_grace_s: float = 1.0  # a draining worker idle this long (routers have seen it leave) stops
     prefill_timeout_s: float = 120.0  # a prefill call unanswered this long: its worker failed, place again
-    decode_inactivity_timeout_s: float = 30.0  # no token for this long mid-stream, nor an answer to a ping: migrate it
+    # no token for this long mid-stream, nor an answer to a ping: migrate the request (before its
+    # first token the decode worker may be computing the whole prompt: prefill_timeout_s then)
+    decode_inactivity_timeout_s: float = 30.0
     migration_limit: int = 3  # how many times one request may move to another decode worker
     # Pool autoscaling (autoscale.AutoscaleConfig; a mapping is read into one): None, the pools
     # stay at prefill / decode (and `splitserve scale`); set, those are the starting sizes.

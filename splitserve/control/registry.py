@@ -5,8 +5,10 @@ costs them nothing.
 
 A worker's life: STARTING (actor created, model loading) → READY (registered: node, endpoints)
 → DRAINING (out of placement, finishing what it holds) → STOPPED; DEAD from any live state
-(its actor died or stopped answering). Every change bumps `version`; a transition the state
-machine does not allow raises, so a bookkeeping bug cannot silently resurrect a worker.
+(its actor died, its engine stopped, or it stayed silent past `dead_after_s`; merely slow — a
+probe unanswered for a moment — it stays READY, marked `silent_since`). Every change bumps
+`version`; a transition the state machine does not allow raises, so a bookkeeping bug cannot
+silently resurrect a worker.
 """
 
 from __future__ import annotations
@@ -85,11 +87,13 @@ class Registry:
         if wid in self._live:
             self._live[wid] = dataclasses.replace(self._live[wid], load=load)
 
-    def set_responsive(self, wid: WorkerId, responsive: bool) -> None:
-        """A probe answered or went unanswered; a change is one routers need (version bump)."""
+    def set_silent(self, wid: WorkerId, since: float | None) -> None:
+        """A probe went unanswered (`since`: when it was sent, time.time()) or answered again
+        (None). Only a flip is a change routers need (version bump): how long it has been silent
+        is read off `since`."""
         rec = self._live.get(wid)
-        if rec is not None and rec.responsive != responsive:
-            self._live[wid] = dataclasses.replace(rec, responsive=responsive)
+        if rec is not None and rec.slow != (since is not None):
+            self._live[wid] = dataclasses.replace(rec, silent_since=since)
             self.version += 1
 
     def pool(self, role: Role, *states: WorkerState) -> list[WorkerRecord]:

@@ -5,6 +5,7 @@ workers sharing a local machine's cores, the autoscaler's decisions."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,10 @@ class WorkerStatus:
     reason: str = ""  # why it is dead or stopped, or why Ray has not placed it yet
     ranks: tuple[str, ...] = ()  # a tensor-parallel worker: every rank's node IP, rank 0 first
     memory: str = ""  # what its engine holds (MemoryReport.describe), once registered
+    # slow: its health probes go unanswered (for `silent_s` seconds so far) — alive, not dead
+    # (DESIGN.md §4 "Liveness"); it turns DEAD only past dead_after_s
+    slow: bool = False
+    silent_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,8 @@ def status_row(r: WorkerRecord, unplaced: Unplaced | None = None) -> WorkerStatu
     return WorkerStatus(str(r.id), r.role.value, r.state.value, r.node_ip, r.info.node_id if r.info else "",
                         s.num_waiting if s else 0, s.num_running if s else 0,
                         round(s.kv_usage, 4) if s else 0.0, unplaced.describe() if unplaced else r.reason,
-                        _rank_ips(r), r.info.memory.describe() if r.info and r.info.memory else "")
+                        _rank_ips(r), r.info.memory.describe() if r.info and r.info.memory else "", r.slow,
+                        round(time.time() - r.silent_since, 1) if r.silent_since is not None else 0.0)
 
 
 def cores_shared(cfg: DeployConfig, workers: dict, cluster_gpus: float, cores: int) -> str:

@@ -345,6 +345,7 @@ class Frontend:
         for w in views:
             m.kv_usage.labels(role=w.role, worker=w.worker_id).set(w.kv_usage)
             m.queue.labels(role=w.role, worker=w.worker_id).set(w.num_waiting)
+            m.slow.labels(role=w.role, worker=w.worker_id).set(1 if w.slow else 0)
             for term, c in zip(STEP_TERMS, w.step_time_coeffs):
                 m.step_time.labels(role=w.role, worker=w.worker_id, term=term).set(c)
             if w.expert_tokens:

@@ -12,6 +12,7 @@ from typing import AsyncIterator
 from splitserve.router.directory import Directory
 from splitserve.orchestrator.orchestrator import Orchestrator
 from splitserve.router.snapshot import RegistrySnapshot
+from splitserve.control.controller import unreachable
 from splitserve.control.deploy_config import DeployConfig
 from splitserve.router.admission import Plan
 from splitserve.router.pd_decider import make_decider
@@ -60,7 +61,8 @@ class ClusterBackend:
         slo_s = lambda ms: None if ms is None else ms / 1e3  # noqa: E731
         policy = make_router(cfg.policy, decider=make_decider(cfg.pd_decider, cfg.disagg_min_tokens,
                                                               slo_s(cfg.ttft_slo_ms), slo_s(cfg.tpot_slo_ms)))
-        self.directory = Directory(source, policy, int(cfg.engine.get("block_size") or 16))
+        self.directory = Directory(source, policy, int(cfg.engine.get("block_size") or 16),
+                                   slow_after_s=cfg.probe_timeout_s, unreachable=unreachable)
         self.redis = None  # ingress.shared.RedisLink, with cfg.redis_url: the replicas' shared load and limits
         if cfg.redis_url:
             from splitserve.ingress.shared import RedisLink, SharedLoad

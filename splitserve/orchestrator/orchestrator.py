@@ -56,7 +56,7 @@ class Orchestrator:
         d = self.directory
         first = route.prefill or route.decode
         return Plan(first.id, d.stats(first.id), route.decode.id, d.stats(route.decode.id), route.cached_tokens,
-                    route)
+                    route, d.wait_s(first.id))
 
     async def stream(self, req: Request, plan: Plan | None = None) -> AsyncIterator[TokenChunk]:
         """The request's chunks: the first token as soon as the prefill worker has it, then the

@@ -6,7 +6,8 @@ so far and the workers that failed this request, and replaces the route when a w
     excluded and the request placed again (at most `PREFILL_ATTEMPTS` times); a request the
     engine refuses (ConfigError) fails at once, as every worker would refuse it.
   * Decode: a decode worker that dies, fails, ends the stream unasked, or sends nothing for
-    `inactivity_timeout_s` and then leaves a ping unanswered as long (stalled; one that answers
+    `inactivity_timeout_s` (before its first token, which may wait for a whole prompt computed
+    there: `prefill_timeout_s`) and then leaves a ping unanswered as long (stalled; one that answers
     is busy, not lost: its stream waits) is excluded (one that only stalled is taken again when
     no other can, its stalled attempt aborted) and the request migrates: placed again by its whole
     context (prompt + delivered tokens; through a prefill worker when the policy finds it worth
@@ -175,7 +176,8 @@ class RequestRun:
             self.o.prefill_failures += 1
             self.o.count_move(MoveKind.RETRY, MoveReason.SILENT if isinstance(e, asyncio.TimeoutError)
                               else MoveReason.DIED if _is_actor_death(e) else MoveReason.FAILED)
-            self.o.directory.mark_failed(worker.id)
+            silent = isinstance(e, asyncio.TimeoutError)  # slow, not failing: placed on when no other can be
+            (self.o.directory.mark_silent if silent else self.o.directory.mark_failed)(worker.id)
             return None
         self.route.confirm(worker.id)
         return result
@@ -212,7 +214,11 @@ class RequestRun:
                 self._deliver(first)
                 yield first
             last_at = time.monotonic()
-            async with aclosing(_within(gen, self.o.inactivity_timeout_s, lambda: self._answers(decode))) as chunks:
+            # its first chunk may wait for a whole prompt to be computed there (aggregated, migrated,
+            # or a failed transfer recomputed): a long prefill on a busy CPU is slow, not silent
+            first_s = max(self.o.inactivity_timeout_s, self.o.prefill_timeout_s)
+            async with aclosing(_within(gen, self.o.inactivity_timeout_s, lambda: self._answers(decode),
+                                        first_s)) as chunks:
                 async for chunk in chunks:
                     self.route.confirm(decode.id)
                     if chunk.finish_reason is FinishReason.ABORT:  # nobody here asked for that
@@ -232,7 +238,7 @@ class RequestRun:
             stop_worker = stalled = lost.worker_may_run
             log.warning("decode worker %s lost %s (%s)", decode.id, self.req.request_id, lost.why)
             (self.stalled if lost.worker_may_run else self.failed).add(decode.id)
-            self.o.directory.mark_failed(decode.id)
+            (self.o.directory.mark_silent if lost.worker_may_run else self.o.directory.mark_failed)(decode.id)
             raise lost from None
         finally:
             if stalled:  # it gets the abort when it resumes; the request moves on now
@@ -306,7 +312,7 @@ class RequestRun:
         what its prefix cache lacks; never on a worker that failed it, and on one that only went
         silent on it (slow, not broken: a survivor busy with a lost worker's streams) only when
         no other can take it. With none to take it now, it waits up to PLACE_WAIT_S for one (a
-        survivor whose probe went unanswered is out of placement for a moment, not gone)."""
+        survivor whose call just failed is out of placement until it answers, not gone)."""
         context = dataclasses.replace(self.req, prompt_token_ids=self.req.prompt_token_ids + tuple(self.delivered),
                                       prompt_hashes=None)  # hashed whole by the placement
         deadline = time.monotonic() + PLACE_WAIT_S
@@ -337,16 +343,20 @@ def _classify(e: Exception) -> DecodeLost:
     return DecodeLost(f"failed ({type(e).__name__})", worker_may_run=False, reason=MoveReason.FAILED)
 
 
-async def _within(gen, timeout_s: float, answers) -> AsyncIterator[TokenChunk]:
-    """A decode stream's chunks. One `timeout_s` late: `await answers()` asks its worker; one
-    that answers is waited for again, one that does not is stalled (DecodeLost)."""
+async def _within(gen, timeout_s: float, answers, first_s: float | None = None) -> AsyncIterator[TokenChunk]:
+    """A decode stream's chunks. One `timeout_s` late (until its first token: `first_s`, default
+    `timeout_s`): `await answers()` asks its worker; one that answers is waited for again, one
+    that does not is stalled (DecodeLost)."""
     it = gen.__aiter__()
+    wait_s = timeout_s if first_s is None else first_s
     while True:
         try:
-            ref = await _patiently(it.__anext__(), timeout_s, answers)
-            chunk = await _patiently(_awaitable(ref), timeout_s, answers)
+            ref = await _patiently(it.__anext__(), wait_s, answers)
+            chunk = await _patiently(_awaitable(ref), wait_s, answers)
         except StopAsyncIteration:
             return
+        if chunk.token_ids:
+            wait_s = timeout_s
         yield chunk
 
 

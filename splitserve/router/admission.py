@@ -16,7 +16,9 @@ pairs) and its load, predict:
          measured acceptance once it has verified enough steps: router/spec_yield.py)
 A request with a structured-output grammar that its first worker has not compiled (as far as
 this router knows: it has not sent that spec there lately) adds that worker's measured compile
-time (`WorkerStats.grammar_compile_s`; a prior until it has compiled one) to its TTFT.
+time (`WorkerStats.grammar_compile_s`; a prior until it has compiled one) to its TTFT; a first
+worker that is slow (its load poll unanswered: router/directory.py) adds its silence so far
+(`Plan.wait_s`), a wait the request shares.
 The TTFT prediction is then calibrated online: the model sees the queue as it is now, not the
 steps that grow as the requests ahead start decoding, nor the ingress and RPC hops, nor other
 processes competing for the host, so it runs low under load. Each finished request reports
@@ -81,6 +83,7 @@ class Plan:
     decode_stats: WorkerStats | None
     cached_tokens: int = 0
     route: Any = None  # the backend's own placement, handed back to its generate()
+    wait_s: float = 0.0  # the first worker is slow: silent this long so far, which the request waits too
 
 
 @dataclass(frozen=True)
@@ -235,8 +238,8 @@ class Admission:
         first = None if plan is None else self.outstanding.adjusted(plan.first_worker, plan.first_stats)
         decode = None if plan is None else plan.decode_stats
         model = ttft = tpot = 0.0
-        if first is not None:
-            model = predict(first, prompt_tokens, plan.cached_tokens)[0] + compile_s
+        if first is not None:  # a slow worker's silence so far counts as time the request waits
+            model = predict(first, prompt_tokens, plan.cached_tokens)[0] + compile_s + plan.wait_s
             ttft = model * self.calibration.factor
         if decode is not None:
             tpot = predict(decode, prompt_tokens, 0)[1]

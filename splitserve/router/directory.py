@@ -7,12 +7,21 @@ Two kinds of background task keep it fresh:
     dead) leave placement and the KV index;
   * one poller per registered worker pulls its load and KV events (`snapshot`, at least once
     delivery, see worker/kv_events.py) every `load_interval_s`; one slow worker delays only
-    its own view. A worker whose calls fail leaves placement at once. A decode worker's poller
+    its own view. A decode worker's poller
     first introduces this replica to it (`meet`, with `caller`: this replica's actor handle),
     alongside its first snapshot: under Ray, the first handle of an actor class to reach a
     process loads that class there — for an ingress replica, importing Ray Serve, 0.4 s
     measured — and would otherwise do so as the arguments of the first request's decode
     stream, between its first and second token.
+
+Liveness (DESIGN.md §4 "Liveness"): a worker whose calls fail (its actor died, its engine
+stopped) leaves placement at once, until it answers again; the Controller removes the dead ones.
+A worker that is only *slow* — its poll or the Controller's probe unanswered for `slow_after_s`,
+Ray unable to reach it for the moment, a request's stream silent on it — stays in placement
+while no worker of its pool answers: the last ones of a pool are never dropped for slowness, so
+a request waits for them (within its own timeouts; admission counts the silence so far in its
+TTFT) rather than being refused. When another worker of the pool answers, the slow one takes
+nothing new until it answers again. `ready()` is true exactly when `place` would place a request.
 
 `place` runs the placement policy over these views without waiting on anything. It also counts
 what this router placed on each worker and has not yet seen in that worker's reported load
@@ -28,7 +37,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from splitserve.router.snapshot import RegistrySnapshot, WorkerRecord
 from splitserve.router.transport_choice import choose_transport
@@ -73,10 +82,15 @@ class Route:
 class Directory:
     def __init__(self, source: RegistrySource, policy: Router, block_size: int = 16,
                  registry_interval_s: float = 0.2, load_interval_s: float = 0.05, answer_timeout_s: float = 5.0,
-                 clock=time.monotonic) -> None:
+                 slow_after_s: float = 1.0, clock=time.monotonic,
+                 unreachable: Callable[[BaseException], bool] = lambda e: False) -> None:
+        # slow_after_s: a poll unanswered this long marks its worker slow (the Controller's
+        # probe_timeout_s); unreachable(e): a call's error that says the worker could not be
+        # reached for the moment (Ray's ActorUnavailableError), slow rather than failed
         self.source, self.policy, self.block_size = source, policy, block_size
         self.registry_interval_s, self.load_interval_s, self.answer_timeout_s = (
             registry_interval_s, load_interval_s, answer_timeout_s)
+        self.slow_after_s, self._unreachable = slow_after_s, unreachable
         self.router_id = uuid.uuid4().hex  # each router replica acknowledges KV events on its own
         self._clock = clock
         self.pending = Pending(clock=clock, on_change=self._stale)
@@ -87,6 +101,9 @@ class Directory:
         self._acked: dict[WorkerId, int] = {}
         self._seen_at: dict[WorkerId, float] = {}
         self._failed: set[WorkerId] = set()  # its calls fail: out of placement until it answers
+        self._slow: set[WorkerId] = set()  # found slow here (a poll late, a stream silent) until it answers
+        self._asked_at: dict[WorkerId, float] = {}  # when its poll now unanswered was sent
+        self._brisk: dict[Role, bool] | None = None  # per pool: does a worker answer? (None: not known yet)
         self._pollers: dict[WorkerId, asyncio.Task] = {}
         self._watcher: asyncio.Task | None = None
         self.autoscale = None  # the Controller's last AutoscaleReport (None: fixed pools)
@@ -136,11 +153,14 @@ class Directory:
         records = {w.id: w for w in snap.workers if w.state in (WorkerState.READY, WorkerState.DRAINING)}
         for wid in set(self.records) - set(records):
             self._forget(wid)
+            self._failed.discard(wid)
+            self._slow.discard(wid)
+            self._asked_at.pop(wid, None)
             task = self._pollers.pop(wid, None)
             if task is not None:
                 task.cancel()
         self.records = records
-        self._stale()
+        self._liveness_changed()
         for wid in records:
             if wid not in self._pollers:
                 self._pollers[wid] = asyncio.get_running_loop().create_task(self._poll(wid))
@@ -159,12 +179,15 @@ class Directory:
         while wid in self.records:
             if asked is None:
                 sent = self._clock()
+                self._asked_at.setdefault(wid, sent)  # silent from the first call it has not answered
                 asked = asyncio.ensure_future(self.records[wid].handle.snapshot.remote(self._acked.get(wid),
                                                                                       self.router_id))
-            done, _ = await asyncio.wait({asked}, timeout=self.answer_timeout_s)
+            done, _ = await asyncio.wait({asked}, timeout=self.slow_after_s)
             if done:
                 self._apply_snapshot(wid, asked, sent)
                 asked = None
+            else:
+                self._set_slow(wid, True)
             await asyncio.sleep(self.load_interval_s)
 
     def _introduce(self, wid: WorkerId) -> None:
@@ -183,13 +206,18 @@ class Directory:
             return
         try:
             snap = answer.result()
-        except Exception as e:  # dead or failing: out of placement now, its cache forgotten
-            if wid not in self._failed:
+        except Exception as e:
+            if self._unreachable(e):  # Ray could not reach it for the moment: slow, not failed
+                self._set_slow(wid, True)
+                return
+            if wid not in self._failed:  # dead or failing: out of placement now, its cache forgotten
                 log.warning("worker %s does not answer: %s", wid, type(e).__name__)
-            self._failed.add(wid)
+            self._mark(self._failed, wid, True)
             self._forget(wid)
             return
-        self._failed.discard(wid)
+        self._asked_at.pop(wid, None)
+        self._mark(self._failed, wid, False)
+        self._set_slow(wid, False)
         self._stale(wid)
         self._stats[wid] = snap.stats
         self._acked[wid] = snap.seq
@@ -201,8 +229,59 @@ class Directory:
     # -- reading ----------------------------------------------------------------------------------
     def mark_failed(self, wid: WorkerId) -> None:
         """A request's call to this worker failed: out of placement until it answers again."""
-        self._failed.add(wid)
-        self._stale(wid)
+        self._mark(self._failed, wid, True)
+
+    def mark_silent(self, wid: WorkerId) -> None:
+        """A request's call to this worker went unanswered past its timeout: slow until it
+        answers again (out of placement only while another worker of its pool answers)."""
+        self._set_slow(wid, True)
+
+    def _set_slow(self, wid: WorkerId, slow: bool) -> None:
+        if slow and wid in self.records and wid not in self._slow:
+            log.warning("worker %s is slow: it has not answered for a while", wid)
+        self._mark(self._slow, wid, slow)
+
+    def _mark(self, marks: set[WorkerId], wid: WorkerId, on: bool) -> None:
+        """Put a worker in or out of a liveness set: its view is built again, and every view of
+        its pool when that changed whether any worker of the pool answers (the others' turn)."""
+        if (wid in marks) == on or (on and wid not in self.records):
+            return
+        before = self._brisk_pools()[wid.role]
+        (marks.add if on else marks.discard)(wid)
+        self._brisk = None
+        if self._brisk_pools()[wid.role] != before:  # every view of its pool may change
+            self._stale()
+        else:
+            self._stale(wid)
+
+    def _liveness_changed(self) -> None:
+        """The registry changed: every view is built again."""
+        self._brisk = None
+        self._stale()
+
+    def _brisk_pools(self) -> dict[Role, bool]:
+        """Per pool, whether a worker of it is READY, its calls not failing, and not slow."""
+        if self._brisk is None:
+            self._brisk = {role: False for role in Role}
+            for r in self.records.values():
+                if r.state is WorkerState.READY and r.id not in self._failed and not self.slow(r.id):
+                    self._brisk[r.role] = True
+        return self._brisk
+
+    def slow(self, wid: WorkerId) -> bool:
+        """Whether the worker is slow: unanswered here, or to the Controller's probes."""
+        rec = self.records.get(wid)
+        return wid in self._slow or (rec is not None and rec.slow)
+
+    def silence_s(self, wid: WorkerId) -> float:
+        """How long the worker has left this router's poll unanswered (0: it answers)."""
+        asked = self._asked_at.get(wid)
+        return 0.0 if asked is None else max(0.0, self._clock() - asked)
+
+    def wait_s(self, wid: WorkerId) -> float:
+        """What a request placed on the worker now waits before it is even heard: a slow
+        worker's silence so far (admission adds it to its TTFT), else 0."""
+        return self.silence_s(wid) if self.slow(wid) else 0.0
 
     def stats(self, wid: WorkerId) -> WorkerStats | None:
         return self._stats.get(wid)
@@ -212,9 +291,15 @@ class Directory:
         pending = self.pending.count(wid, self._seen_at.get(wid))
         if self.shared is not None:
             pending += self.shared.others.get(str(wid), 0)
-        healthy = rec.state is WorkerState.READY and rec.responsive and wid not in self._failed
-        return WorkerView.of(wid, rec.role, rec.node_ip, self._stats.get(wid), pending, healthy,
-                             rec.state is WorkerState.DRAINING)
+        return WorkerView.of(wid, rec.role, rec.node_ip, self._stats.get(wid), pending, self._placeable(rec),
+                             rec.state is WorkerState.DRAINING, self.slow(wid))
+
+    def _placeable(self, rec: WorkerRecord) -> bool:
+        """READY, its calls not failing, and not slow — or slow with no worker of its pool
+        answering (the last ones are never dropped for slowness)."""
+        if rec.state is not WorkerState.READY or rec.id in self._failed:
+            return False
+        return not self.slow(rec.id) or not self._brisk_pools()[rec.role]
 
     def views(self, role: Role | None = None) -> tuple[WorkerView, ...]:
         """The workers' views (of one role), the same objects until a worker's facts change:
@@ -226,7 +311,9 @@ class Directory:
         self._views.stale(wid)
 
     def ready(self) -> bool:
-        return any(v.healthy for v in self.views(Role.DECODE))
+        """Whether a request sent now would be placed: a decode worker in placement (up: READY,
+        not failing, not draining; `place` raises NoCapacity exactly when there is none)."""
+        return any(v.up for v in self.views(Role.DECODE))
 
     # -- placing ----------------------------------------------------------------------------------
     def route_request(self, req: Request) -> RouteRequest:

@@ -64,6 +64,7 @@ class WorkerView:
     spec_verify_steps: int = 0
     spec_verify_step_seconds: float = 0.0
     spec_verify_step_plain_seconds: float = 0.0
+    slow: bool = False  # unanswered past the probe timeout: alive, placed on only when no other answers
 
     @property
     def up(self) -> bool:
@@ -71,17 +72,17 @@ class WorkerView:
 
     @staticmethod
     def of(wid: WorkerId, role: Role, host: str, stats: "WorkerStats | None", pending: int, healthy: bool,
-           draining: bool) -> "WorkerView":
+           draining: bool, slow: bool = False) -> "WorkerView":
         """The view of a worker whose last report is `stats` (None: not heard from yet, an
         empty worker) and on which `pending` placements are not in that report yet."""
         if stats is None:
-            return WorkerView(wid, role, host, pending, healthy=healthy, draining=draining)
+            return WorkerView(wid, role, host, pending, healthy=healthy, draining=draining, slow=slow)
         return WorkerView(wid, role, host, stats.num_waiting + pending, stats.num_running, stats.kv_usage,
                           stats.kv_blocks_free + stats.kv_blocks_cached, healthy, draining, stats.step_time_coeffs,
                           stats.expert_tokens_total, stats.pending_prefill_tokens, stats.decode_context_tokens,
                           stats.token_budget, stats.expert_balance, stats.spec_proposed_tokens_total,
                           stats.spec_accepted_tokens_total, stats.spec_verify_steps_total,
-                          stats.spec_verify_step_seconds_total, stats.spec_verify_step_plain_seconds_total)
+                          stats.spec_verify_step_seconds_total, stats.spec_verify_step_plain_seconds_total, slow)
 
 
 @dataclass(frozen=True)

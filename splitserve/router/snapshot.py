@@ -20,9 +20,16 @@ class WorkerRecord:
     info: WorkerInfo | None = None  # set when READY
     load: WorkerLoad | None = None  # the last health probe's answer
     since: float = 0.0  # time.time() of the last state change
-    responsive: bool = True  # False: its last health probe went unanswered (out of placement)
+    # time.time() when the health probe now unanswered was sent (None: it answers): a worker
+    # silent past the probe timeout is slow — shown, and placed on only when no worker of its
+    # pool answers (DESIGN.md §4 "Liveness"); silent past dead_after_s, it is DEAD
+    silent_since: float | None = None
     reason: str = ""  # why it is DEAD (or STOPPED)
     final_counts: dict | None = None  # a drained worker's block counts, checked before it stopped
+
+    @property
+    def slow(self) -> bool:
+        return self.silent_since is not None
 
     @property
     def role(self) -> Role:

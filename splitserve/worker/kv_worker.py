@@ -9,6 +9,7 @@ listens on the node's IP, so a peer on another node can reach it. Health probes 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from typing import Sequence
@@ -25,6 +26,10 @@ from splitserve.engine.parallel.pipeline import on_all_stages
 from splitserve.worker import rank_kv, stage_kv
 from splitserve.worker.info import WorkerInfo
 from splitserve.worker.kv_events import RouterOutboxes, Snapshot
+
+# a snapshot the engine thread has not taken by then is answered with the last step's load:
+# well within a router's probe timeout (1 s), so a long step is not taken for a silent worker
+SNAPSHOT_WITHIN_S = 0.25
 
 
 class KVWorker:
@@ -49,6 +54,7 @@ class KVWorker:
             t: tr.register(self.engine.kv, self.layout, self.host, serve=self.serves_kv)
             for t, tr in self.transports.items()}
         self.outboxes = RouterOutboxes()  # touched on the engine thread only
+        self._taking: dict[str, tuple] = {}  # per router, (its ack, the snapshot asked of the engine thread)
         self.kv_secret = options.get("tcp", {}).get("secret")  # what a sliced TCP pull answers challenges with
         # every rank's endpoints, rank 0's first (a tensor-parallel prefill worker's other ranks
         # serve their own caches: the KV heads they hold)
@@ -88,14 +94,28 @@ class KVWorker:
     async def snapshot(self, ack: int | None = None, router: str = "") -> Snapshot:
         """Load and the KV events `router` has not acknowledged (`ack`: the last `seq` it
         applied; None: it knows nothing of this worker yet), in one round trip. A worker whose
-        engine has stopped answers with EngineFailed: routers keep it out of placement."""
+        engine has stopped answers with EngineFailed: routers keep it out of placement.
+
+        The events are taken on the engine thread, after the step in progress. A step can be
+        long (a long prompt's chunk on a busy CPU), and a router takes an answer that late for
+        a slow worker: past SNAPSHOT_WITHIN_S the answer is the load the last step left and no
+        events (`ack` handed back: nothing is acknowledged, the events wait in the outbox); the
+        take already asked for (for that ack) is the one the next call waits on, never a second
+        one queued behind the step."""
         self.loop.check_running()
+        asked, taking = self._taking.get(router, (None, None))
+        if taking is None or taking.done() or asked != ack:
+            def take() -> Snapshot:
+                e = self.engine
+                return Snapshot(e.stats(), *self.outboxes.take(router, ack, e.drain_kv_events(), e.kv_listing))
 
-        def take() -> Snapshot:
-            e = self.engine
-            return Snapshot(e.stats(), *self.outboxes.take(router, ack, e.drain_kv_events(), e.kv_listing))
-
-        return await self.loop.call(take)
+            self._taking = {r: a_t for r, a_t in self._taking.items() if not a_t[1].done()}
+            taking = asyncio.ensure_future(self.loop.call(take))
+            self._taking[router] = (ack, taking)
+        try:
+            return await asyncio.wait_for(asyncio.shield(taking), SNAPSHOT_WITHIN_S)
+        except asyncio.TimeoutError:
+            return Snapshot(self.loop.latest_stats, ack, [], False)
 
     def close(self) -> None:
         self.loop.close()

@@ -113,6 +113,17 @@ def pid_of(worker) -> int:
     return ray.get(worker.describe.remote()).pid
 
 
+def busiest_record(c, role=None):
+    """The record of the worker (of `role`; default decode) that says it runs the most streams,
+    asked itself: the directory's view may be a poll old (it once named an idle one)."""
+    import ray
+
+    from splitserve.types import Role
+
+    recs = [r for r in c.directory.records.values() if r.role is (role or Role.DECODE)]
+    return max(recs, key=lambda r: ray.get(r.handle.load.remote()).stats.num_running)
+
+
 def signal_worker(worker, sig) -> None:
     os.kill(pid_of(worker), sig)
 

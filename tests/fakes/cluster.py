@@ -28,15 +28,30 @@ class Call:
         return self.fn(*args, **kwargs)
 
 
+class Unreachable(Exception):
+    """The fakes' stand-in for Ray's ActorUnavailableError."""
+
+
 class FakeWorker:
     """A worker's snapshot over a fake cache; `mode`: "ok", "fail" (the call raises), "hang"."""
 
     def __init__(self):
+        self._answer = asyncio.Event()  # set while not hanging: a hung call answers once it is
         self.outboxes, self.cached, self.new, self.mode, self.load = RouterOutboxes(), set(), [], "ok", stats()
         self.snapshot = Call(self._snapshot)
         self.meet = Call(self._meet)
         self.calls = 0
         self.met = []  # the router replicas that introduced themselves (their `caller`), in order
+
+    @property
+    def mode(self):
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode):
+        self._mode = mode
+        if mode != "hang":
+            self._answer.set()
 
     def store(self, *names):
         hs = tuple(map(digest, names))
@@ -53,12 +68,15 @@ class FakeWorker:
 
     async def _snapshot(self, ack, router):
         self.calls += 1
-        if self.mode == "hang":
-            await asyncio.Event().wait()
+        if self.mode == "hang":  # answered when the mode changes (as a paused process resumes)
+            self._answer.clear()
+            await self._answer.wait()
         new, self.new = self.new, []
         out = self.outboxes.take(router, ack, new, lambda: [BlockStored(tuple(sorted(self.cached)))])
         if self.mode == "fail":  # the worker moved on, the reply is lost
             raise RuntimeError("reply lost")
+        if self.mode == "unreachable":
+            raise Unreachable("cannot reach the worker for the moment")
         return Snapshot(self.load, *out)
 
 
@@ -81,5 +99,6 @@ class FakeSource:
 
 
 def directory(source, policy="cache_aware", **kw):
-    kw = {"registry_interval_s": 0.01, "load_interval_s": 0.01, "answer_timeout_s": 0.05, **kw}
-    return Directory(source, make_router(policy, disagg_min_tokens=0), 16, **kw)
+    kw = {"registry_interval_s": 0.01, "load_interval_s": 0.01, "answer_timeout_s": 0.05, "slow_after_s": 0.05, **kw}
+    return Directory(source, make_router(policy, disagg_min_tokens=0), 16,
+                     unreachable=lambda e: isinstance(e, Unreachable), **kw)

@@ -2,8 +2,9 @@
 streams run continuously (no request fails, every output is the reference, new workers take
 requests soon after READY, drained workers stop with their blocks free and no lease left); a
 SIGKILLed decode worker is marked DEAD, leaves placement and is replaced, with /ready 503 while
-no decode worker is READY; a worker that stops answering (SIGSTOP) leaves placement while the
-others keep being placed, and is killed and replaced once silent for `dead_after_s`."""
+no decode worker is READY; a worker that stops answering (SIGSTOP) is slow: it takes nothing new
+while the other keeps being placed, and is killed and replaced once silent for `dead_after_s`
+(set short here)."""
 
 import asyncio
 import os
@@ -149,8 +150,9 @@ async def _ended(c):
 
 def test_worker_loss_and_a_worker_that_stops_answering(ray_session, model, workload):
     ps, ref = workload
+    # dead_after_s short: this test waits for a silent worker to be declared dead
     with Cluster.start(model=model, prefill=1, decode=1, transport="auto", disagg_min_tokens=0, num_kv_blocks=256,
-                       name="loss-test") as c:
+                       name="loss-test", dead_after_s=5.0) as c:
         app = OpenAIServer(c.backend).app
 
         async def ready_code():

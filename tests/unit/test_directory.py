@@ -5,6 +5,7 @@ under every policy; a hung worker never makes a placement wait; a failed prefill
 placement and the request is placed again, while a request the engine refuses fails at once."""
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 
@@ -71,12 +72,12 @@ def test_workers_that_leave_the_registry_leave_placement_and_the_index():
         await settle()
         assert {v.worker_id: v.draining for v in d.views()} == {a: True, b: False}
         assert all(d.place(req(i)).decode.id == b for i in range(4))  # a draining worker takes nothing new
-        src.registry.set_responsive(b, False)  # a probe went unanswered: out of placement, not forgotten
+        src.registry.set_silent(b, 1.0)  # a probe went unanswered: slow, and the last of its pool up
         await settle()
-        assert not d.view(d.records[b]).healthy and b in d.records
-        src.registry.set_responsive(b, True)
+        assert d.view(d.records[b]).healthy and d.slow(b) and b in d.records
+        src.registry.set_silent(b, None)
         await settle()
-        assert d.view(d.records[b]).healthy
+        assert d.view(d.records[b]).healthy and not d.slow(b)
         src.registry.move(a, S.DEAD, reason="gone")
         await settle()
         assert set(d.records) == {b} and d.policy.index.overlap([digest(b"x")]) == {}
@@ -331,3 +332,136 @@ def test_views_are_the_same_objects_until_a_workers_facts_change():
         d.stop()
 
     asyncio.run(go())
+
+
+def test_a_slow_worker_is_placed_on_only_while_no_worker_of_its_pool_answers():
+    """Slow is not dead (DESIGN.md §4 "Liveness"): the last decode worker, unanswered, stays in
+    placement (requests wait for it) and /ready says so; once another answers, the slow one
+    takes nothing new until it answers again; a worker whose calls fail is out either way."""
+    async def go():
+        src = FakeSource()
+        a = src.add(Role.DECODE)
+        d = directory(src, "round_robin")
+        await d.start()
+        await settle()
+        src.workers[a].mode = "hang"  # its poll goes unanswered past slow_after_s
+        while not d.slow(a):
+            await settle(0.02)
+        alone = (d.ready(), {d.place(req(i)).decode.id for i in range(4)}, d.wait_s(a) > 0)
+        b = src.add(Role.DECODE)
+        while b not in d.records or not d.view(d.records[b]).healthy:
+            await settle(0.02)
+        beside = (d.ready(), {d.place(req(i)).decode.id for i in range(4)}, d.view(d.records[a]).healthy)
+        src.workers[a].mode = "ok"  # it answers again: placed on again
+        await settle()
+        back = (d.slow(a), {d.place(req(i)).decode.id for i in range(4)}, d.wait_s(a))
+        src.workers[b].mode = "fail"  # its calls fail: out of placement, even as the only brisk one
+        src.workers[a].mode = "hang"
+        while not (d.slow(a) and not d.view(d.records[b]).healthy):
+            await settle(0.02)
+        failing = (d.ready(), {d.place(req(i)).decode.id for i in range(4)})
+        d.stop()
+        return a, b, alone, beside, back, failing
+
+    a, b, alone, beside, back, failing = asyncio.run(go())
+    assert alone == (True, {a}, True)  # the last one: placed on, the wait counted
+    assert beside == (True, {b}, False)  # another answers: the slow one takes nothing new
+    assert back == (False, {a, b}, 0.0)
+    assert failing == (True, {a})  # slow and alive beats failing
+
+
+def test_ready_says_exactly_whether_place_would_place():
+    """/ready's answer is `place`'s: no decode worker in placement (none READY, all failing,
+    all draining) is a 503 and NoCapacity; a slow one alone is a 200 and a placement."""
+    from splitserve.router.policy import NoCapacity
+
+    async def go():
+        src = FakeSource()
+        a, b = src.add(Role.DECODE), src.add(Role.DECODE)
+        src.add(Role.PREFILL)
+        d = directory(src)
+        await d.start()
+        await settle()
+        seen = []
+
+        def look(name):
+            try:
+                placed = d.place(req(len(seen))).decode.id is not None
+            except NoCapacity:
+                placed = False
+            seen.append((name, d.ready(), placed))
+
+        look("both up")
+        src.registry.set_silent(a, 1.0)
+        src.registry.set_silent(b, 1.0)
+        await settle()
+        look("both slow")
+        src.registry.move(a, S.DRAINING)
+        await settle()
+        look("one slow, one draining")
+        src.workers[b].mode = "fail"
+        while d.view(d.records[b]).healthy:
+            await settle(0.02)
+        look("one failing, one draining")
+        src.registry.move(b, S.DEAD)
+        await settle()
+        look("one draining")
+        d.stop()
+        return seen
+
+    seen = asyncio.run(go())
+    assert all(ready == placed for _, ready, placed in seen), seen
+    assert [ready for _, ready, _ in seen] == [True, True, True, False, False], seen
+
+
+def test_a_worker_ray_cannot_reach_for_the_moment_is_slow_not_failed():
+    """A transient 'cannot reach' (Ray's ActorUnavailableError) keeps the worker, its load and
+    its KV index: slow, and still the pool's one worker in placement."""
+    async def go():
+        src = FakeSource()
+        wid = src.add(Role.DECODE)
+        src.workers[wid].store(1)
+        d = directory(src)
+        await d.start()
+        await settle()
+        src.workers[wid].mode = "unreachable"
+        while not d.slow(wid):
+            await settle(0.02)
+        kept = (d.view(d.records[wid]).healthy, d.policy.index.overlap([digest(1)]).get(wid))
+        d.stop()
+        return kept
+
+    assert asyncio.run(go()) == (True, 1)
+
+
+def test_admission_counts_a_slow_workers_silence_in_the_ttft():
+    """A request placed on a slow worker waits for it: the plan carries the silence so far and
+    admission adds it to the predicted TTFT, so a TTFT target it cannot meet refuses it."""
+    from splitserve.orchestrator.orchestrator import Orchestrator
+    from splitserve.router.admission import Admission, AdmissionConfig
+    from splitserve.types import Priority
+
+    async def go():
+        src = FakeSource()
+        wid = src.add(Role.DECODE)
+        src.workers[wid].load = dataclasses.replace(stats(), step_time_coeffs=(0.001, 1e-5, 0.0, 0.0, 0.0))
+        d = directory(src)
+        await d.start()
+        await settle()
+        o = Orchestrator(d)
+        brisk = o.plan(req(0))
+        brisk.route.close()
+        src.workers[wid].mode = "hang"
+        while d.wait_s(wid) < 0.3:
+            await settle(0.05)
+        slow = o.plan(req(1))
+        slow.route.close()
+        d.stop()
+        return brisk, slow
+
+    brisk, slow = asyncio.run(go())
+    assert brisk.wait_s == 0.0 and slow.wait_s >= 0.3
+    adm = Admission(AdmissionConfig(ttft_slo_ms=250, calibration_prior=1.0))
+    assert adm.decide(brisk, Priority.STANDARD, 40).admit
+    refused = adm.decide(slow, Priority.STANDARD, 40)
+    assert not refused.admit and refused.reason == "ttft_slo" and refused.predicted_ttft_s >= 0.3

@@ -37,7 +37,8 @@ class FakeDecode(FakeWorker):
     `fail_after` tokens it dies ("die", with Ray-like internals in the message), stalls ("stall":
     the stream, and from then on its pings, never answer, as a stopped process), or pauses
     ("slow": the stream for `SLOW_S` while its pings answer, as a busy one), on its first
-    `faulty` streams (all of them when None)."""
+    `faulty` streams (all of them when None); "slow_start": its first token comes 0.5 s late
+    (the prompt computed there first)."""
 
     def __init__(self, fault=None, fail_after=3, faulty=None):
         super().__init__()
@@ -66,6 +67,8 @@ class FakeDecode(FakeWorker):
     async def _chunks(self, req, outputs, faulty):
         ctx, n = req.prompt_token_ids + outputs, len(outputs)
         for i in range(MAX_TOKENS - n):
+            if faulty and i == 0 and self.fault == "slow_start":  # a long prompt computed here first
+                await asyncio.sleep(0.5)
             if faulty and i == self.fail_after:
                 if self.fault == "die":
                     raise RuntimeError("The actor 7f3a9c died: pid=4242, ip=10.1.2.3")
@@ -130,6 +133,14 @@ def test_a_lost_decode_worker_migrates_the_stream_with_no_token_lost_or_repeated
     assert list(healthy.values()) == [False, True]  # the lost one left placement
 
 
+def test_a_decode_worker_computing_the_prompt_before_its_first_token_is_slow_not_silent():
+    """Its first token may wait for a whole prompt computed there (aggregated, or migrated): that
+    wait is bounded by the prefill timeout, not the inactivity timeout — no migration."""
+    slow = FakeDecode("slow_start", fail_after=MAX_TOKENS)
+    got, error, trace, *_ = asyncio.run(run([slow, FakeDecode()], inactivity_timeout_s=0.1, prefill_timeout_s=10.0))
+    assert error is None and got == reference() and trace.migrations == 0
+
+
 def test_with_no_decode_worker_left_the_stream_ends_with_our_error(monkeypatch):
     from splitserve.orchestrator import request_run
 
@@ -141,26 +152,26 @@ def test_with_no_decode_worker_left_the_stream_ends_with_our_error(monkeypatch):
 
 
 def test_a_survivor_out_of_placement_for_a_moment_still_takes_the_stream():
-    """The only other decode worker is out of placement (its probe went unanswered) when the
-    first dies, and back 0.3 s later: the stream waits for it and migrates, nothing lost."""
+    """The only other decode worker is out of placement (its calls fail) when the first dies,
+    and answers again 0.3 s later: the stream waits for it and migrates, nothing lost."""
     async def go():
         src = FakeSource()
         first, second = FakeDecode("die", fail_after=4), FakeDecode()
         a, b = src.add(Role.DECODE, worker=first), src.add(Role.DECODE, worker=second)
-        d = directory(src, "round_robin", load_interval_s=60)
+        second.mode = "fail"
+        d = directory(src, "round_robin", load_interval_s=0.02)
         await d.start()
+        while d.view(d.records[b]).healthy:  # until this router has seen its call fail
+            await asyncio.sleep(0.01)
         o = Orchestrator(d)
         req = Request("m", PROMPT, SamplingParams(max_tokens=MAX_TOKENS))
         got = []
         stream = o.stream(req)
-        got += (await stream.__anext__()).token_ids  # placed on `a` (round robin's first)
-        src.registry.set_responsive(b, False)
-        while d.view(d.records[b]).healthy:  # until this router has seen it leave placement
-            await asyncio.sleep(0.01)
+        got += (await stream.__anext__()).token_ids  # placed on `a`, the only one in placement
 
         async def back():
             await asyncio.sleep(0.3)
-            src.registry.set_responsive(b, True)
+            second.mode = "ok"
 
         task = asyncio.create_task(back())
         async for c in stream:

@@ -69,10 +69,11 @@ def test_an_unanswered_probe_is_a_registry_change_only_when_it_flips():
     reg.add(wid, None)
     reg.move(wid, S.READY, info=INFO)
     v = reg.version
-    reg.set_responsive(wid, True)
+    reg.set_silent(wid, None)
     assert reg.version == v  # no change
-    reg.set_responsive(wid, False)
-    reg.set_responsive(wid, False)
-    assert reg.version == v + 1 and not reg[wid].responsive and reg[wid].state is S.READY
-    reg.set_responsive(wid, True)
-    assert reg.version == v + 2 and reg[wid].responsive
+    reg.set_silent(wid, 100.0)
+    reg.set_silent(wid, 101.0)  # still silent: when it began is kept, and routers need nothing new
+    assert reg.version == v + 1 and reg[wid].slow and reg[wid].silent_since == 100.0
+    assert reg[wid].state is S.READY  # slow is not a state: it stays READY (DEAD only past dead_after_s)
+    reg.set_silent(wid, None)
+    assert reg.version == v + 2 and not reg[wid].slow
