@@ -165,6 +165,18 @@ class PhasePrefill(_Probed, PrefillWorker):
         self.probe = Probe()
         _hold_submits(self.loop, self.probe, lambda req: "migration" if moved(req) else "queued")
         _hold_steps(self.engine, self.probe, _prefill_row)
+        submit = self.loop.submit
+
+        async def submit_followed(req, **kwargs):
+            """A request armed for kv_stream is computed once its reader follows the stream (its
+            pieces are then streamed, not all sent with the handoff); a few seconds at most."""
+            if self.probe.armed.get(tuple(req.prompt_token_ids)) == "kv_stream":
+                until = time.monotonic() + 5.0
+                while time.monotonic() < until and getattr(self.streams.get(req.request_id), "held", 0) is None:
+                    await asyncio.sleep(0.002)
+            return await submit(req, **kwargs)
+
+        self.loop.submit = submit_followed
 
     async def prefill(self, req, *args, **kwargs):
         """The real prefill; its cancel is noted the moment it arrives, before any of the
