@@ -376,7 +376,16 @@ def landings(c: Cluster, landed: dict, job_of: dict, timeout: float = 20.0) -> N
             assert landed.setdefault(tuple(key), (phase, rid)) == (phase, rid), ("landed twice", key, rid)
 
 
-def assert_nothing_held(c: Cluster, front, timeout: float = 20.0) -> None:
+def leased_by(c: Cluster, landed: dict) -> list:
+    """The requests whose blocks a prefill worker still leases, with where their cancel landed."""
+    import ray
+
+    phase_of = {rid: phase for phase, rid in landed.values()}
+    rids = [rid for w in c.prefills for rid in ray.get(w.probe_report.remote())["leased"]]
+    return [(rid, phase_of.get(rid, "not cancelled")) for rid in rids]
+
+
+def assert_nothing_held(c: Cluster, front, landed: dict, timeout: float = 20.0) -> None:
     """Workers: no block in use, no lease, no TCP grant, no handoff, no staging. Ingress: no
     admission slot, outstanding load or tenant count. Router: no pending count."""
     deadline = time.time() + timeout
@@ -388,7 +397,7 @@ def assert_nothing_held(c: Cluster, front, timeout: float = 20.0) -> None:
         ingress = (front.admission.inflight, dict(front.tenant_inflight))
         if not held and not pending and ingress == (0, {}):
             break
-        assert time.time() < deadline, (held, pending, ingress)
+        assert time.time() < deadline, (held, pending, ingress, leased_by(c, landed))
         time.sleep(0.1)
     assert counts, "no live worker to check"
     outstanding = front.admission.outstanding
@@ -418,7 +427,7 @@ def check(name: str, c: Cluster, servers: Servers, jobs: list[Job], ref: dict, l
     assert len(landed) == len(cancelled), "a cancel landed in a hold nobody cancelled"
     per_phase = collections.Counter(landed[j.prompt][0] for j in cancelled)
     by_client = collections.Counter(j.client for j in cancelled)
-    assert_nothing_held(c, servers.front)
+    assert_nothing_held(c, servers.front, landed)
     exact = assert_survivors_exact(jobs, ref)
     missed = sum(j.phase is not None and not j.cancelled for j in jobs)
     print(f"\ncancel phases {name}: {len(cancelled)} cancels ({dict(by_client)}) landed per phase {dict(per_phase)}; "

@@ -155,8 +155,11 @@ class _Probed:
     async def probe_report(self) -> dict:
         """Where cancels landed, holds that timed out, holds still open."""
         with self.probe.lock:
-            return {"landed": list(self.probe.landed), "expired": list(self.probe.expired),
-                    "holding": [(h.key, h.rid, h.phase) for h in self.probe.holds.values()]}
+            report = {"landed": list(self.probe.landed), "expired": list(self.probe.expired),
+                      "holding": [(h.key, h.rid, h.phase) for h in self.probe.holds.values()]}
+        leases = getattr(self, "leases", None)  # a prefill worker's: whose blocks it still pins
+        report["leased"] = [] if leases is None else sorted(lease.request_id for lease in leases._leases.values())
+        return report
 
 
 class PhasePrefill(_Probed, PrefillWorker):
