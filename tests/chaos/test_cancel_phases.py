@@ -379,7 +379,14 @@ def leased_by(c: Cluster, landed: dict) -> list:
 
     phase_of = {rid: phase for phase, rid in landed.values()}
     rids = [rid for w in c.prefills for rid in ray.get(w.probe_report.remote())["leased"]]
-    return [(rid, phase_of.get(rid, "not cancelled")) for rid in rids]
+    t0 = time.monotonic()
+    trails = {rid: sorted((round(t[2] - t0, 3), t[0], t[1]) for w in c.prefills + c.decodes
+                          for t in ray.get(w.trail_of.remote(rid))) for rid in rids}  # DEBUG
+    for rid in rids:
+        print("DEBUG LEASED", rid, phase_of.get(rid, "not cancelled"))
+        for t in trails[rid]:
+            print("DEBUG   ", t)
+    return [(rid, phase_of.get(rid, "not cancelled"), trails[rid]) for rid in rids]
 
 
 def assert_nothing_held(c: Cluster, front, landed: dict, timeout: float = 20.0) -> None:

@@ -61,6 +61,10 @@ class Probe:
         self.holds: dict[str, _Hold] = {}  # engine id -> its hold, while held
         self.landed: list[tuple[tuple, str, str]] = []  # (prompt, engine id, phase) of each cancel that hit a hold
         self.expired: list[tuple[tuple, str]] = []
+        self.trail: collections.deque = collections.deque(maxlen=20000)  # (engine id, what happened), for diagnosis
+
+    def note(self, rid: str, what: str) -> None:
+        self.trail.append((rid, what, time.monotonic()))
 
     def start(self, req, phase: str | None) -> _Hold | None:
         """A hold for this request in `phase`, if it is armed for it and was not held before."""
@@ -152,6 +156,10 @@ class _Probed:
     async def release(self, key: tuple) -> bool:
         return self.probe.release(tuple(key))
 
+    async def trail_of(self, rid: str) -> list:
+        base = rid.split("~")[0]
+        return [t for t in self.probe.trail if t[0].split("~")[0] == base]
+
     async def probe_report(self) -> dict:
         """Where cancels landed, holds that timed out, holds still open."""
         with self.probe.lock:
@@ -163,6 +171,12 @@ class _Probed:
 
 
 class PhasePrefill(_Probed, PrefillWorker):
+    async def ack(self, lease_id: str) -> bool:
+        lease = self.leases._leases.get(lease_id)
+        live = await super().ack(lease_id)
+        self.probe.note(lease.request_id if lease else "?", f"ack live={live}")
+        return live
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.probe = Probe()
@@ -185,9 +199,13 @@ class PhasePrefill(_Probed, PrefillWorker):
         """The real prefill; its cancel is noted the moment it arrives, before any of the
         prefill's own cleanup runs (which may wait for the engine thread this probe holds)."""
         task = asyncio.ensure_future(super().prefill(req, *args, **kwargs))
+        self.probe.note(req.request_id, "prefill")
         try:
-            return await asyncio.shield(task)
+            r = await asyncio.shield(task)
+            self.probe.note(req.request_id, f"prefilled streamed={r.handoff.streamed if r.handoff else None}")
+            return r
         except asyncio.CancelledError:
+            self.probe.note(req.request_id, f"prefill cancelled, done={task.done()}")
             self.probe.land(req.request_id)
             task.cancel()
             await asyncio.wait([task])
@@ -238,15 +256,36 @@ class PhaseDecode(_Probed, DecodeWorker):
 
     async def stage(self, req, prefill, outputs=()) -> None:
         self._prompts[req.request_id] = tuple(req.prompt_token_ids)  # a piece's read names only the id
+        self.probe.note(req.request_id, "stage")
         try:
             await super().stage(req, prefill, outputs)
         finally:
+            self.probe.note(req.request_id, "stage ended")
             self._prompts.pop(req.request_id, None)
 
+    async def generate(self, req, handoff=None, prefill=None, outputs=(), caller=None):
+        rid = req.request_id
+        self.probe.note(rid, f"generate staged={rid in self.staged} streamed={handoff.streamed if handoff else None}")
+        try:
+            async for chunk in super().generate(req, handoff, prefill, outputs, caller):
+                yield chunk
+        finally:
+            self.probe.note(rid, "generate ended")
+
+    async def _settle(self, h, prefill) -> bool:
+        self.probe.note(h.request_id, "settle")
+        return await super()._settle(h, prefill)
+
+    async def free_staging(self, request_id: str) -> None:
+        self.probe.note(request_id, "free_staging")
+        await super().free_staging(request_id)
+
     async def abort(self, request_id: str) -> None:
+        self.probe.note(request_id, f"abort handoff={request_id in self.handoffs} staged={request_id in self.staged}")
         self.probe.land(request_id)
         await super().abort(request_id)
 
     async def drop_staging(self, request_id: str) -> None:
+        self.probe.note(request_id, "drop_staging")
         self.probe.land(request_id)
         await super().drop_staging(request_id)

@@ -277,6 +277,25 @@ def test_a_prefill_cancelled_after_its_blocks_were_detached_frees_them(workers, 
     asyncio.run(go())
 
 
+def test_a_handoff_whose_caller_gave_up_is_freed_by_abandon(workers):
+    """The caller's cancel raced the prefill's result (Ray then reports the call cancelled, the
+    handoff with it): nobody will acknowledge the lease; `abandon` ends it and frees the blocks
+    now — also for a prefill still running when it comes, as that prefill returns."""
+    pre, dec, _ = workers
+
+    async def go():
+        _, r = await handed_off(pre, "gave-up")
+        assert (await pre.check_invariants())["leases"] == 1
+        await pre.abandon("gave-up")
+        await no_leaks(pre, dec)
+        assert await pre.ack(r.handoff.lease_id) is False  # a late reader learns its copy may be torn
+        await pre.abandon("gave-up-early")  # before its prefill returned
+        _, r = await handed_off(pre, "gave-up-early")
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+
+
 def test_blocks_detached_with_no_lease_are_a_violation(workers):
     pre, dec, _ = workers
 
