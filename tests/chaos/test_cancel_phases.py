@@ -381,11 +381,11 @@ def leased_by(c: Cluster, landed: dict) -> list:
     rids = [rid for w in c.prefills for rid in ray.get(w.probe_report.remote())["leased"]]
     t0 = time.monotonic()
     trails = {rid: sorted((round(t[2] - t0, 3), t[0], t[1]) for w in c.prefills + c.decodes
-                          for t in ray.get(w.trail_of.remote(rid))) for rid in rids}  # DEBUG
+                          for t in ray.get(w.trail_of.remote(rid))) for rid in rids}
     for rid in rids:
-        print("DEBUG LEASED", rid, phase_of.get(rid, "not cancelled"))
+        print("still leased:", rid, "cancel landed in", phase_of.get(rid, "no hold"))
         for t in trails[rid]:
-            print("DEBUG   ", t)
+            print("   ", t)
     return [(rid, phase_of.get(rid, "not cancelled"), trails[rid]) for rid in rids]
 
 
