@@ -782,6 +782,26 @@ def test_a_staging_with_no_room_is_freed_when_nobody_claims_it(chunked, monkeypa
     assert not dec.staged and not dec.handoffs
 
 
+def test_an_abort_that_reaches_only_the_staging_ends_the_generate_that_comes_after(chunked):
+    """The caller left as the first token came: its abort reached the decode worker while only
+    the staging was there (Ray orders neither call), and the staging gave its blocks back. The
+    generate() that arrives after it ends at once, acknowledging the lease — it does not stage
+    again and run the request to its end for nobody."""
+    pre, dec = chunked
+    req = Request("abort-staged", tuple(range(9, 99)), SP)
+
+    async def go():
+        staging = asyncio.ensure_future(dec.stage(req, Local(pre)))
+        result = await pre.prefill(req, "tcp", (), 1, True)
+        await dec.abort(req.request_id)
+        await asyncio.wait_for(staging, 5)
+        chunks = await collect(dec.generate(req, result.handoff, Local(pre)))
+        assert finishes(chunks) == [FinishReason.ABORT] and not any(c.token_ids for c in chunks)
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+
+
 def test_a_stage_that_arrives_after_its_drop_reserves_nothing(chunked, tiny_checkpoint):
     """The prefill failed: the orchestrator dropped the staging and placed the request again,
     aggregated, on this same worker — and Ray delivered the first attempt's stage() last (it
