@@ -316,9 +316,7 @@ async def kill_under_streams(c: Cluster, clients: Clients, watch: Watch, jobs: l
     assert not any(j.error for j in jobs), [j.error for j in jobs]
     loads = await asyncio.gather(*[w.load.remote() for w in c.decodes])
     victim = max(zip(c.decodes, loads), key=lambda wl: wl[1].stats.num_running)[0]
-    pid = await asyncio.to_thread(pid_of, victim)
-
-    os.kill(pid, signal.SIGKILL)
+    os.kill(await asyncio.to_thread(pid_of, victim), signal.SIGKILL)
     kept = 0
 
     async def follow(job: Job, task: asyncio.Task, cancel) -> None:
@@ -444,14 +442,15 @@ def run_cluster(model: str, name: str, decode: int, seed: int, migrate: bool) ->
     jobs, moving = jobs_for(name, seed), migration_jobs(seed + 1) if migrate else []
     ref = with_reference(model, jobs + moving)
     landed: dict = {}
+    job_of = {j.prompt: j for j in jobs + moving}
     with start(model, name, decode) as c:
         servers = Servers(c)
         try:
             asyncio.run(run_load(c, servers, jobs, seed))
-            landings(c, landed, {j.prompt: j for j in jobs + moving})  # before the kill: one of these workers is about to go
+            landings(c, landed, job_of)  # before the kill: one of these workers is about to go
             if migrate:
                 asyncio.run(run_load(c, servers, moving, seed + 1, migrate=True))
-                landings(c, landed, {j.prompt: j for j in jobs + moving})
+                landings(c, landed, job_of)
                 # the kill landed under streams; each cancel counted "migration" was of a moved request
                 moved = {t.request_id for t in list(c.timings) if t.migrations}
                 assert len(moved) >= 10, f"only {len(moved)} streams moved"
