@@ -165,12 +165,12 @@ class RequestRun:
         try:
             result = await asyncio.wait_for(_awaitable(ref), self.o.prefill_timeout_s)
         except asyncio.CancelledError:  # the caller left: stop the prefill (and its lease) now
-            _abandon(ref, worker)
+            _abandon(ref, worker, self.req.request_id)
             raise
         except ConfigError as e:  # the request is at fault, not the worker: all would refuse it
             raise getattr(e, "cause", e) from None  # (Ray's wrapper carries the remote traceback)
         except Exception as e:  # the actor died, its engine failed, or it did not answer in time
-            _abandon(ref, worker)
+            _abandon(ref, worker, self.req.request_id)
             log.warning("prefill of %s on %s failed (%s); placing it again", self.req.request_id, worker.id,
                         type(e).__name__)
             self.o.prefill_failures += 1
@@ -415,9 +415,11 @@ async def _quietly(ref: Any) -> None:
         pass
 
 
-def _abandon(ref, worker) -> None:
+def _abandon(ref, worker, request_id: str) -> None:
     """Stop a prefill nobody waits for any more; a result that arrives anyway has its lease
-    acknowledged at once (its blocks would otherwise stay pinned until the lease lapses)."""
+    acknowledged at once (its blocks would otherwise stay pinned until the lease lapses). A
+    result that never arrives — the cancel raced it, and Ray then reports the call cancelled
+    though it finished — leaves the worker to end the request's lease itself (`abandon`)."""
     import ray
 
     if isinstance(ref, ray.ObjectRef):  # (ray.cancel of anything else starts a local Ray: a fake's call)
@@ -429,7 +431,8 @@ def _abandon(ref, worker) -> None:
     async def release_late() -> None:
         try:
             result = await asyncio.wait_for(_awaitable(ref), LATE_RESULT_WAIT_S)
-        except BaseException:  # cancelled, failed or stalled: it frees its blocks itself (or its lease lapses)
+        except BaseException:  # cancelled, failed or stalled: whatever it leased ends there
+            await _bounded(worker.handle.abandon.remote(request_id))
             return
         if getattr(result, "handoff", None) is not None:
             await _bounded(worker.handle.ack.remote(result.handoff.lease_id))

@@ -277,6 +277,25 @@ def test_a_prefill_cancelled_after_its_blocks_were_detached_frees_them(workers, 
     asyncio.run(go())
 
 
+def test_a_handoff_whose_caller_gave_up_is_freed_by_abandon(workers):
+    """The caller's cancel raced the prefill's result (Ray then reports the call cancelled, the
+    handoff with it): nobody will acknowledge the lease; `abandon` ends it and frees the blocks
+    now — also for a prefill still running when it comes, as that prefill returns."""
+    pre, dec, _ = workers
+
+    async def go():
+        _, r = await handed_off(pre, "gave-up")
+        assert (await pre.check_invariants())["leases"] == 1
+        await pre.abandon("gave-up")
+        await no_leaks(pre, dec)
+        assert await pre.ack(r.handoff.lease_id) is False  # a late reader learns its copy may be torn
+        await pre.abandon("gave-up-early")  # before its prefill returned
+        _, r = await handed_off(pre, "gave-up-early")
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
+
+
 def test_blocks_detached_with_no_lease_are_a_violation(workers):
     pre, dec, _ = workers
 
@@ -761,6 +780,26 @@ def test_a_staging_with_no_room_is_freed_when_nobody_claims_it(chunked, monkeypa
 
     asyncio.run(go())
     assert not dec.staged and not dec.handoffs
+
+
+def test_an_abort_that_reaches_only_the_staging_ends_the_generate_that_comes_after(chunked):
+    """The caller left as the first token came: its abort reached the decode worker while only
+    the staging was there (Ray orders neither call), and the staging gave its blocks back. The
+    generate() that arrives after it ends at once, acknowledging the lease — it does not stage
+    again and run the request to its end for nobody."""
+    pre, dec = chunked
+    req = Request("abort-staged", tuple(range(9, 99)), SP)
+
+    async def go():
+        staging = asyncio.ensure_future(dec.stage(req, Local(pre)))
+        result = await pre.prefill(req, "tcp", (), 1, True)
+        await dec.abort(req.request_id)
+        await asyncio.wait_for(staging, 5)
+        chunks = await collect(dec.generate(req, result.handoff, Local(pre)))
+        assert finishes(chunks) == [FinishReason.ABORT] and not any(c.token_ids for c in chunks)
+        await no_leaks(pre, dec)
+
+    asyncio.run(go())
 
 
 def test_a_stage_that_arrives_after_its_drop_reserves_nothing(chunked, tiny_checkpoint):

@@ -473,6 +473,9 @@ class DecodeWorker(KVWorker):
         async actor's calls), when it begins."""
         ho = self.handoffs.get(request_id)
         if ho is not None:
+            st = self.staged.get(request_id)
+            if st is not None and not st.claimed:  # only staged: its generate() may still come, and
+                _remember(self._early_aborts, request_id)  # must end at once then (the staging is gone)
             if ho.request_abort():  # it has already entered the engine
                 await self.loop.abort(request_id)
         elif self.loop.has(request_id):

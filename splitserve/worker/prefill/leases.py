@@ -66,6 +66,13 @@ class LeaseTable:
     def request_ids(self) -> set[str]:
         return {lease.request_id for lease in self._leases.values()}
 
+    def take(self, request_id: str) -> list[Lease]:
+        """End every lease of this request now, lapsed or not (its caller is gone)."""
+        gone = [lease for lease in self._leases.values() if lease.request_id == request_id]
+        for lease in gone:
+            del self._leases[lease.lease_id]
+        return gone
+
     def expire(self) -> list[Lease]:
         now = self._clock()
         gone = [lease for lease in self._leases.values() if lease.expires_at <= now]

@@ -58,6 +58,7 @@ class PrefillWorker(KVWorker):
         self._releasing: dict[str, asyncio.Task] = {}  # acknowledged leases whose blocks are being freed
         self.streams: dict[str, KVStream] = {}  # streamed handoffs, from their prefill's start to their lease's end
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # streams over (bounded)
+        self._abandoned: collections.OrderedDict[str, None] = collections.OrderedDict()  # callers gone (bounded)
 
     def held(self) -> int:
         return super().held() + len(self._prefilling) + len(self.leases) + len(self._releasing)
@@ -89,6 +90,8 @@ class PrefillWorker(KVWorker):
         span = spans.prefill(req, endpoint.transport, st is not None)
         try:
             result = await self._prefill(req, endpoint, tuple(outputs), reader_ranks, st)
+            if result.handoff is not None and req.request_id in self._abandoned:  # nobody will read it
+                await self.abandon(req.request_id)
             spans.prefilled(span, result.chunk, result.handoff)
             return result
         except BaseException as e:
@@ -325,6 +328,15 @@ class PrefillWorker(KVWorker):
     async def renew(self, lease_id: str) -> bool:
         return self.leases.renew(lease_id)
 
+    async def abandon(self, request_id: str) -> None:
+        """Its caller gave up on this request's prefill and may never learn its handoff (a
+        cancel that raced the result: Ray then reports the call cancelled, result and all).
+        Whatever it still leases ends now — nobody will acknowledge it — and a prefill of it
+        still running ends its lease as it returns, instead of pinning the blocks until it lapses."""
+        _remember(self._abandoned, request_id)
+        for lease in self.leases.take(request_id):
+            await self._end(lease)
+
     def _ensure_reaper(self) -> None:
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
@@ -349,9 +361,7 @@ class PrefillWorker(KVWorker):
     def _drop_stream(self, st: KVStream) -> None:
         st.close()
         self.streams.pop(st.request_id, None)
-        self._ended[st.request_id] = None
-        while len(self._ended) > 4096:  # bounded: readers ask within seconds of the end
-            self._ended.popitem(last=False)
+        _remember(self._ended, st.request_id)  # bounded: readers ask within seconds of the end
 
     async def _end(self, lease) -> None:
         """A lease is over: its token reads nothing more, then its blocks are free."""
@@ -393,3 +403,9 @@ class PrefillWorker(KVWorker):
             raise AssertionError(f"{grants} lease tokens can read KV, {len(self.leases)} leases are live")
         await self.loop.call(check_rank_grants)
         return {**await self.loop.call(check), "leases": len(self.leases), "grants": grants}
+
+
+def _remember(ids: collections.OrderedDict, request_id: str) -> None:
+    ids[request_id] = None
+    while len(ids) > 4096:  # bounded: the newest matter, within seconds
+        ids.popitem(last=False)
