@@ -6,8 +6,9 @@ and KV head, the scale's exponent stored as the row's last byte.
   * greedy tokens equal Hugging Face's when HF's cache rounds its K/V the same way (a cache
     subclass written here), plain, with prefix hits, chunked and preempted;
   * a prefill-to-decode handoff of FP8 blocks over shm, tcp and nixl on the demo model gives the
-    in-process FP8 engine's tokens and moves at most 0.52x the bytes of a 16-bit cache's,
-    scales included; a corrupted scale is caught by the checksum (the decode side recomputes);
+    in-process FP8 engine's tokens and logprobs, bit for bit, and moves at most 0.52x the bytes of
+    a 16-bit cache's, scales included; a corrupted scale is caught by the checksum (the decode
+    side recomputes, as an engine given the first token does);
   * a worker's cache holds at least 1.9x the tokens per GiB."""
 
 import asyncio
@@ -141,14 +142,35 @@ def test_tensor_parallel_ranks_hold_their_heads_rows_and_scales(hf_fp8_of, tiny_
 
 PROMPTS = [tuple(range(5, 5 + n)) for n in (9, 40, 150)]
 SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+SP_LOGPROBS = dataclasses.replace(SP, logprobs=0)
+
+
+def _tokens_and_logprobs(engine, req: Request, outputs=()) -> tuple[list[int], list[float]]:
+    engine.add_request(req, outputs=outputs)
+    chunks = []
+    while engine.has_unfinished():
+        chunks += engine.step()
+    return [t for c in chunks for t in c.token_ids], [lp.logprob for c in chunks for lp in c.logprobs or ()]
 
 
 @pytest.fixture(scope="module")
 def demo_fp8(demo_model_dir):
+    """What the in-process FP8 engine computes in the shapes the workers compute in: the prompts
+    one at a time, in order, on one engine (the prefill worker's: the third prompt hits the
+    second's cached blocks there too); and, for a recompute, an engine given the prompt and the
+    prefill's first token. Batched together the three would be the same math in other shapes, and
+    FP8 does not keep that to fp32's last bits: a K/V value that lands the other side of an e4m3
+    rounding step moves by 1/16 of itself, and the logprobs by up to 0.02 (here, AVX2 kernels):
+    enough to flip a near-tie, as it did on an AVX2-only run."""
+    from splitserve.engine.engine import Engine
+
     cfg = EngineConfig(model=str(demo_model_dir), num_kv_blocks=64, kv_cache_dtype="fp8", dtype="float32")
-    llm = LLM(**dataclasses.asdict(cfg))
-    expected = [list(o.outputs[0].token_ids) for o in llm.generate([list(p) for p in PROMPTS], SP)]
-    return cfg, expected
+    engine = Engine(cfg)
+    expected = [_tokens_and_logprobs(engine, Request(f"ref-{i}", p, SP_LOGPROBS)) for i, p in enumerate(PROMPTS)]
+    engine = Engine(cfg)  # a cache of its own, as the decode worker's: no prefix to hit
+    recomputed = _tokens_and_logprobs(engine, Request("recompute", PROMPTS[1], SP_LOGPROBS),
+                                      outputs=(expected[1][0][0],))
+    return cfg, expected, recomputed
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp", "nixl"])
@@ -158,22 +180,24 @@ def test_a_handoff_of_fp8_blocks_gives_the_in_process_tokens(demo_fp8, transport
 
     if transport == "nixl":
         pytest.importorskip("nixl")
-    cfg, expected = demo_fp8
+    cfg, expected, recomputed = demo_fp8
     cfg = dataclasses.replace(cfg, kv_shared_memory=transport == "shm")
     pre, dec = PrefillWorker(cfg, [transport]), DecodeWorker(cfg, [transport])
     try:
         assert pre.layout.dtype == "fp8_e4m3" and pre.layout.head_dim == 64 + 1
         got, moved = asyncio.run(_hand_over_all(pre, dec, transport))
-        assert got == expected
+        # the decode side's logprobs too: a wrong scale that flips no token still shows there
+        assert got == [(tokens, logprobs[1:]) for tokens, logprobs in expected]
         plain_row = 64 * 2  # a 16-bit cache's row of one head
         plain_bytes = [pre.layout.num_layers * 2 * pre.layout.num_kv_heads * plain_row * 16 * -(-len(p) // 16)
                        for p in PROMPTS]
         assert all(m <= 0.52 * b for m, b in zip(moved, plain_bytes)), (moved, plain_bytes)
         if transport == "tcp":
             dec.transports["tcp"] = CorruptScaleLanding(dec.transports["tcp"], dec)
-            recomputed = _recomputes(dec)
+            before = _recomputes(dec)
             got, _ = asyncio.run(_hand_over_all(pre, dec, transport, only=1))
-            assert got == expected[1:2] and _recomputes(dec) == recomputed + 1
+            assert _recomputes(dec) == before + 1
+            assert got == [([expected[1][0][0]] + recomputed[0], recomputed[1])]
     finally:
         pre.close()
         dec.close()
@@ -186,14 +210,17 @@ def _recomputes(dec) -> int:
 
 
 async def _hand_over_all(pre, dec, transport, only=None):
+    """Each prompt's (first token + the decode side's tokens, the decode side's logprobs), and the
+    bytes the decode worker reports having moved."""
     got, moved = [], []
     for i, p in enumerate(PROMPTS):
         if only is not None and i != only:
             continue
-        req = Request(f"{transport}-{i}-{only}", p, SP)
+        req = Request(f"{transport}-{i}-{only}", p, SP_LOGPROBS)
         result = await pre.prefill(req, transport)
         chunks = [c async for c in dec.generate(req, result.handoff, Local(pre))]
-        got.append([result.handoff.first_token] + [t for c in chunks for t in c.token_ids])
+        got.append(([result.handoff.first_token] + [t for c in chunks for t in c.token_ids],
+                    [lp.logprob for c in chunks for lp in c.logprobs or ()]))
         # what the decode worker reports having moved (PhaseTimes, counted on /metrics)
         moved.append(next(c.phases.transfer_bytes for c in chunks if c.phases and c.phases.transfer_bytes))
     await asyncio.sleep(0.05)
