@@ -24,6 +24,14 @@ async def settle(s=0.1):
     await asyncio.sleep(s)
 
 
+async def until(cond, timeout_s: float = 30.0) -> None:
+    """Until `cond()` holds: the background tasks' pace is the machine's, not a fixed sleep's."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "the directory's background tasks never got there"
+        await asyncio.sleep(0.01)
+
+
 def test_the_index_follows_the_cache_through_lost_replies_failures_and_slow_workers():
     async def go():
         src = FakeSource()
@@ -139,9 +147,11 @@ def test_a_replica_introduces_itself_once_to_each_decode_worker_it_learns_of():
         d = directory(src)
         d.caller = caller
         await d.start()
-        await settle()
+        await until(lambda: first in d._pollers and prefill in d._pollers)
+        await until(lambda: caller is None or src.workers[first].met)
         later = src.add(Role.DECODE)  # a worker that joins later is introduced to as it appears
-        await settle()
+        await until(lambda: later in d._pollers and (caller is None or src.workers[later].met))
+        await settle()  # (a second introduction would come now)
         d.stop()
         return [src.workers[w].met for w in (first, prefill, later)]
 
