@@ -3,7 +3,8 @@ paths"): `RequestRun` holds the route in use (and so its pending counts), the to
 so far and the workers that failed this request, and replaces the route when a worker is lost.
 
   * Prefill: a prefill worker that fails, or does not answer within `prefill_timeout_s`, is
-    excluded and the request placed again (at most `PREFILL_ATTEMPTS` times); a request the
+    excluded and the request placed again (at most `PREFILL_ATTEMPTS` times, each retry under its
+    own engine id, `<id>.r<n>`); a request the
     engine refuses (ConfigError) fails at once, as every worker would refuse it.
   * Decode: a decode worker that dies, fails, ends the stream unasked, or sends nothing for
     `inactivity_timeout_s` (before its first token, which may wait for a whole prompt computed
@@ -128,6 +129,9 @@ class RequestRun:
             if self._prefill_failures >= PREFILL_ATTEMPTS:
                 raise ServiceUnavailable(f"{self._prefill_failures} prefill workers failed this request")
             self._replace(await self._place("its prefill worker failed"))
+            # under an engine id of its own, as a migration: what the failed attempt left on its
+            # decode worker (a staging still landing, a stream) never meets the retry there
+            self.req = dataclasses.replace(self.req, request_id=f"{self.trace.request_id}.r{self._prefill_failures}")
         return None
 
     async def _prefill(self, worker):

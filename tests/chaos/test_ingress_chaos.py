@@ -170,6 +170,9 @@ def test_sigkill_one_of_two_serve_ingress_replicas(app):
     load = HttpStreams(url, ps[:N], [MAX_TOKENS if i % 2 == 0 else LONG for i in range(N)],
                        leave_after={i: MAX_TOKENS // 2 for i in range(1, N, 2)})
     load.wait_progress(3)
+    # every stream on the decode worker, counted by the replica it serves (a stream's first
+    # events may come before its decode stream has registered its caller there)
+    wait_for(lambda: sum(streams_by_caller(decode).values()) == N, timeout=30)
     by_caller = streams_by_caller(decode)
     victim = max(before, key=lambda a: by_caller.get(a, 0))
     held, steps_at_kill = by_caller.get(victim, 0), steps(decode)
