@@ -16,6 +16,7 @@ import torch
 
 from splitserve import LLM
 from splitserve.ingress.frontend import Frontend
+from splitserve.orchestrator import Cluster
 from splitserve.ingress.lease import RequestLease
 from splitserve.ingress.protocol import RequestOptions
 from splitserve.types import Priority, Request, SamplingParams, ServiceUnavailable
@@ -239,3 +240,16 @@ def assert_nothing_held(c, load: Load, timeout: float = 10.0) -> None:
     for front in load.fronts:
         outstanding = front.admission.outstanding
         assert all(outstanding[w] == (0, 0) for w in list(outstanding._by_worker)), outstanding._by_worker
+
+
+def streamed_cluster(model, name, **kw):
+    """Every prompt takes the streamed path (issue 32: staged on its decode worker, the KV
+    handed over as pieces and a tail). The step budget stays the default: these prompts are
+    compared token for token with an unchunked run, and a prompt computed in small chunks
+    differs in the last bits — enough to flip a near-tie (pieces landing mid-prefill under
+    faults: tests/unit/test_decode_lifecycle.py). The decode inactivity timeout is the product's
+    (30 s) unless a scenario's fault is silence: a bound of 1.5 s took busy, healthy decode workers
+    on a loaded machine for silent, and moved their streams until the migration limit ended them."""
+    opts = {"prefill": 1, "decode": 2, "transport": "auto", "disagg_min_tokens": 0, "num_kv_blocks": 512,
+            "kv_streaming_min_tokens": 0, **kw}
+    return Cluster.start(model=model, name=name, **opts)

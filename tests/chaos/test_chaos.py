@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from splitserve.orchestrator import Cluster
 from splitserve.types import MoveKind, MoveReason, Role
 from tests.chaos.harness import (Load, Recompute, assert_nothing_held, assert_outcomes, busiest, in_engine,
                                  migration_report, params, pid_of, prompts, reference, running, signal_worker)
+from tests.chaos.harness import streamed_cluster as cluster
 
 N, MAX_TOKENS = 32, 64
 pytestmark = pytest.mark.timeout(300)
@@ -38,19 +38,6 @@ def work(model):
         sps = params(N, seeded, MAX_TOKENS)
         out[seeded] = (ps, sps, reference(model, ps, sps))
     return out
-
-
-def cluster(model, name, **kw):
-    """Every prompt takes the streamed path (issue 32: staged on its decode worker, the KV
-    handed over as pieces and a tail). The step budget stays the default: these prompts are
-    compared token for token with an unchunked run, and a prompt computed in small chunks
-    differs in the last bits — enough to flip a near-tie (pieces landing mid-prefill under
-    faults: tests/unit/test_decode_lifecycle.py). The decode inactivity timeout is the product's
-    (30 s) unless a scenario's fault is silence: a bound of 1.5 s took busy, healthy decode workers
-    on a loaded machine for silent, and moved their streams until the migration limit ended them."""
-    opts = {"prefill": 1, "decode": 2, "transport": "auto", "disagg_min_tokens": 0, "num_kv_blocks": 512,
-            "kv_streaming_min_tokens": 0, **kw}
-    return Cluster.start(model=model, name=name, **opts)
 
 
 def pieces_landed(c) -> int:

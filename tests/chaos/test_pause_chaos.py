@@ -18,10 +18,10 @@ import time
 
 import pytest
 
-from splitserve.orchestrator import Cluster
 from splitserve.types import Role
 from tests.chaos.harness import (Load, assert_nothing_held, assert_outcomes, busiest_record, migration_report, params,
                                  pid_of, prompts, reference)
+from tests.chaos.harness import streamed_cluster as cluster
 
 N, MORE, MAX_TOKENS, PAUSE_S = 16, 4, 64, 3.0
 pytestmark = pytest.mark.timeout(300)
@@ -37,13 +37,6 @@ def work(model):
     ps = prompts(N + MORE, seed=23)
     sps = params(N + MORE, False, MAX_TOKENS)
     return ps, sps, reference(model, ps, sps)
-
-
-def cluster(model, name, **kw):
-    """Every prompt through the prefill worker, its KV streamed (as tests/chaos/test_chaos.py)."""
-    opts = {"prefill": 1, "decode": 2, "transport": "auto", "disagg_min_tokens": 0, "num_kv_blocks": 512,
-            "kv_streaming_min_tokens": 0, **kw}
-    return Cluster.start(model=model, name=name, **opts)
 
 
 def report(name, c, outcomes, started):
