@@ -268,9 +268,18 @@ class Watch:
 async def run_job(job: Job, clients: Clients, watch: Watch, rng: random.Random) -> None:
     task, cancel = clients.start(job)
     if job.phase is not None and await watch.held(job, task):
-        await asyncio.sleep(rng.uniform(0, 0.02))  # a random moment of the hold
-        job.cancelled = True
-        cancel()
+        await cancel_in_hold(job, cancel, rng)
+    await ended(job, task)
+
+
+async def cancel_in_hold(job: Job, cancel, rng: random.Random) -> None:
+    await asyncio.sleep(rng.uniform(0, 0.02))  # a random moment of the hold
+    job.cancelled = True
+    cancel()
+
+
+async def ended(job: Job, task: asyncio.Task) -> None:
+    """Its client's end: cancelled only where the test cancelled it."""
     try:
         await task
     except asyncio.CancelledError:
@@ -328,14 +337,8 @@ async def kill_under_streams(c: Cluster, clients: Clients, watch: Watch, jobs: l
                 _, worker = watch.reached[job.prompt]
                 assert await worker.release.remote(job.prompt)
             else:
-                await asyncio.sleep(rng.uniform(0, 0.02))
-                job.cancelled = True
-                cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            if not job.cancelled:
-                raise
+                await cancel_in_hold(job, cancel, rng)
+        await ended(job, task)
     try:
         await asyncio.gather(*[follow(*s) for s in started])
     finally:
